@@ -1,0 +1,27 @@
+"""ignite-mgpu: multi-GPU training with PyTorch-Ignite. Public names are imported lazily (fast CLI start)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "launch": "ignite_mgpu.launch",
+    "create_trainer": "ignite_mgpu.engine",
+    "create_evaluator": "ignite_mgpu.engine",
+    "load_checkpoint": "ignite_mgpu.checkpoint",
+    "Config": "ignite_mgpu.config",
+    "ConfigError": "ignite_mgpu.config",
+    "load_config": "ignite_mgpu.config",
+    "training": "ignite_mgpu.train",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        import importlib
+
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'ignite_mgpu' has no attribute {name!r}")

@@ -1,0 +1,198 @@
+"""Configuration: one dataclass per YAML section, loaded and validated by OmegaConf structured configs.
+
+Precedence is fixed: dataclass defaults < ``--config FILE.yaml`` < dotted overrides (``optim.lr=0.05``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A user mistake found before any process starts; the CLI prints it as one paragraph and exits with 2."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "simple_cnn"  # built-in name, any torchvision.models name (resnet18), or "package.module:factory"
+    num_classes: int = 10  # size of the classifier output
+    sync_batchnorm: bool = False  # convert BatchNorm to SyncBatchNorm (DDP only)
+    compile: bool = False  # wrap the model with torch.compile
+
+
+@dataclass
+class DataConfig:
+    name: Literal["synthetic", "fake", "mnist", "fashion_mnist", "cifar10", "imagefolder"] = "synthetic"
+    root: str | None = None  # dataset folder; required for all but synthetic/fake (imagefolder: root/train, root/val)
+    download: bool = False  # let torchvision download mnist/fashion_mnist/cifar10 into root
+    batch_size: int = 128  # GLOBAL batch: split evenly across all processes
+    num_workers: int = 0  # data-loader worker processes per training process
+    shuffle: bool = True  # shuffle the training set every epoch (seeded)
+    image_size: int = 32  # side of the images for synthetic, fake and imagefolder
+    train_size: int = 4096  # samples in the synthetic/fake training split
+    val_size: int = 1000  # samples in the synthetic/fake validation split
+    skip_bad_samples: bool = False  # imagefolder: skip unreadable images (counted) instead of failing
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["sgd", "adamw"] = "sgd"
+    lr: float = 0.05  # peak learning rate for the global batch
+    momentum: float = 0.9  # sgd only
+    weight_decay: float = 5e-4
+    scheduler: Literal["cosine", "constant"] = "cosine"  # shape after warm-up, stepped every iteration
+    warmup_epochs: float = 0.2  # linear warm-up length in epochs (0 = none)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 2
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16 autocast; fp16 uses a GradScaler (CUDA only)
+    grad_accum_steps: int = 1  # micro-batches per optimizer step; DDP all-reduces only on the last one
+    clip_grad_norm: float | None = None  # max global gradient norm (None = no clipping)
+    deterministic: bool = False  # DeterministicEngine + torch.use_deterministic_algorithms: bitwise resume
+    epoch_length: int | None = None  # iterations per epoch (None = one full pass over the data)
+    check_every: int = 20  # iterations between the collective non-finite-loss / stop-signal checks
+    progress_bar: bool = True  # tqdm progress bar on rank 0
+    tensorboard: bool = False  # write TensorBoard scalars into output_dir/tb
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 1  # save the full training state every N epochs (0 = never)
+    every_iters: int = 0  # also save every N iterations (0 = off)
+    n_saved: int = 2  # how many full checkpoints to keep
+    metric: Literal["accuracy", "loss"] = "accuracy"  # validation metric that picks best_model_*.pt
+    save_on_stop: bool = True  # on SIGTERM/SIGINT write one checkpoint before exiting
+
+
+@dataclass
+class DistConfig:
+    nproc: int | None = None  # processes on this node (None = number of selected GPUs, or 1 on CPU)
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto = nccl when CUDA is available, else gloo
+    gpus: str | None = None  # "all", "none", "auto", "auto:N", or physical ids "2,3" (None = current environment)
+    strategy: Literal["ddp", "dp"] = "ddp"  # ddp: one process per GPU; dp: one process, nn.DataParallel
+    nnodes: int = 1  # machines in the job
+    node_rank: int = 0  # this machine's index, 0..nnodes-1
+    master_addr: str = "127.0.0.1"  # address of node 0 (multi-node, or with an explicit master_port)
+    master_port: int | None = None  # TCP port on node 0 (None on one node = a private file rendezvous, no port)
+    timeout: float = 300.0  # seconds any collective may wait after the first iteration
+    stop_grace: float = 60.0  # seconds workers get to checkpoint and exit after SIGTERM/Ctrl-C
+
+
+@dataclass
+class Config:
+    seed: int = 0  # seeds the data order, the model initialisation and the synthetic data
+    output_dir: str = "runs/default"  # config.yaml, metrics.jsonl and checkpoints go here
+    resume: str | None = None  # checkpoint path, or "auto" for the newest loadable one in output_dir
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+
+def _paragraph(err: OmegaConfBaseException, where: str) -> str:
+    lines = str(err).splitlines()
+    key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.strip().startswith("full_key:")), None)
+    head = f"config key '{key}'" if key else "config"
+    msg = lines[0] if lines[0].endswith((".", "?")) else lines[0] + "."
+    return f"{head} ({where}): {msg} See `ignite-mgpu train --help` and configs/default.yaml for valid keys."
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build the run's `Config`: dataclass defaults, then the YAML file at ``path``, then dotted ``overrides``.
+
+    Raises:
+        ConfigError: unknown key (with the closest valid key), wrong type, bad value, unreadable YAML.
+    """
+    schema = OmegaConf.structured(Config)
+    layers: list[tuple[Any, str]] = []
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"--config {path}: no such file. Pass the path of a YAML file such as configs/debug.yaml.")
+        try:
+            layers.append((OmegaConf.load(file), f"from {path}"))  # yaml.SafeLoader underneath: no code runs
+        except Exception as err:  # yaml.YAMLError and friends: report the file, not a traceback
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ConfigError(f"--config {path}: not valid YAML ({first}). Fix the file's syntax.") from None
+    bad = [o for o in overrides if "=" not in o or o.startswith("=")]
+    if bad:
+        raise ConfigError(f"override '{bad[0]}' is not of the form key=value, e.g. optim.lr=0.05 or train.epochs=3.")
+    if overrides:
+        try:
+            layers.append((OmegaConf.from_dotlist(list(overrides)), "from the command line"))
+        except OmegaConfBaseException as err:
+            raise ConfigError(_paragraph(err, "from the command line")) from None
+    merged = schema
+    for layer, where in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as err:
+            raise ConfigError(_paragraph(err, where)) from None
+    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]  # to_object returns the dataclass
+    validate(cfg)
+    return cfg
+
+
+def _check(ok: bool, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}' = {value!r} is invalid: {rule}.")
+
+
+def validate(cfg: Config) -> None:
+    """Check value ranges and paths that the types alone cannot express. Runs in the parent, before spawning."""
+    d, t, o, c, dist = cfg.data, cfg.train, cfg.optim, cfg.checkpoint, cfg.dist
+    _check(d.batch_size >= 1, "data.batch_size", d.batch_size, "the global batch must be at least 1")
+    _check(d.num_workers >= 0, "data.num_workers", d.num_workers, "use 0 (load in the training process) or more")
+    _check(d.image_size >= 8, "data.image_size", d.image_size, "use at least 8 pixels")
+    _check(d.train_size >= 1 and d.val_size >= 1, "data.train_size/val_size", (d.train_size, d.val_size), "use >= 1")
+    _check(cfg.model.num_classes >= 2, "model.num_classes", cfg.model.num_classes, "a classifier needs >= 2 classes")
+    _check(math.isfinite(o.lr) and o.lr > 0, "optim.lr", o.lr, "the learning rate must be a finite number > 0")
+    _check(math.isfinite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "use >= 0")
+    _check(0 <= o.momentum < 1, "optim.momentum", o.momentum, "use a value in [0, 1)")
+    _check(o.warmup_epochs >= 0, "optim.warmup_epochs", o.warmup_epochs, "use >= 0")
+    _check(t.epochs >= 1, "train.epochs", t.epochs, "train for at least 1 epoch")
+    _check(t.grad_accum_steps >= 1, "train.grad_accum_steps", t.grad_accum_steps, "use 1 (no accumulation) or more")
+    clip = t.clip_grad_norm
+    _check(clip is None or (math.isfinite(clip) and clip > 0), "train.clip_grad_norm", clip, "use null or a value > 0")
+    _check(t.epoch_length is None or t.epoch_length >= 1, "train.epoch_length", t.epoch_length, "use null or >= 1")
+    _check(t.check_every >= 1, "train.check_every", t.check_every, "use >= 1")
+    _check(c.every >= 0 and c.every_iters >= 0, "checkpoint.every/every_iters", (c.every, c.every_iters), "use >= 0")
+    _check(c.n_saved >= 1, "checkpoint.n_saved", c.n_saved, "keep at least 1 checkpoint")
+    _check(dist.nproc is None or dist.nproc >= 1, "dist.nproc", dist.nproc, "run at least 1 process (--nproc 1)")
+    _check(dist.nnodes >= 1, "dist.nnodes", dist.nnodes, "use at least 1 node")
+    _check(0 <= dist.node_rank < dist.nnodes, "dist.node_rank", dist.node_rank, f"use 0..{dist.nnodes - 1}")
+    port = dist.master_port
+    _check(port is None or 1 <= port <= 65535, "dist.master_port", port, "use a TCP port in 1..65535")
+    _check(dist.timeout > 0 and dist.stop_grace > 0, "dist.timeout/stop_grace", (dist.timeout, dist.stop_grace), "> 0")
+    if dist.nnodes > 1 and port is None:
+        raise ConfigError("--nnodes > 1 needs --master-port (and --master-addr, node 0's address) on every node.")
+    if d.name in ("mnist", "fashion_mnist", "cifar10", "imagefolder"):
+        if d.root is None:
+            raise ConfigError(f"data.name={d.name} needs data.root: pass data.root=/path/to/{d.name}.")
+        root = Path(d.root).expanduser().resolve()
+        if not d.download and not root.is_dir():
+            hint = " (or data.download=true)" if d.name != "imagefolder" else ""
+            raise ConfigError(f"data.root={root} does not exist or is not a folder; pass an existing folder{hint}.")
+        if d.name == "imagefolder":
+            for split in ("train", "val"):
+                if not (root / split).is_dir():
+                    raise ConfigError(
+                        f"data.name=imagefolder expects the ImageNet layout root/train/<class>/* and "
+                        f"root/val/<class>/*, but {root / split} is missing."
+                    )
+
+
+def dump_config(cfg: Config) -> str:
+    """The fully resolved config as YAML (written to output_dir/config.yaml by rank 0)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

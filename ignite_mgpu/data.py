@@ -1,0 +1,169 @@
+"""Datasets by name and the distributed data loaders built over ``idist.auto_dataloader``."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data.dataloader import default_collate
+from torch.utils.data.distributed import DistributedSampler
+
+import ignite.distributed as idist
+from ignite_mgpu.config import ConfigError, DataConfig
+
+logger = logging.getLogger(__name__)
+
+
+AMPLITUDE = 0.2
+
+
+class SyntheticImages(Dataset):
+    """Deterministic, learnable images generated in memory: a smooth per-class pattern plus Gaussian noise."""
+
+    def __init__(self, size: int, num_classes: int, image_size: int, seed: int, train: bool) -> None:
+        protos = torch.randn(num_classes, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
+        protos = F.interpolate(protos, size=image_size, mode="bilinear", align_corners=False)
+        g = torch.Generator().manual_seed(seed * 2 + (1 if train else 2))
+        self.targets = torch.randint(num_classes, (size,), generator=g)
+        self.images = AMPLITUDE * protos[self.targets] + torch.randn(size, 3, image_size, image_size, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.images[index], int(self.targets[index])
+
+
+class UnpaddedDistributedSampler(DistributedSampler):
+    """Validation sampler: every sample exactly once over all ranks (rank r takes r, r+W, ...), no padding.
+
+    ``DistributedSampler`` pads with duplicates so every rank gets the same count; for evaluation that would
+    count the padded samples twice in the all-reduced metrics. Ranks may get one sample less; evaluation
+    runs no collective per iteration, so the uneven count cannot hang.
+    """
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]  # sized
+
+    def __len__(self) -> int:
+        return len(range(self.rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]  # sized
+
+
+class _CheckedImageFolder(Dataset):
+    """ImageFolder whose errors name the file; with ``skip`` a bad file is logged and dropped from its batch."""
+
+    def __init__(self, root: Path, transform: Any, skip: bool) -> None:
+        from torchvision.datasets import ImageFolder
+
+        self.inner = ImageFolder(str(root), transform=transform)
+        self.skip = skip
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> Any:
+        path = self.inner.samples[index][0]
+        try:
+            return self.inner[index]
+        except Exception as err:  # PIL raises several unrelated types for a corrupt file
+            if not self.skip:
+                raise RuntimeError(
+                    f"cannot read image {path}: {err}. Remove or replace the file, or set "
+                    "data.skip_bad_samples=true to skip unreadable images."
+                ) from err
+            logger.warning("skipping unreadable image %s (%s)", path, err)
+            return None
+
+
+def _collate_skipping_none(batch: list[Any]) -> Any:
+    return default_collate([b for b in batch if b is not None])
+
+
+def build_datasets(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Dataset, Dataset]:
+    """The (train, val) datasets. Downloads only with ``data.download=true``."""
+    size = cfg.image_size
+    if cfg.name == "synthetic":
+        return (
+            SyntheticImages(cfg.train_size, num_classes, size, seed, train=True),
+            SyntheticImages(cfg.val_size, num_classes, size, seed, train=False),
+        )
+    import torchvision.transforms as T
+    from torchvision import datasets
+
+    if cfg.name == "fake":
+        tf = T.ToTensor()
+        shape = (3, size, size)
+        return (
+            datasets.FakeData(cfg.train_size, shape, num_classes, transform=tf, random_offset=seed),
+            datasets.FakeData(cfg.val_size, shape, num_classes, transform=tf, random_offset=seed + 10**6),
+        )
+    root = Path(cfg.root or ".").expanduser().resolve()
+    if cfg.name == "imagefolder":
+        norm = T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+        train_tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), norm])
+        val_tf = T.Compose([T.Resize(int(size * 1.14)), T.CenterCrop(size), T.ToTensor(), norm])
+        return (
+            _CheckedImageFolder(root / "train", train_tf, cfg.skip_bad_samples),
+            _CheckedImageFolder(root / "val", val_tf, cfg.skip_bad_samples),
+        )
+    gray = cfg.name in ("mnist", "fashion_mnist")
+    tf = T.Compose(([T.Grayscale(3)] if gray else []) + [T.Resize(size), T.ToTensor()])
+    cls = {"mnist": datasets.MNIST, "fashion_mnist": datasets.FashionMNIST, "cifar10": datasets.CIFAR10}[cfg.name]
+    try:
+        return (
+            cls(str(root), train=True, transform=tf, download=cfg.download),
+            cls(str(root), train=False, transform=tf, download=cfg.download),
+        )
+    except RuntimeError as err:  # torchvision: "Dataset not found. You can use download=True to download it"
+        raise ConfigError(f"data.name={cfg.name}: {err} (looked in data.root={root}).") from None
+
+
+def check_sizes(train: Dataset, val: Dataset, batch_size: int, world_size: int) -> None:
+    """Raise ConfigError for an empty split, a global batch that does not split evenly, or one too large."""
+    if batch_size % world_size:
+        raise ConfigError(
+            f"data.batch_size={batch_size} is the global batch and must split evenly over {world_size} processes "
+            f"(each would get {batch_size / world_size:.2f}); use a multiple of {world_size}, "
+            f"e.g. data.batch_size={max(1, batch_size // world_size) * world_size}."
+        )
+    for split, ds in (("training", train), ("validation", val)):
+        if len(ds) == 0:  # type: ignore[arg-type]  # map-style datasets are sized
+            raise ConfigError(f"the {split} dataset is empty; check data.root and data.name.")
+    per_process = math.ceil(len(train) / world_size)  # type: ignore[arg-type]  # sized
+    if batch_size // world_size > per_process:
+        raise ConfigError(
+            f"data.batch_size={batch_size} gives {batch_size // world_size} samples per process, but each of the "
+            f"{world_size} processes only has {per_process} training samples; lower data.batch_size."
+        )
+
+
+def create_dataloaders(cfg: DataConfig, num_classes: int, seed: int) -> tuple[DataLoader, DataLoader]:
+    """Train and validation loaders for this rank; ``cfg.batch_size`` is the global batch.
+
+    ``idist.auto_dataloader`` divides the batch by the world size; both samplers are ours (a seeded
+    ``DistributedSampler`` for training, an unpadded one for validation) so 1 and N processes see the same data.
+    The trainer calls ``sampler.set_epoch`` every epoch (see engine.create_trainer).
+    """
+    world_size, rank = idist.get_world_size(), idist.get_rank()
+    with idist.one_rank_first(local=True):  # torchvision datasets write caches on first use
+        train_ds, val_ds = build_datasets(cfg, num_classes, seed)
+    check_sizes(train_ds, val_ds, cfg.batch_size, world_size)
+    common: dict[str, Any] = {
+        "batch_size": cfg.batch_size,
+        "num_workers": cfg.num_workers,
+        "pin_memory": "cuda" in idist.device().type,
+        "persistent_workers": cfg.num_workers > 0,
+    }
+    if cfg.skip_bad_samples:
+        common["collate_fn"] = _collate_skipping_none
+    train_sampler = DistributedSampler(train_ds, world_size, rank, shuffle=cfg.shuffle, seed=seed)
+    val_sampler = UnpaddedDistributedSampler(val_ds, world_size, rank, shuffle=False)
+    train_loader = idist.auto_dataloader(train_ds, sampler=train_sampler, **common)
+    val_loader = idist.auto_dataloader(val_ds, sampler=val_sampler, **common)
+    return train_loader, val_loader  # type: ignore[return-value]  # no XLA here: plain DataLoaders

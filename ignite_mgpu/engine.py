@@ -1,0 +1,183 @@
+"""Engine factories: ``create_trainer`` and ``create_evaluator`` return plain ignite Engines for your own code."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import ignite.distributed as idist
+from ignite.engine import DeterministicEngine, Engine, Events
+from ignite.metrics import Metric
+from ignite_mgpu.handlers import TrainingGuard, reduce_replica_losses
+
+Batch = Any
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DataParallel / DistributedDataParallel / torch.compile wrappers."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def _autocast(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    if precision == "fp32":
+        return contextlib.nullcontext
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _to_device(batch: Batch, device: torch.device, non_blocking: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch[0], batch[1]
+    return x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
+
+
+def create_trainer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    *,
+    device: torch.device | str | None = None,
+    precision: str = "fp32",
+    grad_accum_steps: int = 1,
+    clip_grad_norm: float | None = None,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    deterministic: bool = False,
+    check_every: int = 20,
+    non_blocking: bool = True,
+) -> Engine:
+    """A trainer Engine for a model already placed by ``idist.auto_model`` (DDP, DataParallel or plain).
+
+    Each iteration: forward under autocast, ``loss / grad_accum_steps`` backward (inside DDP's ``no_sync`` on
+    accumulation steps), then on the last micro-batch unscale, clip, optimizer and scheduler step. With
+    ``loss_fn=None`` the model's ``forward(x, y)`` returns the loss itself (DataParallel's per-GPU loss vector
+    is reduced exactly). ``engine.state.output`` is the detached loss; a ``TrainingGuard`` stops every rank
+    together on a non-finite loss or a stop signal, and the sampler's ``set_epoch`` is called every epoch.
+
+    Args:
+        precision: "fp32", "bf16" (autocast on CUDA and CPU) or "fp16" (CUDA only, with a GradScaler).
+        deterministic: use ignite's DeterministicEngine (seeded per iteration; exact mid-epoch resume).
+        check_every: iterations between the guard's collective checks.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: use one of {PRECISIONS}.")
+    if grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps={grad_accum_steps}: use 1 (no accumulation) or more.")
+    device = torch.device(device) if device is not None else idist.device()
+    if precision == "fp16" and device.type != "cuda":
+        raise ValueError("precision='fp16' needs CUDA (a GradScaler); on the CPU use precision='bf16'.")
+    autocast = _autocast(precision, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    # DDP all-reduces gradients in every backward; on accumulation steps that traffic is wasted, so skip it.
+    no_sync = model.no_sync if isinstance(model, DistributedDataParallel) else contextlib.nullcontext
+    parameters = [p for p in model.parameters() if p.requires_grad]
+
+    def train_step(engine: Engine, batch: Batch) -> torch.Tensor:
+        model.train()
+        x, y = _to_device(batch, device, non_blocking)
+        step_now = engine.state.iteration % grad_accum_steps == 0
+        with contextlib.nullcontext() if step_now else no_sync():
+            with autocast():
+                if loss_fn is None:
+                    loss = reduce_replica_losses(model(x, y), model, len(x))
+                else:
+                    loss = loss_fn(model(x), y)
+            scaler.scale(loss / grad_accum_steps if grad_accum_steps > 1 else loss).backward()
+        if step_now:
+            if clip_grad_norm is not None:
+                scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
+                torch.nn.utils.clip_grad_norm_(parameters, clip_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            if lr_scheduler is not None:
+                lr_scheduler.step()
+        return loss.detach()
+
+    trainer = DeterministicEngine(train_step) if deterministic else Engine(train_step)
+    trainer.logger.setLevel("CRITICAL")  # failures are reported once by the launcher, not by every rank's engine
+    trainer.scaler = scaler  # type: ignore[attr-defined]  # checkpoints save and restore it with the trainer
+    trainer.add_event_handler(Events.EPOCH_STARTED, _set_sampler_epoch)
+    TrainingGuard(check_every).attach(trainer)
+    return trainer
+
+
+def _set_sampler_epoch(engine: Engine) -> None:
+    # A DistributedSampler shuffles with seed + epoch; without set_epoch every epoch repeats the same order.
+    loader = engine.state.dataloader
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None) or getattr(loader, "sampler", None)
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(engine.state.epoch - 1)
+
+
+def create_evaluator(
+    model: nn.Module,
+    metrics: Mapping[str, Metric],
+    *,
+    device: torch.device | str | None = None,
+    precision: str = "fp32",
+    non_blocking: bool = True,
+) -> Engine:
+    """An evaluator Engine whose metrics are reduced over all ranks (ignite metrics all-reduce in ``compute``).
+
+    It runs the unwrapped module: DDP's forward may broadcast buffers, a collective that would hang when ranks
+    hold different numbers of validation batches (the validation sampler does not pad).
+    """
+    device = torch.device(device) if device is not None else idist.device()
+    autocast = _autocast(precision if precision != "fp16" or device.type == "cuda" else "fp32", device)
+    net = model.module if isinstance(model, DistributedDataParallel) else model
+
+    @torch.no_grad()
+    def eval_step(engine: Engine, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        net.eval()
+        x, y = _to_device(batch, device, non_blocking)
+        with autocast():
+            y_pred = net(x)
+        return y_pred.float(), y
+
+    evaluator = Engine(eval_step)
+    evaluator.logger.setLevel("CRITICAL")
+    for name, metric in metrics.items():
+        metric.attach(evaluator, name)
+    return evaluator
+
+
+def create_optimizer(model: nn.Module, name: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
+    """SGD (Nesterov momentum) or AdamW over the trainable parameters, wrapped by ``idist.auto_optim``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(
+            params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=momentum > 0
+        )
+    elif name == "adamw":
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    else:
+        raise ValueError(f"optimizer name={name!r}: use 'sgd' or 'adamw'.")
+    return idist.auto_optim(opt)
+
+
+def _warmup_cosine(step: int, warmup: int, total: int, cosine: bool) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    if not cosine:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def create_lr_scheduler(
+    optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, cosine: bool = True
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up then cosine decay (or constant), stepped once per optimizer step by the trainer."""
+    fn = functools.partial(_warmup_cosine, warmup=warmup_steps, total=total_steps, cosine=cosine)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)

@@ -1,0 +1,243 @@
+"""What ignite lacks: the collective stop/non-finite guard, the DataParallel loss reduction, the epoch report."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import ignite.distributed as idist
+from ignite.engine import Engine, EventEnum, Events
+
+logger = logging.getLogger(__name__)
+
+# Set by the launcher in each worker process: the first stop signal received, and the collective timeout
+# that replaces the (long) start-up timeout after the first iteration.
+_stop_signal = 0
+_collective_timeout: float | None = None
+
+
+def request_stop(signum: int) -> None:
+    """Ask every trainer in this process to stop at the next guard check (called from a signal handler)."""
+    global _stop_signal
+    _stop_signal = _stop_signal or signum
+
+
+def set_collective_timeout(seconds: float | None) -> None:
+    """Collectives after the first iteration wait at most ``seconds`` (None leaves the process group's own)."""
+    global _collective_timeout
+    _collective_timeout = seconds
+
+
+class TrainingStopped(RuntimeError):
+    """Every rank stopped together on purpose; ``exit_code`` is what the process exits with."""
+
+    exit_code = 1
+
+
+class TrainingDiverged(TrainingStopped):
+    exit_code = 3
+
+
+class TrainingInterrupted(TrainingStopped):
+    def __init__(self, signum: int, iteration: int) -> None:
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} at iteration {iteration}; every rank stopped at the same iteration")
+        self.exit_code = 128 + signum
+
+
+class GuardEvents(EventEnum):
+    STOPPING = "stopping"  # fired on every rank before a stop on a signal: attach the last checkpoint here
+
+
+class TrainingGuard:
+    """Stops all ranks at the same iteration on a non-finite loss or a stop signal, without a per-step collective.
+
+    Every ``every`` iterations (and at each epoch end) one ``all_gather`` shares each rank's stop signal, first
+    non-finite iteration and loss sum. One rank stopping alone would leave the others waiting in their next
+    all-reduce, so the decision is collective. The same gather yields the loss averaged over ranks:
+    ``engine.state.running_loss`` (last window) and ``engine.state.metrics["train_loss"]`` (epoch).
+    Checkpoint handlers must run on iterations that are multiples of ``every`` so nothing is saved after a NaN.
+    """
+
+    def __init__(self, every: int = 20) -> None:
+        if every < 1:
+            raise ValueError(f"every={every}: check at least every iteration (every >= 1).")
+        self.every = every
+        self._losses: list[torch.Tensor] = []
+        self._epoch_sum = 0.0
+        self._epoch_count = 0.0
+        self._timeout_set = False
+
+    def attach(self, engine: Engine) -> None:
+        engine.register_events(*GuardEvents)
+        engine.state.running_loss = math.nan  # type: ignore[attr-defined]  # shown by the progress bar
+        engine.add_event_handler(Events.EPOCH_STARTED, self._reset_epoch)
+        engine.add_event_handler(Events.ITERATION_COMPLETED, self._on_iteration)
+        engine.add_event_handler(Events.EPOCH_COMPLETED, self._on_epoch_completed)
+
+    def _reset_epoch(self, engine: Engine) -> None:
+        self._epoch_sum, self._epoch_count = 0.0, 0.0
+
+    def _on_iteration(self, engine: Engine) -> None:
+        self._losses.append(engine.state.output)  # type: ignore[arg-type]  # the trainer returns the loss tensor
+        if not self._timeout_set:
+            self._shorten_timeout()
+        if engine.state.iteration % self.every == 0:
+            self.check(engine)
+
+    def _on_epoch_completed(self, engine: Engine) -> None:
+        self.check(engine)
+        if self._epoch_count:
+            engine.state.metrics["train_loss"] = self._epoch_sum / self._epoch_count
+
+    def _shorten_timeout(self) -> None:
+        # The first iteration may be slow (data set building, compilation); after it, a rank that stops
+        # answering should fail the job in minutes, not after the process group's 10-30 minute default.
+        self._timeout_set = True
+        if _collective_timeout is not None and idist.get_world_size() > 1:
+            torch.distributed.distributed_c10d.set_timeout(timedelta(seconds=_collective_timeout))
+
+    def check(self, engine: Engine) -> None:
+        """Run the collective check now (on every rank at the same iteration). Raises TrainingStopped."""
+        if not self._losses:
+            return  # every rank has the same iteration count, so all of them skip together
+        losses = torch.stack(self._losses).detach().float().cpu()
+        self._losses = []
+        bad = ~torch.isfinite(losses)
+        first_bad = engine.state.iteration - len(losses) + 1 + int(bad.int().argmax()) if bad.any() else 0
+        local = torch.tensor([_stop_signal, first_bad, float(losses.sum()) if not first_bad else 0.0, len(losses)])
+        rows = local.view(1, 4)
+        if idist.get_world_size() > 1:
+            rows = idist.all_gather(local.double()).view(-1, 4).cpu()
+        bad_rows = [(int(it), rank) for rank, it in enumerate(rows[:, 1].tolist()) if it > 0]
+        if bad_rows:
+            iteration, rank = min(bad_rows)
+            raise TrainingDiverged(
+                f"non-finite loss (NaN or Inf) at iteration {iteration} on rank {rank}; every rank stopped at "
+                f"iteration {engine.state.iteration} and nothing was saved after the non-finite loss, so the last "
+                "checkpoint is intact. Lower optim.lr, set train.clip_grad_norm, or check the input data."
+            )
+        signum = int(rows[:, 0].max())
+        if signum:
+            engine.fire_event(GuardEvents.STOPPING)
+            raise TrainingInterrupted(signum, engine.state.iteration)
+        total, count = float(rows[:, 2].sum()), float(rows[:, 3].sum())
+        engine.state.running_loss = total / count  # type: ignore[attr-defined]
+        self._epoch_sum += total
+        self._epoch_count += count
+
+
+def reduce_replica_losses(out: torch.Tensor, model: nn.Module, batch_size: int) -> torch.Tensor:
+    """The batch loss from a forward that returns the loss itself.
+
+    Under ``nn.DataParallel`` each replica returns the mean loss of its chunk and DataParallel stacks them into
+    a vector. The chunks are uneven when the batch does not divide (10 samples on 4 GPUs: 3/3/3/1), so a plain
+    mean is wrong: weight each replica's loss by its share of the batch.
+    """
+    if out.dim() == 0:
+        return out
+    if isinstance(model, nn.DataParallel) and out.dim() == 1:
+        sizes = [len(c) for c in torch.arange(batch_size).chunk(len(model.device_ids))]
+        if len(sizes) == out.numel():
+            weights = torch.tensor(sizes, dtype=out.dtype, device=out.device) / batch_size
+            return (out * weights).sum()
+    raise TypeError(
+        f"with loss_fn=None the model's forward(x, y) must return the loss as a 0-dim tensor, but it returned "
+        f"shape {tuple(out.shape)}. Return loss.mean() from forward, or pass a loss_fn and return the logits."
+    )
+
+
+class LossDataParallel(nn.DataParallel):
+    """``nn.DataParallel`` whose replicas may return their own 0-dim loss.
+
+    Plain DataParallel gathers 0-dim outputs with the warning "Was asked to gather along dimension 0, but all
+    input tensors were scalars"; here they become a vector quietly, and ``reduce_replica_losses`` weights them.
+    """
+
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        if all(isinstance(o, torch.Tensor) and o.dim() == 0 for o in outputs):
+            outputs = [o.unsqueeze(0) for o in outputs]
+        return super().gather(outputs, output_device)
+
+
+def _peak_memory_mb(model_devices: list[torch.device]) -> list[float]:
+    """Peak memory of each CUDA device this process drives, or of the process itself (RSS) on the CPU."""
+    cuda = [d for d in model_devices if d.type == "cuda"]
+    if cuda:
+        return [torch.cuda.max_memory_allocated(d) / 2**20 for d in cuda]
+    import resource
+
+    return [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]  # Linux reports KiB
+
+
+class EpochReport:
+    """After each epoch (and its validation): one JSON line in ``metrics.jsonl`` and a short table on rank 0.
+
+    Fields: epoch, iteration, train_loss (mean over ranks), val_loss, val_accuracy, samples_per_s (global),
+    time_per_iter_ms, data_wait_share (time waiting for the data loader / training time, worst rank),
+    peak_memory_mb (one entry per GPU, or per process on the CPU) and memory_imbalance (max/min).
+    """
+
+    def __init__(self, path: str | Path, global_batch: int, evaluator: Engine, devices: list[torch.device]) -> None:
+        self.path, self.global_batch, self.evaluator, self.devices = Path(path), global_batch, evaluator, devices
+        self.last: dict[str, Any] = {}
+        self._wait = 0.0
+        self._fetch_start = 0.0
+
+    def attach(self, trainer: Engine) -> None:
+        trainer.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
+        trainer.add_event_handler(Events.GET_BATCH_STARTED, self._fetch_started)
+        trainer.add_event_handler(Events.GET_BATCH_COMPLETED, self._fetch_completed)
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, self._epoch_completed)
+
+    def _epoch_started(self, engine: Engine) -> None:
+        self._wait, self._first_iteration = 0.0, engine.state.iteration
+        for d in self.devices:
+            if d.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(d)
+
+    def _fetch_started(self, engine: Engine) -> None:
+        self._fetch_start = time.perf_counter()
+
+    def _fetch_completed(self, engine: Engine) -> None:
+        self._wait += time.perf_counter() - self._fetch_start
+
+    def _epoch_completed(self, engine: Engine) -> None:
+        seconds = engine.state.times["EPOCH_COMPLETED"] or 1e-9  # training time of this epoch, without handlers
+        iterations = engine.state.iteration - self._first_iteration
+        local = torch.tensor([self._wait / seconds, *_peak_memory_mb(self.devices)], dtype=torch.float64)
+        rows = idist.all_gather(local).view(idist.get_world_size(), -1).cpu() if idist.get_world_size() > 1 else local[None]
+        memory = [round(float(m), 1) for m in rows[:, 1:].flatten()]
+        metrics = self.evaluator.state.metrics
+        self.last = {
+            "epoch": engine.state.epoch,
+            "iteration": engine.state.iteration,
+            "train_loss": engine.state.metrics.get("train_loss", math.nan),
+            "val_loss": metrics.get("loss", math.nan),
+            "val_accuracy": metrics.get("accuracy", math.nan),
+            "samples_per_s": round(iterations * self.global_batch / seconds, 1),
+            "time_per_iter_ms": round(1000 * seconds / max(1, iterations), 3),
+            "data_wait_share": round(float(rows[:, 0].max()), 4),
+            "peak_memory_mb": memory,
+            "memory_imbalance": round(max(memory) / max(min(memory), 1e-9), 3),
+            "epoch_time_s": round(seconds, 3),
+        }
+        if idist.get_rank() == 0:
+            with self.path.open("a") as f:
+                f.write(json.dumps(self.last) + "\n")
+            logger.info(
+                "epoch %d | train_loss %.4f | val_loss %.4f | val_acc %.4f | %.0f samples/s | %.2f ms/it | "
+                "data wait %.0f%% | peak memory MB %s (max/min %.2f)",
+                self.last["epoch"], self.last["train_loss"], self.last["val_loss"], self.last["val_accuracy"],
+                self.last["samples_per_s"], self.last["time_per_iter_ms"], 100 * self.last["data_wait_share"],
+                memory, self.last["memory_imbalance"],
+            )

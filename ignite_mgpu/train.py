@@ -1,0 +1,160 @@
+"""The default job: ``training(local_rank, cfg)`` wires data, model, optimizer, engines and handlers, top to
+bottom; ``evaluation`` scores saved weights. Both run in every process that the launcher starts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import ignite.distributed as idist
+from ignite.engine import Engine, Events
+from ignite.handlers import global_step_from_engine
+from ignite.metrics import Accuracy, Loss
+from ignite.utils import manual_seed
+from ignite_mgpu import checkpoint as ckpt
+from ignite_mgpu.config import Config, dump_config
+from ignite_mgpu.data import create_dataloaders
+from ignite_mgpu.engine import create_evaluator, create_lr_scheduler, create_optimizer, create_trainer, unwrap
+from ignite_mgpu.handlers import EpochReport, GuardEvents, LossDataParallel
+from ignite_mgpu.models import create_model
+
+logger = logging.getLogger("ignite_mgpu")
+
+
+def setup_logging(rank: int) -> None:
+    """One stderr handler per process; rank 0 logs INFO, the others only warnings, all tagged with the rank."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+    logging.getLogger("ignite").setLevel(logging.WARNING)
+
+
+def place_model(model: nn.Module, cfg: Config) -> nn.Module:
+    """torch.compile, then DDP via ``idist.auto_model`` (or our DataParallel for --strategy dp)."""
+    if cfg.model.compile:
+        model = torch.compile(model)  # type: ignore[assignment]  # an OptimizedModule is an nn.Module
+    if cfg.dist.strategy == "dp":
+        return LossDataParallel(model.to(idist.device()))
+    return idist.auto_model(model, sync_bn=cfg.model.sync_batchnorm)
+
+
+def model_devices(model: nn.Module) -> list[torch.device]:
+    """The devices a model runs on: every GPU of a DataParallel, else the device of its parameters."""
+    if isinstance(model, nn.DataParallel):
+        return [torch.device("cuda", i) for i in model.device_ids]
+    return [next(model.parameters()).device]
+
+
+def config_hash(cfg: Config) -> str:
+    """Hash of what makes two runs the same run (not epochs, resume or output folder)."""
+    keep = {k: v for k, v in json.loads(json.dumps(vars(cfg), default=vars)).items() if k not in ("resume",)}
+    keep["train"].pop("epochs", None)
+    keep.pop("dist", None)
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def training(local_rank: int, cfg: Config) -> None:
+    """Train ``cfg`` in this process (one of ``idist.get_world_size()``), then print a summary on rank 0."""
+    rank, world_size = idist.get_rank(), idist.get_world_size()
+    setup_logging(rank)
+    manual_seed(cfg.seed)
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+    out = Path(cfg.output_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(dump_config(cfg))
+        ckpt.clean_stale_temp_files(out)
+    logger.info("world size %d, backend %s, device %s", world_size, idist.backend(), idist.device())
+
+    train_loader, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
+    model = place_model(create_model(cfg.model), cfg)
+    o, t = cfg.optim, cfg.train
+    optimizer = create_optimizer(model, o.name, o.lr, o.momentum, o.weight_decay)
+    steps_per_epoch = (t.epoch_length or len(train_loader)) / t.grad_accum_steps
+    scheduler = create_lr_scheduler(optimizer, math.ceil(steps_per_epoch * t.epochs),
+                                    round(steps_per_epoch * o.warmup_epochs), o.scheduler == "cosine")
+    check_every = math.gcd(t.check_every, cfg.checkpoint.every_iters) if cfg.checkpoint.every_iters else t.check_every
+    trainer = create_trainer(model, optimizer, nn.CrossEntropyLoss(), precision=t.precision,
+                             grad_accum_steps=t.grad_accum_steps, clip_grad_norm=t.clip_grad_norm,
+                             lr_scheduler=scheduler, deterministic=t.deterministic, check_every=check_every)
+    metrics = {"accuracy": Accuracy(), "loss": Loss(nn.CrossEntropyLoss())}
+    evaluator = create_evaluator(model, metrics, precision=t.precision)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(val_loader))
+
+    run_info = ckpt.RunInfo(world_size, cfg.data.batch_size, config_hash(cfg))
+    to_save = {"model": unwrap(model), "optimizer": optimizer, "lr_scheduler": scheduler, "trainer": trainer,
+               "scaler": trainer.scaler, "run": run_info}  # type: ignore[attr-defined]  # set by create_trainer
+    report = EpochReport(out / "metrics.jsonl", cfg.data.batch_size, evaluator, model_devices(model))
+    report.attach(trainer)
+    best = attach_checkpoints(trainer, evaluator, to_save, cfg)
+    if t.progress_bar and rank == 0 and sys.stderr.isatty():
+        from ignite.handlers import ProgressBar
+
+        ProgressBar(persist=False).attach(trainer, event_name=Events.ITERATION_COMPLETED(every=check_every),
+                                          state_attributes=["running_loss"])
+    if cfg.resume:
+        resume(cfg, to_save, world_size)
+    trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
+    if rank == 0:
+        summary = report.last | {"best_model": str(best.last_checkpoint) if best.last_checkpoint else None}
+        logger.info("finished: %s", json.dumps(summary))
+
+
+def attach_checkpoints(trainer: Engine, evaluator: Engine, to_save: dict[str, Any], cfg: Config) -> Any:
+    """Full state every N epochs / iterations and on a stop signal; the best unwrapped model after validation."""
+    c = cfg.checkpoint
+    full, best = ckpt.create_checkpointers(to_save, to_save["model"], cfg.output_dir, c.n_saved, c.metric,
+                                           global_step_from_engine(trainer))
+    if c.every:
+        trainer.add_event_handler(Events.EPOCH_COMPLETED(every=c.every), full)
+    if c.every_iters:
+        # The guard checks on multiples of gcd(check_every, every_iters), so no save follows an unchecked NaN.
+        trainer.add_event_handler(Events.ITERATION_COMPLETED(every=c.every_iters), full)
+    if c.save_on_stop:
+        trainer.add_event_handler(GuardEvents.STOPPING, full)
+    evaluator.add_event_handler(Events.COMPLETED, best)
+    return best
+
+
+def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> None:
+    """Restore every object from ``cfg.resume`` (a path, or "auto": the newest complete checkpoint)."""
+    path = ckpt.find_resumable(cfg.output_dir) if cfg.resume == "auto" else Path(str(cfg.resume))
+    if path is None:
+        raise ckpt.CheckpointError(f"--resume auto: no complete checkpoint in {cfg.output_dir}.")
+    ckpt.load_checkpoint(path, to_save)
+    saved = to_save["run"].loaded
+    logger.info("resumed from %s at iteration %d", path, to_save["trainer"].state.iteration)
+    if saved.get("world_size", world_size) != world_size:
+        logger.warning(
+            "checkpoint was written with %d processes, resuming with %d: the global batch stays %d, each process "
+            "now takes %d per step; the resumed epoch restarts its data order for the new process count",
+            saved["world_size"], world_size, cfg.data.batch_size, cfg.data.batch_size // world_size,
+        )
+
+
+def evaluation(local_rank: int, cfg: Config, checkpoint_path: str, as_json: bool) -> None:
+    """Score the weights in ``checkpoint_path`` on the validation split (metrics reduced over all ranks)."""
+    rank = idist.get_rank()
+    setup_logging(rank)
+    _, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
+    model = create_model(cfg.model)
+    ckpt.load_checkpoint(checkpoint_path, {"model": model}, map_location="cpu")
+    model = idist.auto_model(model)
+    metrics = {"accuracy": Accuracy(), "loss": Loss(nn.CrossEntropyLoss())}
+    state = create_evaluator(model, metrics, precision=cfg.train.precision).run(val_loader)
+    result = {"checkpoint": checkpoint_path, "samples": len(val_loader.dataset), **state.metrics}  # type: ignore[arg-type]  # sized
+    if rank == 0:
+        print(json.dumps(result) if as_json else "  ".join(f"{k}: {v}" for k, v in result.items()))
