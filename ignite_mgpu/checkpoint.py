@@ -12,11 +12,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 import ignite.distributed as idist
+import torch
 from ignite.handlers import Checkpoint, DiskSaver
+from torch import nn
 
 logger = logging.getLogger(__name__)
 PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
@@ -117,7 +116,9 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
                 f"refusing to load {path}: it needs arbitrary Python code to unpickle ({first.strip()}). It was "
                 "NOT executed. Only load files you trust; re-save trusted weights as a plain state_dict."
             ) from None
-        raise CheckpointError(f"{path} is corrupt or truncated and cannot be loaded ({text.splitlines()[0]}).") from None
+        raise CheckpointError(
+            f"{path} is corrupt or truncated and cannot be loaded ({text.splitlines()[0]})."
+        ) from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state_dict or a checkpoint dict.")
     return obj
@@ -146,17 +147,25 @@ def check_model_state(model: nn.Module, state: Mapping[str, Any], source: str) -
     own = model.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
-    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
-              for k, v in own.items() if k in state and hasattr(state[k], "shape") and state[k].shape != v.shape]
+    shapes = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in state and hasattr(state[k], "shape") and state[k].shape != v.shape
+    ]
     if missing or unexpected or shapes:
 
         def few(items: list[str]) -> str:
             return ", ".join(items[:5]) + (f" (+{len(items) - 5} more)" if len(items) > 5 else "")
 
-        parts = [f"{len(x)} {what}: {few(x)}" for what, x in
-                 (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes)) if x]
-        raise CheckpointError(f"{source} does not match the model ({'; '.join(parts)}). "
-                              "Is it from a different model.name or model.num_classes?")
+        parts = [
+            f"{len(x)} {what}: {few(x)}"
+            for what, x in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes))
+            if x
+        ]
+        raise CheckpointError(
+            f"{source} does not match the model ({'; '.join(parts)}). "
+            "Is it from a different model.name or model.num_classes?"
+        )
 
 
 def load_checkpoint(path: str | Path, to_load: Mapping[str, Any], map_location: Any = None) -> dict[str, Any]:
@@ -174,8 +183,10 @@ def load_checkpoint(path: str | Path, to_load: Mapping[str, Any], map_location: 
         ckpt = {"model": ckpt}
     absent = [k for k in to_load if k not in ckpt]
     if absent:
-        raise CheckpointError(f"{path} has no {', '.join(absent)} (it holds: {', '.join(ckpt)}); "
-                              "a weights-only file can restore the model but not resume training.")
+        raise CheckpointError(
+            f"{path} has no {', '.join(absent)} (it holds: {', '.join(ckpt)}); "
+            "a weights-only file can restore the model but not resume training."
+        )
     if "model" in to_load:
         ckpt["model"], found = strip_prefixes(ckpt["model"])
         if found:
@@ -245,7 +256,11 @@ class RunInfo:
 
 
 def create_checkpointers(
-    objects: Mapping[str, Any], model: nn.Module, dirname: str | Path, n_saved: int, metric: str,
+    objects: Mapping[str, Any],
+    model: nn.Module,
+    dirname: str | Path,
+    n_saved: int,
+    metric: str,
     best_step: Callable[[Any, Any], int],
 ) -> tuple[Checkpoint, Checkpoint]:
     """(full training state ``checkpoint_<iteration>.pt``, best unwrapped model ``best_model_*.pt``)."""

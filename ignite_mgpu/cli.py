@@ -14,9 +14,17 @@ import click
 
 # CLI flag -> config key; flags are applied after --config and the positional key=value overrides.
 FLAGS = {
-    "nproc": "dist.nproc", "backend": "dist.backend", "gpus": "dist.gpus", "strategy": "dist.strategy",
-    "nnodes": "dist.nnodes", "node_rank": "dist.node_rank", "master_addr": "dist.master_addr",
-    "master_port": "dist.master_port", "timeout": "dist.timeout", "output_dir": "output_dir", "resume": "resume",
+    "nproc": "dist.nproc",
+    "backend": "dist.backend",
+    "gpus": "dist.gpus",
+    "strategy": "dist.strategy",
+    "nnodes": "dist.nnodes",
+    "node_rank": "dist.node_rank",
+    "master_addr": "dist.master_addr",
+    "master_port": "dist.master_port",
+    "timeout": "dist.timeout",
+    "output_dir": "output_dir",
+    "resume": "resume",
     "seed": "seed",
 }
 
@@ -30,14 +38,21 @@ def dist_options(fn: Any) -> Any:
     """The process/GPU flags shared by ``train`` and ``evaluate``."""
     options = [
         click.option("--nproc", type=int, help="Processes on this node [default: selected GPUs, or 1 on CPU]."),
-        click.option("--backend", type=click.Choice(["auto", "nccl", "gloo"]), help="auto = nccl with CUDA, else gloo."),
+        click.option(
+            "--backend", type=click.Choice(["auto", "nccl", "gloo"]), help="auto = nccl with CUDA, else gloo."
+        ),
         click.option("--gpus", help="Physical GPU ids as nvidia-smi shows them (2,3), all, none, auto or auto:N."),
-        click.option("--strategy", type=click.Choice(["ddp", "dp"]), help="ddp: a process per GPU (default); "
-                     "dp: one process with nn.DataParallel."),
+        click.option(
+            "--strategy",
+            type=click.Choice(["ddp", "dp"]),
+            help="ddp: a process per GPU (default); dp: one process with nn.DataParallel.",
+        ),
         click.option("--nnodes", type=int, help="Machines in the job (multi-node: also --node-rank, --master-*)."),
         click.option("--node-rank", type=int, help="This machine's index, 0..nnodes-1."),
         click.option("--master-addr", help="Address of node 0 [default: 127.0.0.1]."),
-        click.option("--master-port", type=int, help="TCP port on node 0 (one node without it: private file rendezvous)."),
+        click.option(
+            "--master-port", type=int, help="TCP port on node 0 (one node without it: private file rendezvous)."
+        ),
         click.option("--timeout", type=float, help="Seconds a collective may wait after the first iteration [300]."),
     ]
     for option in reversed(options):
@@ -86,8 +101,10 @@ def _output_lock(output_dir: Path) -> Iterator[None]:
             except PermissionError:
                 alive = True
             if alive:
-                _fail(f"output_dir {output_dir} is locked by pid {pid}, another job writing there; wait for it or "
-                      "choose another --output-dir.")
+                _fail(
+                    f"output_dir {output_dir} is locked by pid {pid}, another job writing there; wait for it or "
+                    "choose another --output-dir."
+                )
             lock.unlink(missing_ok=True)  # stale: its job is gone
     else:
         _fail(f"cannot lock output_dir {output_dir}; remove {lock} if no job is running.")
@@ -114,15 +131,20 @@ def check_output_dir(cfg: Any) -> None:
             "Continue it with --resume auto, or choose a new --output-dir; nothing was deleted."
         )
     if cfg.resume == "auto" and ckpt.find_resumable(out) is None:
-        raise ConfigError(f"--resume auto: no complete checkpoint in {out.resolve()} to resume from. "
-                          "Drop --resume to start a new run there.")
+        raise ConfigError(
+            f"--resume auto: no complete checkpoint in {out.resolve()} to resume from. "
+            "Drop --resume to start a new run there."
+        )
     if cfg.resume not in (None, "auto"):
         path = Path(cfg.resume)
         if not path.is_file():
             raise ConfigError(f"--resume {path}: no such file. Pass a checkpoint_<iteration>.pt path, or auto.")
         if not ckpt.is_complete(path):
-            _fail(f"--resume {path.resolve()}: the file is corrupt or truncated (not a complete checkpoint "
-                  "archive). Use an earlier checkpoint, or --resume auto to pick the newest complete one.", code=1)
+            _fail(
+                f"--resume {path.resolve()}: the file is corrupt or truncated (not a complete checkpoint "
+                "archive). Use an earlier checkpoint, or --resume auto to pick the newest complete one.",
+                code=1,
+            )
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -179,8 +201,13 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
 
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.argument("args", nargs=-1)
-@click.option("--checkpoint", "checkpoint_path", required=True, type=click.Path(dir_okay=False),
-              help="A best_model_*.pt, checkpoint_*.pt or any (even module.-prefixed) state_dict file.")
+@click.option(
+    "--checkpoint",
+    "checkpoint_path",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="A best_model_*.pt, checkpoint_*.pt or any (even module.-prefixed) state_dict file.",
+)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML of the run (model, data).")
 @dist_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")

@@ -119,7 +119,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     if path is not None:
         file = Path(path)
         if not file.is_file():
-            raise ConfigError(f"--config {path}: no such file. Pass the path of a YAML file such as configs/debug.yaml.")
+            raise ConfigError(
+                f"--config {path}: no such file. Pass the path of a YAML file such as configs/debug.yaml."
+            )
         try:
             layers.append((OmegaConf.load(file), f"from {path}"))  # yaml.SafeLoader underneath: no code runs
         except Exception as err:  # yaml.YAMLError and friends: report the file, not a traceback

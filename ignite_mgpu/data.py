@@ -8,13 +8,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import ignite.distributed as idist
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
-import ignite.distributed as idist
 from ignite_mgpu.config import ConfigError, DataConfig
 
 logger = logging.getLogger(__name__)

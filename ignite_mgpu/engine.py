@@ -8,13 +8,13 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import ignite.distributed as idist
 import torch
+from ignite.engine import DeterministicEngine, Engine, Events
+from ignite.metrics import Metric
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import ignite.distributed as idist
-from ignite.engine import DeterministicEngine, Engine, Events
-from ignite.metrics import Metric
 from ignite_mgpu.handlers import TrainingGuard, reduce_replica_losses
 
 Batch = Any
@@ -152,7 +152,9 @@ def create_evaluator(
     return evaluator
 
 
-def create_optimizer(model: nn.Module, name: str, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
+def create_optimizer(
+    model: nn.Module, name: str, lr: float, momentum: float, weight_decay: float
+) -> torch.optim.Optimizer:
     """SGD (Nesterov momentum) or AdamW over the trainable parameters, wrapped by ``idist.auto_optim``."""
     params = [p for p in model.parameters() if p.requires_grad]
     if name == "sgd":

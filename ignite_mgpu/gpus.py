@@ -333,7 +333,7 @@ def format_devices(gpus: list[GpuInfo], environ: Mapping[str, str], as_json: boo
         memory = f"{g.memory_used_mb} / {g.memory_total_mb}"
         table.append([str(g.index), g.pci_bus_id, g.name, memory, util, procs, idx])
     widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in table]
     exported = environ.get("CUDA_VISIBLE_DEVICES")
     shown = "unset" if exported is None else repr(exported)
     lines.append(f"CUDA index: device number under CUDA_VISIBLE_DEVICES={shown} ('-' = hidden).")

@@ -11,11 +11,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 import ignite.distributed as idist
+import torch
 from ignite.engine import Engine, EventEnum, Events
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +214,11 @@ class EpochReport:
         seconds = engine.state.times["EPOCH_COMPLETED"] or 1e-9  # training time of this epoch, without handlers
         iterations = engine.state.iteration - self._first_iteration
         local = torch.tensor([self._wait / seconds, *_peak_memory_mb(self.devices)], dtype=torch.float64)
-        rows = idist.all_gather(local).view(idist.get_world_size(), -1).cpu() if idist.get_world_size() > 1 else local[None]
+        rows = (
+            idist.all_gather(local).view(idist.get_world_size(), -1).cpu()
+            if idist.get_world_size() > 1
+            else local[None]
+        )
         memory = [round(float(m), 1) for m in rows[:, 1:].flatten()]
         metrics = self.evaluator.state.metrics
         self.last = {
@@ -237,7 +240,13 @@ class EpochReport:
             logger.info(
                 "epoch %d | train_loss %.4f | val_loss %.4f | val_acc %.4f | %.0f samples/s | %.2f ms/it | "
                 "data wait %.0f%% | peak memory MB %s (max/min %.2f)",
-                self.last["epoch"], self.last["train_loss"], self.last["val_loss"], self.last["val_accuracy"],
-                self.last["samples_per_s"], self.last["time_per_iter_ms"], 100 * self.last["data_wait_share"],
-                memory, self.last["memory_imbalance"],
+                self.last["epoch"],
+                self.last["train_loss"],
+                self.last["val_loss"],
+                self.last["val_accuracy"],
+                self.last["samples_per_s"],
+                self.last["time_per_iter_ms"],
+                100 * self.last["data_wait_share"],
+                memory,
+                self.last["memory_imbalance"],
             )

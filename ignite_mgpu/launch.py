@@ -107,8 +107,15 @@ def make_plan(cfg: DistConfig) -> LaunchPlan:
     external = _started_externally(environ)
     if external:
         nproc = int(environ.get("LOCAL_WORLD_SIZE", environ.get("SLURM_NTASKS_PER_NODE", "1")).split("(")[0])
-        return LaunchPlan(backend, nproc, timeout=cfg.timeout, stop_grace=cfg.stop_grace, strategy=cfg.strategy,
-                          external=True, messages=messages)
+        return LaunchPlan(
+            backend,
+            nproc,
+            timeout=cfg.timeout,
+            stop_grace=cfg.stop_grace,
+            strategy=cfg.strategy,
+            external=True,
+            messages=messages,
+        )
     nproc = cfg.nproc if cfg.nproc is not None else (n_cuda if backend == "nccl" and cfg.strategy == "ddp" else 1)
     if backend == "nccl" and nproc > n_cuda:
         raise ConfigError(
@@ -177,8 +184,12 @@ def _worker(local_rank: int, plan: LaunchPlan, fn: Callable[..., Any], args: tup
     rank = plan.node_rank * plan.nproc + local_rank
     os.environ.update(plan.env)
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(plan.world_size),
-        LOCAL_WORLD_SIZE=str(plan.nproc), GROUP_RANK=str(plan.node_rank), MASTER_ADDR=plan.master_addr,
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(plan.world_size),
+        LOCAL_WORLD_SIZE=str(plan.nproc),
+        GROUP_RANK=str(plan.node_rank),
+        MASTER_ADDR=plan.master_addr,
         MASTER_PORT=str(plan.master_port or 29500),
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -190,8 +201,14 @@ def _worker(local_rank: int, plan: LaunchPlan, fn: Callable[..., Any], args: tup
         from ignite_mgpu.handlers import TrainingStopped
 
         code = err.exit_code if isinstance(err, TrainingStopped) else 1
-        report = {"rank": rank, "time": time.time(), "type": type(err).__name__, "message": str(err),
-                  "traceback": "" if isinstance(err, TrainingStopped) else traceback.format_exc(), "code": code}
+        report = {
+            "rank": rank,
+            "time": time.time(),
+            "type": type(err).__name__,
+            "message": str(err),
+            "traceback": "" if isinstance(err, TrainingStopped) else traceback.format_exc(),
+            "code": code,
+        }
         Path(error_dir, f"rank{rank}.json").write_text(json.dumps(report))
     sys.stdout.flush()
     sys.stderr.flush()
@@ -209,6 +226,7 @@ class _Supervisor:
         self.error_dir = tempfile.mkdtemp(prefix="ignite-mgpu-")  # 0700: private to this user
         self.signal_received = 0
         self.procs: list[Any] = []
+        self.first_exit: tuple[int, int] | None = None  # (local rank, exit code) of the first rank that failed
 
     def _signal_all(self, sig: int) -> None:
         for p in self.procs:
@@ -221,8 +239,11 @@ class _Supervisor:
             self._signal_all(signal.SIGKILL)
             raise KeyboardInterrupt
         self.signal_received = signum
-        print(f"ignite-mgpu: {signal.Signals(signum).name} received: stopping every rank at the next check "
-              f"(up to {self.plan.stop_grace:.0f} s); press Ctrl-C again to stop at once.", file=sys.stderr)
+        print(
+            f"ignite-mgpu: {signal.Signals(signum).name} received: stopping every rank at the next check "
+            f"(up to {self.plan.stop_grace:.0f} s); press Ctrl-C again to stop at once.",
+            file=sys.stderr,
+        )
         self._signal_all(signal.SIGTERM)
         self.deadline = time.monotonic() + self.plan.stop_grace
 
@@ -235,8 +256,11 @@ class _Supervisor:
         self.deadline = float("inf")
         try:
             for local_rank in range(plan.nproc):
-                p = ctx.Process(target=_worker, args=(local_rank, plan, self.fn, self.args, self.error_dir),
-                                name=f"ignite-mgpu-rank{local_rank}")
+                p = ctx.Process(
+                    target=_worker,
+                    args=(local_rank, plan, self.fn, self.args, self.error_dir),
+                    name=f"ignite-mgpu-rank{local_rank}",
+                )
                 p.start()
                 self.procs.append(p)
             self._watch()
@@ -258,12 +282,16 @@ class _Supervisor:
             for sentinel in wait(list(alive), timeout=0.5):
                 p = alive.pop(sentinel)
                 p.join()
+                if p.exitcode != 0 and self.first_exit is None:
+                    self.first_exit = (self.procs.index(p), p.exitcode)
                 if p.exitcode != 0 and not self.signal_received:
                     # One rank failed: the others cannot finish (their next collective would wait forever).
                     self._signal_all(signal.SIGKILL)
             if time.monotonic() > self.deadline:
-                print(f"ignite-mgpu: workers did not stop within {self.plan.stop_grace:.0f} s; killing them.",
-                      file=sys.stderr)
+                print(
+                    f"ignite-mgpu: workers did not stop within {self.plan.stop_grace:.0f} s; killing them.",
+                    file=sys.stderr,
+                )
                 self._signal_all(signal.SIGKILL)
                 self.deadline = float("inf")
 
@@ -287,30 +315,39 @@ class _Supervisor:
 
     def _report_failure(self, reports: list[dict], codes: list[int | None]) -> int:
         offset = self.plan.node_rank * self.plan.nproc
+        if self.first_exit and self.first_exit[1] < 0:  # killed (OOM killer, kill -9): no error file of its own
+            i, c = self.first_exit
+            name = signal.Signals(-c).name
+            hint = " (the kernel's OOM killer sends SIGKILL when memory runs out)" if c == -9 else ""
+            print(
+                f"ignite-mgpu: rank {offset + i} terminated with signal {name}{hint}; stopped the other "
+                "ranks. Resume from the last checkpoint with --resume auto.",
+                file=sys.stderr,
+            )
+            return 1
         failed = [r for r in reports if r["code"] == 1]
         timeouts = [r for r in failed if "timed out" in r["message"].lower() or "timeout" in r["type"].lower()]
         if failed and len(timeouts) == len(failed):
             waiting = {r["rank"] for r in timeouts}
             silent = [offset + i for i in range(self.plan.nproc) if offset + i not in waiting]
             first = min(timeouts, key=lambda r: r["time"])
-            print(f"ignite-mgpu: rank {first['rank']} timed out after {self.plan.timeout:.0f} s (dist.timeout) "
-                  f"waiting in a collective; rank(s) {', '.join(map(str, silent)) or '?'} stopped answering "
-                  f"(stuck or hung). Error: {first['message'].splitlines()[0] if first['message'] else ''}",
-                  file=sys.stderr)
+            print(
+                f"ignite-mgpu: rank {first['rank']} timed out after {self.plan.timeout:.0f} s (dist.timeout) "
+                f"waiting in a collective; rank(s) {', '.join(map(str, silent)) or '?'} stopped answering "
+                f"(stuck or hung). Error: {first['message'].splitlines()[0] if first['message'] else ''}",
+                file=sys.stderr,
+            )
             return 1
         if failed:
             # The earliest error is the cause; later ones are usually peers losing their connection to it.
             first = min(failed, key=lambda r: r["time"])
-            print(f"ignite-mgpu: rank {first['rank']} failed with {first['type']}: {first['message']}\n"
-                  f"{first['traceback']}", file=sys.stderr, end="")
+            print(
+                f"ignite-mgpu: rank {first['rank']} failed with {first['type']}: {first['message']}\n"
+                f"{first['traceback']}",
+                file=sys.stderr,
+                end="",
+            )
             return 1
-        for i, c in enumerate(codes):
-            if c is not None and c < 0:
-                name = signal.Signals(-c).name
-                hint = " (the kernel's OOM killer sends SIGKILL when memory runs out)" if c == -9 else ""
-                print(f"ignite-mgpu: rank {offset + i} terminated with signal {name}{hint}; stopped the other "
-                      "ranks. Resume from the last checkpoint with --resume auto.", file=sys.stderr)
-                return 1
         print(f"ignite-mgpu: a rank exited with codes {codes}.", file=sys.stderr)
         return 1
 
@@ -367,10 +404,19 @@ def launch(
         SystemExit: with the job's exit code when a rank failed (1), the loss diverged (3) or on SIGINT/SIGTERM
             (130/143); the failing rank's error has been printed once.
     """
-    from ignite_mgpu.config import validate, Config
+    from ignite_mgpu.config import Config, validate
 
-    dist_cfg = DistConfig(nproc=nproc, backend=backend, gpus=gpus, strategy=strategy, nnodes=nnodes,  # type: ignore[arg-type]  # checked below
-                          node_rank=node_rank, master_addr=master_addr, master_port=master_port, timeout=timeout)
+    dist_cfg = DistConfig(
+        nproc=nproc,
+        backend=backend,
+        gpus=gpus,
+        strategy=strategy,
+        nnodes=nnodes,  # type: ignore[arg-type]  # checked below
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        timeout=timeout,
+    )
     if backend not in ("auto", "nccl", "gloo") or strategy not in ("ddp", "dp"):
         raise ConfigError(f"backend={backend!r} / strategy={strategy!r}: use auto|nccl|gloo and ddp|dp.")
     validate(Config(dist=dist_cfg))

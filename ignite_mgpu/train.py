@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 import ignite.distributed as idist
+import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import global_step_from_engine
 from ignite.metrics import Accuracy, Loss
 from ignite.utils import manual_seed
+from torch import nn
+
 from ignite_mgpu import checkpoint as ckpt
 from ignite_mgpu.config import Config, dump_config
 from ignite_mgpu.data import create_dataloaders
@@ -84,29 +84,48 @@ def training(local_rank: int, cfg: Config) -> None:
     o, t = cfg.optim, cfg.train
     optimizer = create_optimizer(model, o.name, o.lr, o.momentum, o.weight_decay)
     steps_per_epoch = (t.epoch_length or len(train_loader)) / t.grad_accum_steps
-    scheduler = create_lr_scheduler(optimizer, math.ceil(steps_per_epoch * t.epochs),
-                                    round(steps_per_epoch * o.warmup_epochs), o.scheduler == "cosine")
+    scheduler = create_lr_scheduler(
+        optimizer,
+        math.ceil(steps_per_epoch * t.epochs),
+        round(steps_per_epoch * o.warmup_epochs),
+        o.scheduler == "cosine",
+    )
     check_every = math.gcd(t.check_every, cfg.checkpoint.every_iters) if cfg.checkpoint.every_iters else t.check_every
-    trainer = create_trainer(model, optimizer, nn.CrossEntropyLoss(), precision=t.precision,
-                             grad_accum_steps=t.grad_accum_steps, clip_grad_norm=t.clip_grad_norm,
-                             lr_scheduler=scheduler, deterministic=t.deterministic, check_every=check_every)
+    trainer = create_trainer(
+        model,
+        optimizer,
+        nn.CrossEntropyLoss(),
+        precision=t.precision,
+        grad_accum_steps=t.grad_accum_steps,
+        clip_grad_norm=t.clip_grad_norm,
+        lr_scheduler=scheduler,
+        deterministic=t.deterministic,
+        check_every=check_every,
+    )
     metrics = {"accuracy": Accuracy(), "loss": Loss(nn.CrossEntropyLoss())}
     evaluator = create_evaluator(model, metrics, precision=t.precision)
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(val_loader))
 
     run_info = ckpt.RunInfo(world_size, cfg.data.batch_size, config_hash(cfg))
-    to_save = {"model": unwrap(model), "optimizer": optimizer, "lr_scheduler": scheduler, "trainer": trainer,
-               "scaler": trainer.scaler, "run": run_info}  # type: ignore[attr-defined]  # set by create_trainer
+    to_save = {
+        "model": unwrap(model),
+        "optimizer": optimizer,
+        "lr_scheduler": scheduler,
+        "trainer": trainer,
+        "scaler": trainer.scaler,
+        "run": run_info,
+    }  # type: ignore[attr-defined]  # set by create_trainer
     report = EpochReport(out / "metrics.jsonl", cfg.data.batch_size, evaluator, model_devices(model))
     report.attach(trainer)
     best = attach_checkpoints(trainer, evaluator, to_save, cfg)
     if t.progress_bar and rank == 0 and sys.stderr.isatty():
         from ignite.handlers import ProgressBar
 
-        ProgressBar(persist=False).attach(trainer, event_name=Events.ITERATION_COMPLETED(every=check_every),
-                                          state_attributes=["running_loss"])
-    if cfg.resume:
-        resume(cfg, to_save, world_size)
+        ProgressBar(persist=False).attach(
+            trainer, event_name=Events.ITERATION_COMPLETED(every=check_every), state_attributes=["running_loss"]
+        )
+    if cfg.resume and not resume(cfg, to_save, world_size):
+        return
     trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
     if rank == 0:
         summary = report.last | {"best_model": str(best.last_checkpoint) if best.last_checkpoint else None}
@@ -116,8 +135,9 @@ def training(local_rank: int, cfg: Config) -> None:
 def attach_checkpoints(trainer: Engine, evaluator: Engine, to_save: dict[str, Any], cfg: Config) -> Any:
     """Full state every N epochs / iterations and on a stop signal; the best unwrapped model after validation."""
     c = cfg.checkpoint
-    full, best = ckpt.create_checkpointers(to_save, to_save["model"], cfg.output_dir, c.n_saved, c.metric,
-                                           global_step_from_engine(trainer))
+    full, best = ckpt.create_checkpointers(
+        to_save, to_save["model"], cfg.output_dir, c.n_saved, c.metric, global_step_from_engine(trainer)
+    )
     if c.every:
         trainer.add_event_handler(Events.EPOCH_COMPLETED(every=c.every), full)
     if c.every_iters:
@@ -129,8 +149,11 @@ def attach_checkpoints(trainer: Engine, evaluator: Engine, to_save: dict[str, An
     return best
 
 
-def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> None:
-    """Restore every object from ``cfg.resume`` (a path, or "auto": the newest complete checkpoint)."""
+def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
+    """Restore every object from ``cfg.resume`` (a path, or "auto": the newest complete checkpoint).
+
+    Returns False when the checkpoint already finished ``train.epochs`` (nothing left to train).
+    """
     path = ckpt.find_resumable(cfg.output_dir) if cfg.resume == "auto" else Path(str(cfg.resume))
     if path is None:
         raise ckpt.CheckpointError(f"--resume auto: no complete checkpoint in {cfg.output_dir}.")
@@ -141,8 +164,22 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> None:
         logger.warning(
             "checkpoint was written with %d processes, resuming with %d: the global batch stays %d, each process "
             "now takes %d per step; the resumed epoch restarts its data order for the new process count",
-            saved["world_size"], world_size, cfg.data.batch_size, cfg.data.batch_size // world_size,
+            saved["world_size"],
+            world_size,
+            cfg.data.batch_size,
+            cfg.data.batch_size // world_size,
         )
+    state = to_save["trainer"].state
+    if state.epoch >= cfg.train.epochs and state.iteration % state.epoch_length == 0:
+        logger.warning(
+            "%s already finished %d epochs (train.epochs=%d): nothing to train; raise train.epochs to "
+            "continue training",
+            path,
+            state.epoch,
+            cfg.train.epochs,
+        )
+        return False
+    return True
 
 
 def evaluation(local_rank: int, cfg: Config, checkpoint_path: str, as_json: bool) -> None:
