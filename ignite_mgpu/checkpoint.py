@@ -30,7 +30,11 @@ def _allow_rng_state_types() -> None:
     # DeterministicEngine saves numpy's RNG state; weights_only refuses numpy unless these exact types are allowed.
     import numpy as np
 
-    allowed: list[Any] = [np.ndarray, np.dtype, np.core.multiarray._reconstruct]  # type: ignore[attr-defined]  # numpy 1/2
+    try:
+        from numpy._core.multiarray import _reconstruct  # numpy >= 2
+    except ImportError:  # numpy 1.x
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]  # numpy 1 location
+    allowed: list[Any] = [np.ndarray, np.dtype, _reconstruct]
     allowed += [type(np.dtype(t)) for t in ("uint32", "int64", "float64")]
     torch.serialization.add_safe_globals(allowed)
 

@@ -187,14 +187,16 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
         from ignite_mgpu.models import check_model_name
 
         check_model_name(cfg.model.name)
-        check_output_dir(cfg)
+        if cfg.dist.node_rank == 0:  # other nodes may share the folder (NFS) and see node 0's new files
+            check_output_dir(cfg)
         plan = make_plan(cfg.dist)
         train_ds, val_ds = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
         check_sizes(train_ds, val_ds, cfg.data.batch_size, plan.world_size)
         del train_ds, val_ds
     from ignite_mgpu.train import training
 
-    with _output_lock(Path(cfg.output_dir)):
+    lock = _output_lock(Path(cfg.output_dir)) if cfg.dist.node_rank == 0 else contextlib.nullcontext()
+    with lock:
         code = run_plan(plan, training, cfg)
     sys.exit(code)
 

@@ -116,7 +116,8 @@ def make_plan(cfg: DistConfig) -> LaunchPlan:
             external=True,
             messages=messages,
         )
-    nproc = cfg.nproc if cfg.nproc is not None else (n_cuda if backend == "nccl" and cfg.strategy == "ddp" else 1)
+    selected = len(gpu_plan.physical_ids) if gpu_plan and gpu_plan.physical_ids else n_cuda
+    nproc = cfg.nproc if cfg.nproc is not None else (selected if selected and cfg.strategy == "ddp" else 1)
     if backend == "nccl" and nproc > n_cuda:
         raise ConfigError(
             f"--nproc {nproc} with nccl needs {nproc} GPUs, but {n_cuda} {'is' if n_cuda == 1 else 'are'} visible; "

@@ -1,0 +1,135 @@
+"""The CLI in-process (click's CliRunner) with the launcher replaced: flags map onto the Config it receives,
+bad input exits 2 with one paragraph before anything starts. `python -m pytest tests/test_cli.py`."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ignite_mgpu import launch
+from ignite_mgpu.cli import main
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    calls = []
+
+    def fake_run_plan(plan, fn, *args):
+        calls.append((plan, fn, args))
+        return 0
+
+    monkeypatch.setattr(launch, "run_plan", fake_run_plan)
+    return calls
+
+
+def invoke(args, cwd):
+    with CliRunner().isolated_filesystem(temp_dir=cwd):
+        return CliRunner().invoke(main, args, catch_exceptions=False)
+
+
+def test_flags_and_overrides_reach_the_config(captured, tmp_path):
+    result = invoke(["train", "--nproc", "2", "--backend", "gloo", "optim.lr=0.01", "train.epochs=3",
+                     "--output-dir", "out", "--timeout", "20", "--seed", "7"], tmp_path)
+    assert result.exit_code == 0, result.output
+    plan, fn, (cfg,) = captured[0]
+    assert fn.__name__ == "training"
+    assert (plan.nproc, plan.backend, plan.world_size) == (2, "gloo", 2)
+    assert cfg.optim.lr == 0.01 and cfg.train.epochs == 3 and cfg.seed == 7
+    assert cfg.dist.nproc == 2 and cfg.dist.timeout == 20 and cfg.output_dir == "out"
+    assert plan.init_method is None and plan.master_port is None  # the supervisor picks a private file store
+
+
+def test_yaml_as_first_argument_then_overrides_then_flags(captured, tmp_path):
+    (tmp_path / "run.yaml").write_text("optim:\n  lr: 0.2\ndist:\n  nproc: 3\n")
+    result = invoke(["train", str(tmp_path / "run.yaml"), "optim.lr=0.3", "dist.nproc=1", "--nproc", "2"], tmp_path)
+    assert result.exit_code == 0, result.output
+    cfg = captured[0][2][0]
+    assert cfg.optim.lr == 0.3 and cfg.dist.nproc == 2
+
+
+def test_one_process_runs_in_process_without_group(captured, tmp_path):
+    assert invoke(["train"], tmp_path).exit_code == 0
+    plan = captured[0][0]
+    assert plan.nproc == 1 and plan.backend is None  # CPU default: 1 process, no process group
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train", "--nproc", "0"], "dist.nproc"),
+        (["train", "optim.lrr=1"], "Did you mean: 'lr'"),
+        (["train", "model.name=resnet181"], "Did you mean 'resnet18'"),
+        (["train", "--backend", "nccl"], "nccl needs CUDA"),
+        (["train", "--strategy", "dp"], "needs GPUs"),
+        (["train", "--nproc", "3", "data.batch_size=128"], "must split evenly over 3 processes"),
+        (["train", "--nproc", "2", "data.train_size=8", "data.batch_size=64"], "only has 4 training samples"),
+        (["train", "--gpus", "2,3"], "no NVIDIA GPU"),
+        (["train", "--gpus", "two"], "--gpus"),
+        (["train", "--resume", "nope.pt"], "no such file"),
+        (["train", "--resume", "auto"], "no complete checkpoint"),
+        (["train", "--fast"], "no such option: --fast"),
+        (["train", "data.name=imagefolder", "data.root=/nope"], "does not exist"),
+    ],
+)
+def test_bad_input_exits_2_before_spawning(captured, tmp_path, args, message):
+    result = invoke(args + ["--output-dir", "out"], tmp_path)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert not captured  # nothing was launched
+    assert not (tmp_path / "out").exists()
+
+
+def test_click_type_errors_exit_2(tmp_path):
+    result = invoke(["train", "--nproc", "abc"], tmp_path)
+    assert result.exit_code == 2 and "'abc' is not a valid integer" in result.output
+
+
+def test_existing_checkpoints_need_resume(captured, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save({"model": {}}, out / "checkpoint_10.pt")
+    result = invoke(["train", "--output-dir", str(out)], tmp_path)
+    assert result.exit_code == 2 and "already holds checkpoints" in result.output
+    assert (out / "checkpoint_10.pt").exists()
+
+
+def test_second_job_on_a_locked_output_dir(captured, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (out / ".lock").write_text(str(holder.pid))
+        result = invoke(["train", "--output-dir", str(out)], tmp_path)
+        assert result.exit_code == 2 and f"locked by pid {holder.pid}" in result.output
+    finally:
+        holder.kill()
+        holder.wait()
+    (out / ".lock").write_text("999999999")  # a dead job's lock is taken over
+    assert invoke(["train", "--output-dir", str(out)], tmp_path).exit_code == 0
+    assert not (out / ".lock").exists()
+
+
+def test_help_is_fast_and_lists_commands():
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "ignite_mgpu", "--help"], capture_output=True, text=True, check=True)
+    assert time.monotonic() - start < 5  # the real bound (0.3 s) is measured by benchmarks/, not asserted here
+    for command in ("train", "evaluate", "devices", "checkpoint"):
+        assert command in out.stdout
+    check = "import sys, ignite_mgpu.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", check]).returncode == 0  # torch is imported lazily
+
+
+def test_train_help_documents_every_flag():
+    out = CliRunner().invoke(main, ["train", "--help"]).output
+    for flag in ("--nproc", "--backend", "--gpus", "--strategy", "--nnodes", "--node-rank", "--master-addr",
+                 "--master-port", "--timeout", "--config", "--output-dir", "--resume", "--seed"):
+        assert flag in out
+
+
+def test_devices_without_gpu():
+    result = CliRunner().invoke(main, ["devices"])
+    assert result.exit_code == 0 and "No NVIDIA GPU found" in result.output and "gloo" in result.output

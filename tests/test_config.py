@@ -1,0 +1,84 @@
+"""Config loading: precedence, unknown keys, types and value checks. `python -m pytest tests/test_config.py`."""
+
+import pytest
+
+from ignite_mgpu.config import Config, ConfigError, dump_config, load_config
+
+
+def test_defaults_need_no_file():
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.data.name == "synthetic" and cfg.dist.backend == "auto"
+
+
+def test_precedence_defaults_then_yaml_then_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optim:\n  lr: 0.2\n  name: adamw\ntrain:\n  epochs: 5\n")
+    cfg = load_config(path, ["optim.lr=0.3"])
+    assert cfg.optim.lr == 0.3  # override beats the file
+    assert cfg.optim.name == "adamw"  # file beats the default
+    assert cfg.train.epochs == 5
+    assert cfg.optim.weight_decay == Config().optim.weight_decay  # untouched default
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = load_config(overrides=["optim.lr=0.125", "train.clip_grad_norm=1.5", "dist.gpus=2,3"])
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("optim.lrr=0.1", r"optim.lrr.*Did you mean: 'lr'"),
+        ("optim.name=adam", r"optim.name.*'adam'.*sgd"),
+        ("train.epochs=abc", r"train.epochs.*abc"),
+        ("train.epochs=0", r"train.epochs.*at least 1"),
+        ("data.batch_size=0", r"data.batch_size"),
+        ("optim.lr=nan", r"optim.lr.*finite"),
+        ("dist.nproc=0", r"dist.nproc.*--nproc"),
+        ("dist.backend=mpi", r"dist.backend"),
+        ("dist.node_rank=2", r"dist.node_rank.*0..0"),
+        ("train.clip_grad_norm=-1", r"train.clip_grad_norm"),
+        ("lr", r"'lr' is not of the form key=value"),
+    ],
+)
+def test_bad_values_name_the_key(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=[override])
+
+
+def test_dataset_needing_root(tmp_path):
+    with pytest.raises(ConfigError, match="needs data.root"):
+        load_config(overrides=["data.name=cifar10"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(overrides=["data.name=cifar10", f"data.root={tmp_path}/nope"])
+    with pytest.raises(ConfigError, match=r"root/train/<class>"):
+        load_config(overrides=["data.name=imagefolder", f"data.root={tmp_path}"])
+
+
+def test_yaml_errors(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("trian:\n  epochs: 3\n")
+    with pytest.raises(ConfigError, match=r"trian.*from .*unknown.yaml.*Did you mean: 'train'"):
+        load_config(unknown)
+
+
+def test_multinode_needs_port():
+    with pytest.raises(ConfigError, match="--master-port"):
+        load_config(overrides=["dist.nnodes=2"])
+
+
+def test_yaml_is_parsed_safely(tmp_path):
+    evil = tmp_path / "evil.yaml"
+    evil.write_text("seed: !!python/object/apply:os.system ['touch pwned']\n")
+    with pytest.raises(ConfigError):
+        load_config(evil)
+    assert not (tmp_path / "pwned").exists()

@@ -1,0 +1,61 @@
+"""Datasets and samplers: deterministic synthetic data, exact (unpadded) validation split, size checks.
+`python -m pytest tests/test_data.py`."""
+
+import pytest
+import torch
+from PIL import Image
+
+from ignite_mgpu.config import ConfigError, DataConfig
+from ignite_mgpu.data import SyntheticImages, UnpaddedDistributedSampler, build_datasets, check_sizes
+
+
+def test_synthetic_is_deterministic_and_class_dependent():
+    a = SyntheticImages(64, 10, 16, seed=1, train=True)
+    b = SyntheticImages(64, 10, 16, seed=1, train=True)
+    assert torch.equal(a.images, b.images) and torch.equal(a.targets, b.targets)
+    val = SyntheticImages(64, 10, 16, seed=1, train=False)
+    assert not torch.equal(a.images, val.images)  # a different split, same class patterns
+    means = torch.stack([a.images[a.targets == c].mean(0) for c in a.targets.unique()])
+    assert means.std(0).mean() > 0.05  # class means differ: learnable, not pure noise
+
+
+@pytest.mark.parametrize("n, world", [(101, 2), (10, 3), (4, 4), (3, 4)])
+def test_validation_sampler_counts_every_sample_once(n, world):
+    ds = list(range(n))
+    seen = [i for r in range(world) for i in UnpaddedDistributedSampler(ds, world, r, shuffle=False)]
+    assert sorted(seen) == ds
+    assert sum(len(UnpaddedDistributedSampler(ds, world, r, shuffle=False)) for r in range(world)) == n
+
+
+def test_size_checks():
+    train, val = list(range(100)), list(range(10))
+    check_sizes(train, val, batch_size=64, world_size=2)
+    with pytest.raises(ConfigError, match=r"split evenly over 3 processes.*data.batch_size=63"):
+        check_sizes(train, val, batch_size=64, world_size=3)
+    with pytest.raises(ConfigError, match="only has 50 training samples"):
+        check_sizes(train, val, batch_size=128, world_size=2)
+    with pytest.raises(ConfigError, match="validation dataset is empty"):
+        check_sizes(train, [], batch_size=8, world_size=1)
+
+
+def test_imagefolder_names_a_corrupt_file_or_skips_it(tmp_path):
+    for split in ("train", "val"):
+        for cls in ("a", "b"):
+            folder = tmp_path / split / cls
+            folder.mkdir(parents=True)
+            Image.new("RGB", (12, 12), color=(10, 20, 30)).save(folder / "ok.png")
+    bad = tmp_path / "train" / "a" / "broken.png"
+    bad.write_bytes(b"not an image")
+    cfg = DataConfig(name="imagefolder", root=str(tmp_path), image_size=8)
+    train, _ = build_datasets(cfg, 2, 0)
+    index = [i for i, (p, _) in enumerate(train.inner.samples) if p.endswith("broken.png")][0]
+    with pytest.raises(RuntimeError, match=r"cannot read image .*broken.png.*data.skip_bad_samples=true"):
+        train[index]
+    cfg.skip_bad_samples = True
+    train, _ = build_datasets(cfg, 2, 0)
+    assert train[index] is None and train[(index + 1) % len(train)][0].shape == (3, 8, 8)
+
+
+def test_torchvision_dataset_missing_without_download(tmp_path):
+    with pytest.raises(ConfigError, match="data.name=mnist.*looked in"):
+        build_datasets(DataConfig(name="mnist", root=str(tmp_path)), 10, 0)

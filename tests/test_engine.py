@@ -1,0 +1,178 @@
+"""create_trainer / create_evaluator in one process: accumulation, clipping, precision, loss-in-forward,
+sampler epochs, and the guard's collective stop. `python -m pytest tests/test_engine.py`."""
+
+import math
+import signal
+
+import pytest
+import torch
+from ignite.engine import Events
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from ignite_mgpu import handlers
+from ignite_mgpu.engine import create_evaluator, create_lr_scheduler, create_trainer, unwrap
+from ignite_mgpu.handlers import GuardEvents, TrainingDiverged, TrainingInterrupted, reduce_replica_losses
+
+
+def data(n=32, batch=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch)
+
+
+def linear(seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(6, 3)
+
+
+def fit(model, loader, epochs=1, **kwargs):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = create_trainer(model, opt, nn.CrossEntropyLoss(), device="cpu", **kwargs)
+    trainer.run(loader, max_epochs=epochs)
+    return trainer
+
+
+def test_accumulation_equals_the_large_batch():
+    a, b = linear(), linear()
+    fit(a, data(batch=8))
+    fit(b, data(batch=4), grad_accum_steps=2)  # two micro-batches of 4 make one step of 8
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb)
+
+
+def test_clipping_bounds_the_update():
+    model = linear()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    trainer = create_trainer(model, opt, nn.CrossEntropyLoss(), device="cpu", clip_grad_norm=0.01)
+    trainer.run(data(n=8, batch=8), max_epochs=1)
+    step = torch.cat([(p - q).flatten() for p, q in zip(model.parameters(), before, strict=True)])
+    assert step.norm() <= 0.01 + 1e-6
+
+
+def test_bf16_on_cpu_trains_and_fp16_is_refused():
+    trainer = fit(linear(), data(), epochs=3, precision="bf16")
+    assert math.isfinite(float(trainer.state.output))
+    with pytest.raises(ValueError, match="fp16.*needs CUDA.*bf16"):
+        create_trainer(linear(), torch.optim.SGD(linear().parameters(), lr=0.1), None, device="cpu", precision="fp16")
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        create_trainer(linear(), torch.optim.SGD(linear().parameters(), lr=0.1), None, precision="fp8")
+
+
+def test_loss_goes_down_and_scheduler_steps():
+    model = linear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = create_lr_scheduler(opt, total_steps=16, warmup_steps=4)
+    trainer = create_trainer(model, opt, nn.CrossEntropyLoss(), device="cpu", lr_scheduler=sched, check_every=4)
+    losses = []
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: losses.append(e.state.metrics["train_loss"]))
+    trainer.run(data(), max_epochs=4)
+    assert losses[-1] < losses[0]
+    assert sched.last_epoch == 16 and opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-9)
+
+
+class LossModel(nn.Module):
+    """A model whose forward returns its own loss, as in many notebooks."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = linear()
+
+    def forward(self, x, y=None):
+        logits = self.net(x)
+        return logits if y is None else nn.functional.cross_entropy(logits, y)
+
+
+def test_loss_computed_in_forward():
+    a, b = LossModel(), linear()
+    fit(b, data())
+    opt = torch.optim.SGD(a.parameters(), lr=0.1)
+    create_trainer(a, opt, None, device="cpu").run(data(), max_epochs=1)
+    for pa, pb in zip(a.net.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb)
+
+
+def test_forward_returning_a_vector_is_named():
+    class Bad(LossModel):
+        def forward(self, x, y=None):
+            return super().forward(x).sum(1)
+
+    model = Bad()
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None, device="cpu")
+    with pytest.raises(TypeError, match=r"0-dim tensor.*shape \(8,\)"):
+        trainer.run(data(), max_epochs=1)
+
+
+def fake_data_parallel(n_devices):
+    dp = nn.DataParallel.__new__(nn.DataParallel)
+    nn.Module.__init__(dp)
+    dp.device_ids = list(range(n_devices))
+    return dp
+
+
+@pytest.mark.parametrize("batch, n_devices", [(10, 4), (7, 3), (5, 4), (8, 2)])
+def test_uneven_replica_losses_reduce_to_the_batch_loss(batch, n_devices):
+    g = torch.Generator().manual_seed(batch)
+    logits, y = torch.randn(batch, 5, generator=g), torch.randint(0, 5, (batch,), generator=g)
+    # What DataParallel returns: one mean loss per replica, chunked as its scatter chunks (10 on 4 -> 3/3/3/1).
+    per_replica = torch.stack(
+        [nn.functional.cross_entropy(lc, yc) for lc, yc in zip(logits.chunk(n_devices), y.chunk(n_devices), strict=True)]
+    )
+    reduced = reduce_replica_losses(per_replica, fake_data_parallel(n_devices), batch)
+    torch.testing.assert_close(reduced, nn.functional.cross_entropy(logits, y))
+    if batch % n_devices:
+        assert not torch.allclose(per_replica.mean(), reduced)  # the plain mean would be wrong here
+
+
+def test_sampler_epoch_is_set_every_epoch():
+    ds = TensorDataset(torch.arange(32).float().view(-1, 1), torch.zeros(32, dtype=torch.long))
+    sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=3)
+    orders = []
+    model = nn.Linear(1, 2)
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.0), nn.CrossEntropyLoss(), device="cpu")
+    trainer.add_event_handler(Events.EPOCH_STARTED, lambda e: orders.append(list(iter(sampler))))
+    trainer.run(DataLoader(ds, batch_size=8, sampler=sampler), max_epochs=3)
+    assert sampler.epoch == 2
+    assert orders[0] != orders[1] != orders[2]
+
+
+def test_guard_stops_on_nan_naming_the_iteration():
+    class NanAt(LossModel):
+        def forward(self, x, y=None):
+            self.calls = getattr(self, "calls", 0) + 1
+            loss = super().forward(x, y)
+            return loss * float("nan") if self.calls == 6 else loss
+
+    model = NanAt()
+    saved = []
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None, device="cpu", check_every=4)
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: saved.append(e.state.iteration))
+    with pytest.raises(TrainingDiverged, match="iteration 6 on rank 0; every rank stopped at iteration 8") as err:
+        trainer.run(data(n=80), max_epochs=1)
+    assert err.value.exit_code == 3
+
+
+def test_guard_stops_on_signal_after_the_stopping_event(monkeypatch):
+    monkeypatch.setattr(handlers, "_stop_signal", 0)
+    model = linear()
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
+                             device="cpu", check_every=3)
+    stopping = []
+    trainer.add_event_handler(GuardEvents.STOPPING, lambda e: stopping.append(e.state.iteration))
+    trainer.add_event_handler(Events.ITERATION_COMPLETED(once=2), lambda: handlers.request_stop(signal.SIGTERM))
+    with pytest.raises(TrainingInterrupted, match="SIGTERM at iteration 3") as err:
+        trainer.run(data(n=80), max_epochs=1)
+    assert err.value.exit_code == 143 and stopping == [3]
+
+
+def test_evaluator_metrics_and_unwrap():
+    from ignite.metrics import Accuracy
+
+    model = linear()
+    state = create_evaluator(model, {"acc": Accuracy()}, device="cpu").run(data())
+    loader = data()
+    x, y = next(iter(DataLoader(loader.dataset, batch_size=32)))
+    assert state.metrics["acc"] == pytest.approx((model(x).argmax(1) == y).float().mean().item())
+    assert unwrap(nn.DataParallel(model)) is model
