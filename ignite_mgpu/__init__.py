@@ -7,7 +7,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "launch": "ignite_mgpu.launch",
+    "launch": "ignite_mgpu.launcher",
     "create_trainer": "ignite_mgpu.engine",
     "create_evaluator": "ignite_mgpu.engine",
     "load_checkpoint": "ignite_mgpu.checkpoint",

@@ -67,7 +67,8 @@ class SafeDiskSaver(DiskSaver):
             kept = ", ".join(sorted(p.name for p in Path(self.dirname).glob("checkpoint_*.pt"))) or "none"
             raise CheckpointError(f"saving {path.name} failed ({err}); kept the previous checkpoints: {kept}") from err
         for name in self._pending:
-            (Path(self.dirname) / name).unlink(missing_ok=True)
+            if name != path.name:  # ignite "removes" a file it is about to overwrite under the same name
+                (Path(self.dirname) / name).unlink(missing_ok=True)
         self._pending.clear()
 
     def remove(self, filename: str) -> None:
@@ -257,6 +258,21 @@ class RunInfo:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.loaded = dict(state)
+
+
+_BEST_NAME = re.compile(r"^best_model_(\d+)_val_\w+=(-?[\d.]+)\.pt$")
+
+
+def adopt_existing(full: Checkpoint, best: Checkpoint, dirname: str | Path, sign: float) -> None:
+    """On resume, let the handlers manage the files the interrupted run left (keep n_saved, one best)."""
+    found = [(int(m.group(1)), p.name) for p in list_checkpoints(dirname) if (m := _CKPT_NAME.match(p.name))]
+    full.load_state_dict({"_saved": sorted(found)})
+    bests = [
+        (sign * float(m.group(2)), p.name)
+        for p in Path(dirname).glob("best_model_*.pt")
+        if (m := _BEST_NAME.match(p.name))
+    ]
+    best.load_state_dict({"_saved": sorted(bests)})
 
 
 def create_checkpointers(

@@ -183,11 +183,14 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
     with _errors_to_exit():
         cfg = _load(args, config_path, flags)
         from ignite_mgpu.data import build_datasets, check_sizes
-        from ignite_mgpu.launch import make_plan, run_plan
+        from ignite_mgpu.launcher import make_plan, run_plan
         from ignite_mgpu.models import check_model_name
 
         check_model_name(cfg.model.name)
-        if cfg.dist.node_rank == 0:  # other nodes may share the folder (NFS) and see node 0's new files
+        # Only the job's first process checks and locks output_dir: other nodes may share it (NFS), and under
+        # torchrun/SLURM every process runs this command.
+        leader = cfg.dist.node_rank == 0 and int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
+        if leader:
             check_output_dir(cfg)
         plan = make_plan(cfg.dist)
         train_ds, val_ds = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
@@ -195,7 +198,7 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
         del train_ds, val_ds
     from ignite_mgpu.train import training
 
-    lock = _output_lock(Path(cfg.output_dir)) if cfg.dist.node_rank == 0 else contextlib.nullcontext()
+    lock = _output_lock(Path(cfg.output_dir)) if leader else contextlib.nullcontext()
     with lock:
         code = run_plan(plan, training, cfg)
     sys.exit(code)
@@ -218,10 +221,13 @@ def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | Non
     with _errors_to_exit():
         cfg = _load(args, config_path, flags)
         from ignite_mgpu import checkpoint as ckpt
-        from ignite_mgpu.launch import make_plan, run_plan
+        from ignite_mgpu.data import build_datasets
+        from ignite_mgpu.launcher import make_plan, run_plan
         from ignite_mgpu.models import create_model
 
-        ckpt.load_checkpoint(checkpoint_path, {"model": create_model(cfg.model)}, map_location="cpu")
+        _, val_ds = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
+        model = create_model(cfg.model, val_ds[0][0].unsqueeze(0))
+        ckpt.load_checkpoint(checkpoint_path, {"model": model}, map_location="cpu")
         plan = make_plan(cfg.dist)
     from ignite_mgpu.train import evaluation
 

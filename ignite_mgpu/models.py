@@ -68,6 +68,14 @@ def _resolve(name: str):  # noqa: ANN202 - returns a constructor taking num_clas
     )
 
 
-def create_model(cfg: ModelConfig) -> nn.Module:
-    """Build the model (randomly initialised, no downloaded weights) on the CPU."""
-    return _resolve(cfg.name)(num_classes=cfg.num_classes)
+def create_model(cfg: ModelConfig, example: torch.Tensor | None = None) -> nn.Module:
+    """Build the model (randomly initialised, no downloaded weights) on the CPU.
+
+    ``example`` (one input batch) materialises lazy layers such as ``nn.LazyLinear``: DDP refuses
+    uninitialised parameters.
+    """
+    model = _resolve(cfg.name)(num_classes=cfg.num_classes)
+    if example is not None and any(isinstance(p, nn.parameter.UninitializedParameter) for p in model.parameters()):
+        with torch.no_grad():
+            model(example)
+    return model

@@ -14,7 +14,7 @@ from typing import Any
 import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
-from ignite.handlers import global_step_from_engine
+from ignite.handlers import Checkpoint, global_step_from_engine
 from ignite.metrics import Accuracy, Loss
 from ignite.utils import manual_seed
 from torch import nn
@@ -80,7 +80,8 @@ def training(local_rank: int, cfg: Config) -> None:
     logger.info("world size %d, backend %s, device %s", world_size, idist.backend(), idist.device())
 
     train_loader, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
-    model = place_model(create_model(cfg.model), cfg)
+    example = train_loader.dataset[0][0].unsqueeze(0)  # type: ignore[index]  # map-style (image, label)
+    model = place_model(create_model(cfg.model, example), cfg)
     o, t = cfg.optim, cfg.train
     optimizer = create_optimizer(model, o.name, o.lr, o.momentum, o.weight_decay)
     steps_per_epoch = (t.epoch_length or len(train_loader)) / t.grad_accum_steps
@@ -117,22 +118,26 @@ def training(local_rank: int, cfg: Config) -> None:
     }  # type: ignore[attr-defined]  # set by create_trainer
     report = EpochReport(out / "metrics.jsonl", cfg.data.batch_size, evaluator, model_devices(model))
     report.attach(trainer)
-    best = attach_checkpoints(trainer, evaluator, to_save, cfg)
+    full, best = attach_checkpoints(trainer, evaluator, to_save, cfg)
     if t.progress_bar and rank == 0 and sys.stderr.isatty():
         from ignite.handlers import ProgressBar
 
         ProgressBar(persist=False).attach(
             trainer, event_name=Events.ITERATION_COMPLETED(every=check_every), state_attributes=["running_loss"]
         )
-    if cfg.resume and not resume(cfg, to_save, world_size):
-        return
+    if cfg.resume:
+        if not resume(cfg, to_save, world_size):
+            return
+        ckpt.adopt_existing(full, best, cfg.output_dir, 1.0 if cfg.checkpoint.metric == "accuracy" else -1.0)
     trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
     if rank == 0:
         summary = report.last | {"best_model": str(best.last_checkpoint) if best.last_checkpoint else None}
         logger.info("finished: %s", json.dumps(summary))
 
 
-def attach_checkpoints(trainer: Engine, evaluator: Engine, to_save: dict[str, Any], cfg: Config) -> Any:
+def attach_checkpoints(
+    trainer: Engine, evaluator: Engine, to_save: dict[str, Any], cfg: Config
+) -> tuple[Checkpoint, Checkpoint]:
     """Full state every N epochs / iterations and on a stop signal; the best unwrapped model after validation."""
     c = cfg.checkpoint
     full, best = ckpt.create_checkpointers(
@@ -146,7 +151,7 @@ def attach_checkpoints(trainer: Engine, evaluator: Engine, to_save: dict[str, An
     if c.save_on_stop:
         trainer.add_event_handler(GuardEvents.STOPPING, full)
     evaluator.add_event_handler(Events.COMPLETED, best)
-    return best
+    return full, best
 
 
 def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
@@ -187,7 +192,7 @@ def evaluation(local_rank: int, cfg: Config, checkpoint_path: str, as_json: bool
     rank = idist.get_rank()
     setup_logging(rank)
     _, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
-    model = create_model(cfg.model)
+    model = create_model(cfg.model, val_loader.dataset[0][0].unsqueeze(0))  # type: ignore[index]  # map-style
     ckpt.load_checkpoint(checkpoint_path, {"model": model}, map_location="cpu")
     model = idist.auto_model(model)
     metrics = {"accuracy": Accuracy(), "loss": Loss(nn.CrossEntropyLoss())}

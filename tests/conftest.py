@@ -47,8 +47,13 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 120, env: dict | None =
         full_env.pop(var, None)
     start = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ignite_mgpu", *args], cwd=cwd, env=full_env, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        [sys.executable, "-m", "ignite_mgpu", *args],
+        cwd=cwd,
+        env=full_env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
     )
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -63,6 +68,10 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 120, env: dict | None =
 
 # Small, fast settings shared by the CLI tests: 256 + 101 synthetic 16x16 images.
 TINY = [
-    "data.train_size=256", "data.val_size=101", "data.image_size=16", "data.batch_size=32",
-    "train.epochs=2", "train.check_every=4",
+    "data.train_size=256",
+    "data.val_size=101",
+    "data.image_size=16",
+    "data.batch_size=32",
+    "train.epochs=2",
+    "train.check_every=4",
 ]

@@ -95,8 +95,12 @@ def test_mismatched_model_lists_keys_and_loads_nothing(tmp_path):
 def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     model = small()
     trainer = Engine(lambda e, b: None)
-    handler = Checkpoint({"model": model, "trainer": trainer}, ckpt.SafeDiskSaver(tmp_path), n_saved=1,
-                         global_step_transform=lambda e, _: e.state.iteration)
+    handler = Checkpoint(
+        {"model": model, "trainer": trainer},
+        ckpt.SafeDiskSaver(tmp_path),
+        n_saved=1,
+        global_step_transform=lambda e, _: e.state.iteration,
+    )
     trainer.state.iteration = 2
     handler(trainer)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["checkpoint_2.pt"]
@@ -130,8 +134,9 @@ def test_best_model_loads_into_torchvision_resnet(tmp_path):
     evaluator.state.metrics = {"accuracy": 0.5}
     trainer = Engine(lambda e, b: None)
     trainer.state.epoch = 3
-    _, best = ckpt.create_checkpointers({"model": model}, nn.DataParallel(model), tmp_path, 1, "accuracy",
-                                        lambda e, _: trainer.state.epoch)
+    _, best = ckpt.create_checkpointers(
+        {"model": model}, nn.DataParallel(model), tmp_path, 1, "accuracy", lambda e, _: trainer.state.epoch
+    )
     best(evaluator)
     (path,) = tmp_path.glob("best_model_3_val_accuracy=0.5000.pt")
     torchvision.models.resnet18(num_classes=10).load_state_dict(torch.load(path, weights_only=True))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ignite_mgpu import launch
+from ignite_mgpu import launcher
 from ignite_mgpu.cli import main
 
 
@@ -21,7 +21,7 @@ def captured(monkeypatch):
         calls.append((plan, fn, args))
         return 0
 
-    monkeypatch.setattr(launch, "run_plan", fake_run_plan)
+    monkeypatch.setattr(launcher, "run_plan", fake_run_plan)
     return calls
 
 
@@ -31,8 +31,24 @@ def invoke(args, cwd):
 
 
 def test_flags_and_overrides_reach_the_config(captured, tmp_path):
-    result = invoke(["train", "--nproc", "2", "--backend", "gloo", "optim.lr=0.01", "train.epochs=3",
-                     "--output-dir", "out", "--timeout", "20", "--seed", "7"], tmp_path)
+    result = invoke(
+        [
+            "train",
+            "--nproc",
+            "2",
+            "--backend",
+            "gloo",
+            "optim.lr=0.01",
+            "train.epochs=3",
+            "--output-dir",
+            "out",
+            "--timeout",
+            "20",
+            "--seed",
+            "7",
+        ],
+        tmp_path,
+    )
     assert result.exit_code == 0, result.output
     plan, fn, (cfg,) = captured[0]
     assert fn.__name__ == "training"
@@ -125,8 +141,21 @@ def test_help_is_fast_and_lists_commands():
 
 def test_train_help_documents_every_flag():
     out = CliRunner().invoke(main, ["train", "--help"]).output
-    for flag in ("--nproc", "--backend", "--gpus", "--strategy", "--nnodes", "--node-rank", "--master-addr",
-                 "--master-port", "--timeout", "--config", "--output-dir", "--resume", "--seed"):
+    for flag in (
+        "--nproc",
+        "--backend",
+        "--gpus",
+        "--strategy",
+        "--nnodes",
+        "--node-rank",
+        "--master-addr",
+        "--master-port",
+        "--timeout",
+        "--config",
+        "--output-dir",
+        "--resume",
+        "--seed",
+    ):
         assert flag in out
 
 

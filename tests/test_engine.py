@@ -118,7 +118,10 @@ def test_uneven_replica_losses_reduce_to_the_batch_loss(batch, n_devices):
     logits, y = torch.randn(batch, 5, generator=g), torch.randint(0, 5, (batch,), generator=g)
     # What DataParallel returns: one mean loss per replica, chunked as its scatter chunks (10 on 4 -> 3/3/3/1).
     per_replica = torch.stack(
-        [nn.functional.cross_entropy(lc, yc) for lc, yc in zip(logits.chunk(n_devices), y.chunk(n_devices), strict=True)]
+        [
+            nn.functional.cross_entropy(lc, yc)
+            for lc, yc in zip(logits.chunk(n_devices), y.chunk(n_devices), strict=True)
+        ]
     )
     reduced = reduce_replica_losses(per_replica, fake_data_parallel(n_devices), batch)
     torch.testing.assert_close(reduced, nn.functional.cross_entropy(logits, y))
@@ -157,8 +160,9 @@ def test_guard_stops_on_nan_naming_the_iteration():
 def test_guard_stops_on_signal_after_the_stopping_event(monkeypatch):
     monkeypatch.setattr(handlers, "_stop_signal", 0)
     model = linear()
-    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(),
-                             device="cpu", check_every=3)
+    trainer = create_trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), device="cpu", check_every=3
+    )
     stopping = []
     trainer.add_event_handler(GuardEvents.STOPPING, lambda e: stopping.append(e.state.iteration))
     trainer.add_event_handler(Events.ITERATION_COMPLETED(once=2), lambda: handlers.request_stop(signal.SIGTERM))

@@ -1,0 +1,457 @@
+"""What ignite-mgpu costs over a hand-written PyTorch DDP loop, on 2 gloo processes with one thread each.
+
+Measures, with (a) a hand-written loop and (b) ``ignite_mgpu.train.training`` as ``ignite-mgpu train`` runs it:
+time per iteration on a tiny MLP and on the default small CNN, 2-vs-1 process scaling, launch to the first
+finished iteration, ``ignite-mgpu --help``, and the extra Python calls per iteration (cProfile, rank 0).
+(a) and (b) alternate (a b a b ...) inside the same worker processes; a ratio is printed only when their final
+weights are bit-identical, which proves that both did the same work.
+
+Run: python benchmarks/bench_overhead.py [--rounds 5] [--iters N] [--quick] [--json results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+# Set before torch is imported in this process or any process it starts: one thread per process.
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
+
+WORKLOADS = {  # name -> title, global batch, iterations per measured epoch (default, --quick), config overrides
+    "mlp": ("tiny MLP", 32, 1000, 30, ["model.name=mlp", "data.image_size=8", "data.batch_size=32"]),
+    "cnn": ("small CNN", 128, 50, 6, ["model.name=simple_cnn"]),
+}
+TARGETS = {"mlp": 1.03, "cnn": 1.01, "scaling": 0.02, "startup": 1.15, "help_s": 0.3, "calls": 100}
+PROFILE_ITERS = (20, 60)  # call counts are taken at two run lengths; the difference cancels set-up and teardown
+EPOCHS = 2  # the first epoch warms up (allocations, DDP buckets); the second one is measured
+
+
+def make_config(workload: str, iters: int, epochs: int, output_dir: str | Path, nproc: int) -> Any:
+    """The run's Config, built like ``ignite-mgpu train`` builds it (defaults < overrides, then validated).
+
+    One epoch is one full pass (train_size = iters * batch), so every epoch starts a fresh, re-shuffled
+    sampler pass. The full checkpoint is written once, after the last epoch, outside the timed part: it holds
+    the final weights compared with (a). Validation runs on 256 samples (also outside the timed part).
+    """
+    from ignite_mgpu.config import load_config
+
+    _, batch, _, _, overrides = WORKLOADS[workload]
+    return load_config(
+        None,
+        [
+            *overrides,
+            f"data.train_size={iters * batch}",
+            "data.val_size=256",
+            f"train.epochs={epochs}",
+            "train.progress_bar=false",
+            f"checkpoint.every={epochs}",
+            "dist.backend=gloo",
+            f"dist.nproc={nproc}",
+            f"output_dir={output_dir}",
+            "seed=0",
+        ],
+    )
+
+
+# ------------------------------------------------------------------------------------ (a) the hand-written loop
+
+
+def hand_written(cfg: Any) -> tuple[list[float], dict[str, Any]]:
+    """(a): the job of ``training(cfg)`` written out by hand, without engine, handlers or validation.
+
+    Model, data, optimizer and schedule come from ignite_mgpu's factories so both runs start identical; the loop
+    is plain PyTorch. Returns (ms per iteration of each epoch, final weights). Timed like ignite times an epoch:
+    from before ``set_epoch`` to after the last scheduler step.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from ignite_mgpu.data import build_datasets
+    from ignite_mgpu.engine import create_lr_scheduler, create_optimizer
+    from ignite_mgpu.models import create_model
+
+    distributed = dist.is_available() and dist.is_initialized()
+    world_size, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
+    torch.manual_seed(cfg.seed)  # the generator state training() has when it builds the model
+    train_ds, _ = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
+    sampler = DistributedSampler(train_ds, world_size, rank, shuffle=cfg.data.shuffle, seed=cfg.seed)
+    loader = DataLoader(train_ds, batch_size=cfg.data.batch_size // world_size, sampler=sampler)
+    net = create_model(cfg.model, train_ds[0][0].unsqueeze(0))
+    model = DistributedDataParallel(net) if distributed else net
+    o = cfg.optim
+    optimizer = create_optimizer(model, o.name, o.lr, o.momentum, o.weight_decay)
+    steps = len(loader)
+    total, warmup = steps * cfg.train.epochs, round(steps * o.warmup_epochs)
+    scheduler = create_lr_scheduler(optimizer, total, warmup, o.scheduler == "cosine")
+    loss_fn = nn.CrossEntropyLoss()
+    ms_per_iter = []
+    for epoch in range(cfg.train.epochs):
+        start = time.perf_counter()
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
+        model.train()
+        for x, y in loader:
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()  # DDP all-reduces the gradients here
+            optimizer.step()
+            scheduler.step()
+        ms_per_iter.append(1000 * (time.perf_counter() - start) / steps)
+    return ms_per_iter, {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+# ------------------------------------------------------------------------------------ (b) ignite-mgpu, and checks
+
+
+def ignite_run(local_rank: int, cfg: Any) -> tuple[list[float], dict[str, Any]] | None:
+    """(b): ``training`` itself. On rank 0 returns (ms per iteration of each epoch, final weights)."""
+    import torch.distributed as dist
+
+    from ignite_mgpu.checkpoint import read_checkpoint
+    from ignite_mgpu.train import training
+
+    training(local_rank, cfg)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    out = Path(cfg.output_dir)
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (final,) = out.glob("checkpoint_*.pt")  # checkpoint.every=epochs: exactly one, after the last epoch
+    return [line["time_per_iter_ms"] for line in lines], read_checkpoint(final)["model"]
+
+
+def bitwise_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+    """None when both state_dicts hold the same keys and bit-identical tensors, else what differs."""
+    import torch
+
+    if a.keys() != b.keys():
+        return f"different keys: {sorted(a.keys() ^ b.keys())[:4]}"
+    for k in a:
+        x, y = a[k], b[k]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return f"{k}: {x.dtype} {tuple(x.shape)} vs {y.dtype} {tuple(y.shape)}"
+        if not torch.equal(x.contiguous().view(-1).view(torch.uint8), y.contiguous().view(-1).view(torch.uint8)):
+            return f"{k} differs (max |a-b| = {(x.double() - y.double()).abs().max().item():.3g})"
+    return None
+
+
+def count_calls(fn: Any, profile: bool) -> dict[str, int]:
+    """Run ``fn()``; when ``profile``, return cProfile's call count of every function (file:line(name))."""
+    if not profile:
+        fn()
+        return {}
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        fn()
+    finally:
+        prof.disable()
+    return {f"{Path(f).name}:{line}({name})": v[1] for (f, line, name), v in pstats.Stats(prof).stats.items()}
+
+
+def calls_per_iteration(worker_dir: Path, workload: str, nproc: int, local_rank: int, rank: int) -> dict[str, Any]:
+    """Python calls per iteration in rank 0, (a) and (b): (calls at n2 - calls at n1) / (n2 - n1)."""
+    per_iter: dict[str, dict[str, float]] = {}
+    n1, n2 = PROFILE_ITERS
+    for name in ("hand-written", "ignite-mgpu"):
+        counts = []
+        for n in (n1, n2):
+            cfg = make_config(workload, n, 1, worker_dir / f"calls-{workload}-{name}-{n}", nproc)
+            if name == "hand-written":
+                counts.append(count_calls(lambda c=cfg: hand_written(c), profile=rank == 0))
+            else:
+                counts.append(count_calls(lambda c=cfg: ignite_run(local_rank, c), profile=rank == 0))
+        per_iter[name] = {k: (counts[1].get(k, 0) - counts[0].get(k, 0)) / (n2 - n1) for k in counts[1]}
+    if rank != 0:
+        return {}
+    a, b = per_iter["hand-written"], per_iter["ignite-mgpu"]
+    extra = {k: b.get(k, 0) - a.get(k, 0) for k in a.keys() | b.keys()}
+    top = sorted(((v, k) for k, v in extra.items() if v > 0), reverse=True)[:15]
+    return {
+        "hand-written": sum(a.values()),
+        "ignite-mgpu": sum(b.values()),
+        "extra": sum(extra.values()),
+        "top_extra": [[k, round(v, 2)] for v, k in top],
+    }
+
+
+def session_worker(local_rank: int, spec: dict[str, Any]) -> None:
+    """In every process: for each workload and round, run (a) then (b) and record rank 0's figures."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    root = Path(spec["dir"])
+    results: dict[str, Any] = {"runs": [], "calls": {}}
+    for workload in spec["workloads"]:
+        for r in range(spec["rounds"]):
+            runs = {}
+            for name in ("hand-written", "ignite-mgpu"):
+                cfg = make_config(workload, spec["iters"][workload], EPOCHS, root / f"{workload}-{name}-{r}", spec["nproc"])
+                runs[name] = hand_written(cfg) if name == "hand-written" else ignite_run(local_rank, cfg)
+                gc.collect()  # outside the timed epochs; both loops start with a clean heap
+            if rank == 0:
+                (ms_a, state_a), (ms_b, state_b) = runs["hand-written"], runs["ignite-mgpu"]
+                results["runs"].append(
+                    {"workload": workload, "round": r, "hand-written": ms_a[-1], "ignite-mgpu": ms_b[-1],
+                     "difference": bitwise_difference(state_a, state_b)}  # fmt: skip
+                )
+        if spec["profile"]:
+            results["calls"][workload] = calls_per_iteration(root, workload, spec["nproc"], local_rank, rank)
+    if rank == 0:
+        (root / "results.json").write_text(json.dumps(results))
+
+
+def run_session(tmp: Path, nproc: int, workloads: list[str], rounds: int, iters: dict, profile: bool) -> dict:
+    """One ``launch`` of ``nproc`` gloo processes in a fresh interpreter; returns rank 0's results."""
+    spec = {"dir": str(tmp / f"session-{nproc}"), "nproc": nproc, "workloads": workloads, "rounds": rounds,
+            "iters": iters, "profile": profile}  # fmt: skip
+    Path(spec["dir"]).mkdir(parents=True)
+    log = Path(spec["dir"], "session.log")
+    with log.open("w") as f:
+        code = subprocess.call([sys.executable, __file__, "--session", json.dumps(spec)], stdout=f, stderr=f)
+    if code:
+        sys.exit(f"benchmark session with {nproc} process(es) failed (exit {code}); its log:\n{log.read_text()[-4000:]}")
+    return json.loads(Path(spec["dir"], "results.json").read_text())
+
+
+def session_main(spec_json: str) -> None:
+    from ignite_mgpu import launch
+
+    spec = json.loads(spec_json)
+    launch(session_worker, spec, nproc=spec["nproc"], backend="gloo")
+
+
+# ------------------------------------------------------------------------------------ start-up and --help
+
+
+def reference_worker(rank: int, out: str) -> None:
+    """The hand-written spawn script's worker: the default job's model and data, one DDP iteration."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(4096, 3, 32, 32, generator=g), torch.randint(10, (4096,), generator=g))
+    net = nn.Sequential(  # the layers of ignite_mgpu.models.SimpleCNN
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(), nn.Linear(32 * 4 * 4, 10),
+    )  # fmt: skip
+    model = nn.parallel.DistributedDataParallel(net)
+    sampler = DistributedSampler(data, 2, rank, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=64, sampler=sampler)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4, nesterov=True)
+    sampler.set_epoch(0)
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+    if rank == 0:
+        Path(out, "first_iteration").write_text("done\n")
+    dist.destroy_process_group()
+
+
+def console_script() -> str:
+    """The ``ignite-mgpu`` script of this interpreter's environment (not a shell shim in front of it)."""
+    local = Path(sys.executable).with_name("ignite-mgpu")
+    return str(local) if local.exists() else (shutil.which("ignite-mgpu") or "ignite-mgpu")
+
+
+def time_to_first_iteration(tmp: Path, rounds: int) -> dict[str, list[float]]:
+    """Seconds from starting the command to rank 0 finishing its first iteration (a marker file's mtime).
+
+    ignite-mgpu's marker is metrics.jsonl, written after its one-iteration epoch plus a 2-sample validation.
+    """
+    found: dict[str, list[float]] = {"hand-written": [], "ignite-mgpu": []}
+    for r in range(rounds):
+        for name in found:
+            out = tmp / f"startup-{name}-{r}"
+            if name == "hand-written":
+                out.mkdir()
+                cmd, marker = [sys.executable, __file__, "--reference-spawn", str(out)], out / "first_iteration"
+            else:
+                cmd = [console_script(), "train", "--nproc", "2", "--backend", "gloo", "--output-dir", str(out),
+                       "train.epochs=1", "train.epoch_length=1", "data.val_size=2", "checkpoint.every=0",
+                       "train.progress_bar=false"]  # fmt: skip
+                marker = out / "metrics.jsonl"
+            start = time.time()
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if proc.returncode or not marker.exists():
+                sys.exit(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            found[name].append(marker.stat().st_mtime - start)
+    return found
+
+
+def help_seconds(rounds: int) -> list[float]:
+    found = []
+    for _ in range(max(3, rounds)):
+        start = time.perf_counter()
+        subprocess.run([console_script(), "--help"], capture_output=True, check=True)
+        found.append(time.perf_counter() - start)
+    return found
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def machine() -> str:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cores = len(os.sched_getaffinity(0))
+    return (
+        f"{cpu}, {cores} cores usable ({os.cpu_count()} online), {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}, torch {metadata.version('torch')}, "
+        f"pytorch-ignite {metadata.version('pytorch-ignite')}, ignite-mgpu {metadata.version('ignite-mgpu')}"
+    )
+
+
+def spread(values: list[float], digits: int = 3) -> str:
+    """median (min–max)"""
+    med = statistics.median(values)
+    return f"{med:.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})" if len(values) > 1 else f"{med:.{digits}f}"
+
+
+def verdict(ok: bool | None) -> str:
+    return "—" if ok is None else ("yes" if ok else "**no**")
+
+
+def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float], quick: bool) -> tuple[str, dict]:
+    """The markdown tables and a JSON summary. Ratios only for workloads whose weights matched bit for bit."""
+    lines = [
+        "| workload | procs | loop | ms / iteration, median (min–max) | ignite-mgpu / hand-written | target | met |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    summary: dict[str, Any] = {"per_iteration": {}, "refused": []}
+    for nproc, res in sorted(sessions.items(), reverse=True):
+        for workload in dict.fromkeys(run["workload"] for run in res["runs"]):
+            runs = [run for run in res["runs"] if run["workload"] == workload]
+            a, b = [run["hand-written"] for run in runs], [run["ignite-mgpu"] for run in runs]
+            bad = [run["difference"] for run in runs if run["difference"]]
+            target = TARGETS[workload] if nproc == 2 else None
+            title = WORKLOADS[workload][0]
+            lines.append(f"| {title} | {nproc} | hand-written | {spread(a)} | | | |")
+            if bad:
+                cell, ok = f"refused: final weights differ in {len(bad)}/{len(runs)} runs ({bad[0]})", False
+                summary["refused"].append(f"{title}, {nproc} procs: {bad[0]}")
+            else:
+                ratios = [y / x for x, y in zip(a, b)]  # paired: (a) and (b) of the same round
+                ok = statistics.median(ratios) <= target if target else None
+                cell = spread(ratios)
+            lines.append(
+                f"| {title} | {nproc} | ignite-mgpu | {spread(b)} | {cell} | "
+                f"{f'≤ {target}' if target else '—'} | {verdict(ok)} |"
+            )
+            summary["per_iteration"][f"{workload}/{nproc}"] = {"hand-written": a, "ignite-mgpu": b, "met": ok,
+                                                               "identical": f"{len(runs) - len(bad)}/{len(runs)}"}  # fmt: skip
+    lines += ["", "| measurement | hand-written | ignite-mgpu | comparison | target | met |", "|---|---|---|---|---|---|"]
+    per = summary["per_iteration"]
+    if "cnn/1" in per and "cnn/2" in per and not summary["refused"]:
+        scale = {n: statistics.median(per["cnn/1"][n]) / statistics.median(per["cnn/2"][n]) for n in per["cnn/1"]
+                 if n in ("hand-written", "ignite-mgpu")}  # fmt: skip
+        rel = scale["ignite-mgpu"] / scale["hand-written"]
+        ok = abs(rel - 1) <= TARGETS["scaling"]
+        summary["scaling"] = scale | {"relative": rel, "met": ok}
+        lines.append(
+            f"| small CNN throughput, 2 procs / 1 proc | {scale['hand-written']:.3f}× | {scale['ignite-mgpu']:.3f}× "
+            f"| {rel:.3f} | within ±{TARGETS['scaling']:.0%} | {verdict(ok)} |"
+        )
+    else:
+        lines.append("| small CNN throughput, 2 procs / 1 proc | skipped | | | | |")
+    if startup:
+        rel = statistics.median(startup["ignite-mgpu"]) / statistics.median(startup["hand-written"])
+        ok = rel <= TARGETS["startup"]
+        summary["startup"] = startup | {"relative": rel, "met": ok}
+        lines.append(
+            f"| launch → first finished iteration, 2 procs (s) | {spread(startup['hand-written'], 2)} | "
+            f"{spread(startup['ignite-mgpu'], 2)} | {rel:.2f}× | ≤ {TARGETS['startup']}× | {verdict(ok)} |"
+        )
+    else:
+        lines.append("| launch → first finished iteration, 2 procs (s) | skipped | | | | |")
+    ok = statistics.median(help_s) < TARGETS["help_s"]
+    summary["help_s"] = {"values": help_s, "met": ok}
+    lines.append(f"| `ignite-mgpu --help` (s) | | {spread(help_s, 3)} | | < {TARGETS['help_s']} s | {verdict(ok)} |")
+    calls = sessions.get(2, {}).get("calls", {})
+    for workload, c in calls.items():
+        ok = c["extra"] <= TARGETS["calls"]
+        lines.append(
+            f"| Python calls / iteration, rank 0, {WORKLOADS[workload][0]} (cProfile) | {c['hand-written']:.1f} "
+            f"| {c['ignite-mgpu']:.1f} | +{c['extra']:.1f} | ≤ +{TARGETS['calls']} | {verdict(ok)} |"
+        )
+    summary["calls"] = calls
+    if quick:
+        lines += ["", "(--quick: one short round; the timings are not meaningful, only the checks are)"]
+    return "\n".join(lines), summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="(a, b) pairs per workload [5]")
+    parser.add_argument("--iters", type=int, help="iterations per measured epoch [mlp 1000, cnn 50]")
+    parser.add_argument("--quick", action="store_true", help="one short round, MLP and CNN on 2 procs only")
+    parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
+    parser.add_argument("--session", help=argparse.SUPPRESS)
+    parser.add_argument("--reference-spawn", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.session:
+        session_main(args.session)
+        return 0
+    if args.reference_spawn:
+        import torch.multiprocessing as mp
+
+        mp.spawn(reference_worker, args=(args.reference_spawn,), nprocs=2)
+        return 0
+
+    rounds = 1 if args.quick else args.rounds
+    iters = {w: args.iters or spec[3 if args.quick else 2] for w, spec in WORKLOADS.items()}
+    load_before = open("/proc/loadavg").read().split()[:3]
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as name:
+        tmp = Path(name)
+        sessions = {2: run_session(tmp, 2, ["mlp", "cnn"], rounds, iters, profile=True)}
+        if not args.quick:
+            sessions[1] = run_session(tmp, 1, ["cnn"], rounds, iters, profile=False)
+        startup = None if args.quick else time_to_first_iteration(tmp, rounds)
+        help_s = help_seconds(rounds)
+    table, summary = report(sessions, startup, help_s, args.quick)
+    load_after = open("/proc/loadavg").read().split()[:3]
+    print(f"Machine: {machine()}")
+    print(f"Load average (1/5/15 min) before {'/'.join(load_before)}, after {'/'.join(load_after)}; "
+          f"{rounds} round(s), iterations per measured epoch {iters}, {time.perf_counter() - started:.0f} s\n")  # fmt: skip
+    print(table)
+    identical = {k: v["identical"] for k, v in summary["per_iteration"].items()}
+    print(f"\nFinal weights bit-identical, hand-written vs ignite-mgpu (runs per workload/procs): {identical}")
+    calls = summary["calls"]
+    for workload, c in calls.items():
+        print(f"Most extra calls per iteration, {WORKLOADS[workload][0]}: "
+              + ", ".join(f"{k} +{v:g}" for k, v in c["top_extra"][:8]))  # fmt: skip
+    if summary["refused"]:
+        print("\nNo ratio for: " + "; ".join(summary["refused"]) + ". (a) and (b) did not do the same work.")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary | {"machine": machine(), "iters": iters}, indent=2))
+    return 1 if summary["refused"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

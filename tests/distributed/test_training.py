@@ -1,0 +1,259 @@
+"""Real multi-process training on gloo with 2 processes (each test has a hard timeout):
+`python -m pytest tests/distributed -q`."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import ignite.distributed as idist
+import pytest
+import torch
+from torch import nn
+
+from ignite_mgpu import launch
+from ignite_mgpu.checkpoint import list_checkpoints, read_checkpoint
+from ignite_mgpu.config import load_config
+from ignite_mgpu.train import training
+from tests.conftest import REPO, TINY, run_cli
+
+pytestmark = [pytest.mark.distributed]
+
+
+def tiny_config(out: Path, *extra: str):
+    return load_config(
+        overrides=[*TINY, "model.name=mlp", "data.image_size=8", "data.shuffle=false", f"output_dir={out}", *extra]
+    )
+
+
+def final_model(out: Path) -> dict[str, torch.Tensor]:
+    return read_checkpoint(list_checkpoints(out)[0])["model"]
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(180)
+def test_two_processes_end_like_one_and_evaluate_exactly(tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    launch(training, tiny_config(two), nproc=2, backend="gloo")
+    launch(training, tiny_config(one), nproc=1)
+    a, b = final_model(two), final_model(one)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)  # same global batch and seed
+    rows = metrics(two)
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    for field in ("epoch", "train_loss", "val_loss", "val_accuracy", "samples_per_s", "peak_memory_mb"):
+        assert field in rows[-1]
+    assert len(rows[-1]["peak_memory_mb"]) == 2  # one entry per process
+
+    # 101 validation samples on 2 ranks: the reduced metrics equal one process scoring every sample once.
+    cfg = tiny_config(two)
+    from ignite_mgpu.data import build_datasets
+    from ignite_mgpu.models import create_model
+
+    _, val = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
+    model = create_model(cfg.model, torch.zeros(1, 3, 8, 8))
+    model.load_state_dict(a)
+    x = torch.stack([val[i][0] for i in range(len(val))])
+    y = torch.tensor([val[i][1] for i in range(len(val))])
+    with torch.no_grad():
+        logits = model(x)
+    assert len(y) == 101
+    assert rows[-1]["val_accuracy"] == pytest.approx((logits.argmax(1) == y).float().mean().item(), abs=1e-6)
+    assert rows[-1]["val_loss"] == pytest.approx(nn.functional.cross_entropy(logits, y).item(), rel=1e-5)
+
+
+def public_api_worker(local_rank: int, out: str, global_batch: int, accum: int) -> None:
+    """What a user writes: own model and data, the engine factory, launched with launch(..., nproc=2)."""
+    from torch.utils.data import TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    from ignite_mgpu import create_trainer
+
+    torch.manual_seed(0)
+    x, y = torch.randn(128, 10), torch.randint(0, 3, (128,))
+    ds = TensorDataset(x, y)
+    sampler = DistributedSampler(ds, idist.get_world_size(), idist.get_rank(), shuffle=True, seed=1)
+    loader = idist.auto_dataloader(ds, batch_size=global_batch, sampler=sampler)
+    model = idist.auto_model(nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3)))
+    optimizer = idist.auto_optim(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    trainer = create_trainer(model, optimizer, nn.CrossEntropyLoss(), grad_accum_steps=accum, check_every=2)
+    trainer.run(loader, max_epochs=3)
+    torch.save(
+        {
+            "state": model.module.state_dict(),
+            "batch": loader.batch_size,
+            "epoch": sampler.epoch,
+            "loss": trainer.state.metrics["train_loss"],
+        },
+        Path(out) / f"rank{idist.get_rank()}.pt",
+    )
+
+
+@pytest.mark.timeout(180)
+def test_public_api_ranks_agree_and_accumulation_skips_sync_correctly(tmp_path):
+    plain, accumulated = tmp_path / "plain", tmp_path / "accum"
+    plain.mkdir()
+    accumulated.mkdir()
+    launch(public_api_worker, str(plain), 32, 1, nproc=2, backend="gloo")
+    launch(public_api_worker, str(accumulated), 16, 2, nproc=2, backend="gloo")
+    r0, r1 = (torch.load(plain / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    for key in r0["state"]:
+        assert torch.equal(r0["state"][key], r1["state"][key])  # DDP keeps ranks bitwise identical
+    assert r0["batch"] == 16 and r0["epoch"] == 2  # global 32 split over 2; set_epoch called every epoch
+    assert r0["loss"] == r1["loss"]  # the logged loss is the mean over ranks, the same everywhere
+    a0 = torch.load(accumulated / "rank0.pt", weights_only=True)
+    assert a0["batch"] == 8
+    for key in r0["state"]:  # 2 micro-batches of 8 per rank (no_sync on the first) == one batch of 16
+        torch.testing.assert_close(a0["state"][key], r0["state"][key], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_cli_train_resume_evaluate(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli(["train", str(REPO / "configs/debug.yaml"), "--nproc", "2", "--output-dir", str(out)], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(metrics(out)) == 2 and (out / "config.yaml").exists()
+    assert load_config(out / "config.yaml").output_dir == str(out)
+    resumed = run_cli(
+        [
+            "train",
+            str(REPO / "configs/debug.yaml"),
+            "--nproc",
+            "2",
+            "--output-dir",
+            str(out),
+            "--resume",
+            "auto",
+            "train.epochs=3",
+        ],
+        tmp_path,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "checkpoint_16.pt" in resumed.stderr
+    assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]
+    (best,) = out.glob("best_model_*.pt")
+    ev = run_cli(["evaluate", str(REPO / "configs/debug.yaml"), "--checkpoint", str(best), "--json"], tmp_path)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    scored = json.loads(ev.stdout.strip().splitlines()[-1])
+    assert scored["samples"] == 101
+    assert scored["accuracy"] == pytest.approx(max(r["val_accuracy"] for r in metrics(out)))
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_starts_the_same_job(tmp_path):
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "ignite_mgpu",
+        "train",
+        *TINY,
+        "--output-dir",
+        str(out),
+        "--backend",
+        "gloo",
+    ]
+    result = subprocess.run(
+        cmd,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_checkpoint(list_checkpoints(out)[0])["run"]["world_size"] == 2
+    assert len(metrics(out)) == 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(180)
+def test_two_nodes_on_loopback(tmp_path):
+    port = str(free_port())
+    common = [
+        "-m",
+        "ignite_mgpu",
+        "train",
+        *TINY,
+        "--nproc",
+        "1",
+        "--nnodes",
+        "2",
+        "--master-port",
+        port,
+        "--backend",
+        "gloo",
+        "--output-dir",
+        str(tmp_path / "run"),
+    ]
+    env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, *common, "--node-rank", str(r)],
+            cwd=tmp_path,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for r in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=170) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    assert read_checkpoint(list_checkpoints(tmp_path / "run")[0])["run"]["world_size"] == 2
+
+
+@pytest.mark.timeout(300)
+def test_resume_mid_epoch_is_bitwise_identical(tmp_path):
+    args = [
+        *TINY,
+        "train.deterministic=true",
+        "checkpoint.every_iters=4",
+        "checkpoint.n_saved=10",
+        "train.epochs=2",
+        "--nproc",
+        "2",
+    ]
+    full = tmp_path / "full"
+    assert run_cli(["train", *args, "--output-dir", str(full)], tmp_path).returncode == 0
+    # The run "interrupted" after iteration 12 (mid-epoch 2 of 8 iterations) left checkpoint_12.pt behind.
+    resumed = tmp_path / "resumed"
+    result = run_cli(
+        ["train", *args, "--output-dir", str(resumed), "--resume", str(full / "checkpoint_12.pt")], tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    a, b = read_checkpoint(full / "checkpoint_16.pt"), read_checkpoint(resumed / "checkpoint_16.pt")
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values(), strict=True):
+        assert torch.equal(sa["momentum_buffer"], sb["momentum_buffer"])
+    assert a["lr_scheduler"]["last_epoch"] == b["lr_scheduler"]["last_epoch"] == 16
+
+
+@pytest.mark.timeout(240)
+def test_resume_with_another_world_size(tmp_path):
+    out = tmp_path / "run"
+    assert run_cli(["train", *TINY, "--nproc", "2", "--output-dir", str(out)], tmp_path).returncode == 0
+    result = run_cli(
+        ["train", *TINY, "--nproc", "1", "--output-dir", str(out), "--resume", "auto", "train.epochs=3"], tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "written with 2 processes, resuming with 1: the global batch stays 32" in result.stderr
+    assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]

@@ -1,0 +1,108 @@
+"""Test-only fault injection for ``tests/faults``: a tiny model whose forward misbehaves on request.
+
+Passed to the real CLI as ``model.name=faultmod:make`` (``tests/faults`` on ``PYTHONPATH``), so the product
+needs no hooks. Environment variables, read in every worker:
+
+``FAULT``
+    Comma-separated ``kind:rank:iteration[:arg]`` entries. ``rank`` is a global rank or ``*`` (every rank);
+    ``iteration`` counts the training-mode forward calls of this process, starting at 1 (with
+    ``grad_accum_steps=1`` that is the trainer iteration of a fresh run). Kinds:
+
+    - ``raise``: ``RuntimeError("boom")`` in forward.
+    - ``sleep``: sleep for an hour (a hung rank).
+    - ``kill``: ``SIGKILL`` this process.
+    - ``nan``: return NaN logits (a poisoned batch).
+    - ``slow``: from that iteration on, sleep ``arg`` seconds (default 0.2) in every training forward.
+    - ``init``: ``RuntimeError("init boom")`` in the model constructor (``iteration`` is ignored).
+
+``PIDS_DIR``
+    The constructor writes this process's pid to ``PIDS_DIR/rank{RANK}``; at the second training forward it
+    writes the pids of this process's children (DataLoader workers) to ``PIDS_DIR/children{RANK}``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _faults() -> list[tuple[str, str, int, float | None]]:
+    faults = []
+    for entry in filter(None, os.environ.get("FAULT", "").split(",")):
+        kind, rank, iteration, *arg = entry.split(":")
+        faults.append((kind, rank, int(iteration), float(arg[0]) if arg else None))
+    return faults
+
+
+def _write(name: str, text: str) -> None:
+    pids_dir = os.environ.get("PIDS_DIR")
+    if pids_dir:
+        Path(pids_dir).mkdir(parents=True, exist_ok=True)
+        tmp = Path(pids_dir, f".{name}.tmp")
+        tmp.write_text(text)
+        tmp.replace(Path(pids_dir, name))  # readers never see a half-written file
+
+
+class FaultyLinear(nn.Module):
+    """A linear classifier over flattened ``3 x image_size x image_size`` images, with injected faults."""
+
+    def __init__(self, num_classes: int, image_size: int = 32) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3 * image_size * image_size, num_classes)
+        self.calls = 0
+        me = str(_rank())
+        self.faults = [f for f in _faults() if f[1] in (me, "*")]
+        _write(f"rank{me}", str(os.getpid()))
+        if any(kind == "init" for kind, *_ in self.faults):
+            raise RuntimeError("init boom")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return self.fc(x.flatten(1))
+        self.calls += 1
+        if self.calls == 2:
+            self._record_children()
+        poison = False
+        for kind, _, iteration, arg in self.faults:
+            if kind == "slow" and self.calls >= iteration:
+                time.sleep(0.2 if arg is None else arg)
+            if self.calls != iteration:
+                continue
+            if kind == "raise":
+                raise RuntimeError("boom")
+            if kind == "sleep":
+                time.sleep(3600)
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "nan":
+                poison = True
+        logits = self.fc(x.flatten(1))
+        return logits * float("nan") if poison else logits
+
+    @staticmethod
+    def _record_children() -> None:
+        try:
+            import psutil
+        except ImportError:
+            return
+        children = psutil.Process().children(recursive=True)
+        _write(f"children{_rank()}", "\n".join(str(c.pid) for c in children))
+
+
+def make(num_classes: int) -> nn.Module:
+    """For 32x32 images (the default data.image_size)."""
+    return FaultyLinear(num_classes, 32)
+
+
+def make8(num_classes: int) -> nn.Module:
+    """For data.image_size=8."""
+    return FaultyLinear(num_classes, 8)

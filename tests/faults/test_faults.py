@@ -1,0 +1,742 @@
+"""Fault injection against the real CLI: the failure scenarios of /work/shared/reliability-scenarios.md.
+
+Every test runs ``python -m ignite_mgpu train`` in a subprocess (its own session, a hard timeout, its own
+``tmp_path``) with the test-only model ``faultmod:make`` (tests/faults/faultmod.py), which raises, hangs, kills
+itself, returns NaN or slows down at a chosen rank and iteration. While a job runs a sampler thread records its
+process tree (launcher, ranks, DataLoader workers, resource tracker) and, on request, its LISTEN sockets; after
+the job every recorded process must be gone. Scenario ids (S1...) refer to the scenarios file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.distributed]
+
+FAULTS_DIR = Path(__file__).resolve().parent
+CLI = [sys.executable, "-m", "ignite_mgpu"]
+
+# A tiny 2-rank job: 640 samples / global batch 64 = 10 iterations per epoch, a check every iteration and a
+# checkpoint every 2 iterations (two kept).
+BASE = [
+    "train",
+    "--nproc",
+    "2",
+    "--backend",
+    "gloo",
+    "model.name=faultmod:make",
+    "data.train_size=640",
+    "data.val_size=100",
+    "data.batch_size=64",
+    "train.epochs=1",
+    "train.check_every=1",
+    "train.progress_bar=false",
+    "checkpoint.every_iters=2",
+    "checkpoint.n_saved=2",
+]
+
+# Variables that would make the launcher think torchrun/SLURM started it.
+_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+_SLURM_ENV = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_NTASKS_PER_NODE")
+
+
+# ----------------------------------------------------------------------------------------------- harness
+
+
+@dataclass
+class Result:
+    rc: int
+    stdout: str
+    stderr: str
+    elapsed: float  # seconds from start to exit
+
+    def __str__(self) -> str:
+        return f"exit {self.rc} after {self.elapsed:.1f} s\n--- stderr (tail) ---\n{self.stderr[-6000:]}"
+
+
+def _alive(pid: int, proc: psutil.Process | None) -> bool:
+    """Running and not a zombie (an exited process nobody reaped yet holds nothing but its pid)."""
+    try:
+        if proc is None:
+            os.kill(pid, 0)
+            proc = psutil.Process(pid)
+        elif not proc.is_running():  # also false when the pid was reused by another process
+            return False
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return False
+    except PermissionError:
+        return True
+
+
+def _is_loopback(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return addr.is_loopback or bool(mapped and mapped.is_loopback)
+
+
+class Job:
+    """One CLI process in its own session; output is read continuously, its process tree sampled."""
+
+    def __init__(self, args: list[str], env: dict[str, str], cwd: Path, pids_dir: Path, watch_sockets: bool) -> None:
+        self.args, self.pids_dir, self.watch_sockets = args, pids_dir, watch_sockets
+        self.start = time.monotonic()
+        self.proc = subprocess.Popen(
+            [*CLI, *args],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
+        self.pid = self.proc.pid
+        self.end: float | None = None
+        self._out: list[str] = []
+        self._err: list[str] = []
+        self.processes: dict[int, psutil.Process | None] = {}  # every process of the job ever seen
+        self.listeners: set[tuple[int, str, int]] = set()  # (pid, ip, port) of LISTEN sockets ever seen
+        self.socket_samples = 0  # samples in which both ranks' sockets were read
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._read, args=(self.proc.stdout, self._out), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stderr, self._err), daemon=True),
+            threading.Thread(target=self._sample, daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    @staticmethod
+    def _read(stream, sink: list[str]) -> None:  # noqa: ANN001 - a text pipe
+        for line in iter(stream.readline, ""):
+            sink.append(line)
+
+    def _remember(self, pid: int, proc: psutil.Process | None = None) -> None:
+        with self._lock:
+            if self.processes.get(pid) is None:
+                if proc is None:
+                    with contextlib.suppress(psutil.Error):
+                        proc = psutil.Process(pid)
+                self.processes[pid] = proc
+
+    def _sample(self) -> None:
+        try:
+            root = psutil.Process(self.pid)
+        except psutil.Error:
+            return
+        self._remember(self.pid, root)
+        while self.proc.poll() is None:
+            try:
+                kids = root.children(recursive=True)
+            except psutil.Error:
+                kids = []
+            for k in kids:
+                self._remember(k.pid, k)
+            for pid in self.recorded_pids():
+                self._remember(pid)
+            if self.watch_sockets:
+                self._sample_sockets([root, *kids])
+            time.sleep(0.1)
+
+    def _sample_sockets(self, procs: list[psutil.Process]) -> None:
+        seen_ranks = 0
+        ranks = {int(p.read_text()) for p in self.pids_dir.glob("rank*") if p.read_text().strip()}
+        for p in procs:
+            try:
+                conns = p.net_connections(kind="inet")
+            except psutil.Error:
+                continue
+            seen_ranks += p.pid in ranks
+            for c in conns:
+                if c.status == psutil.CONN_LISTEN:
+                    self.listeners.add((p.pid, c.laddr.ip, c.laddr.port))
+        if seen_ranks >= 2:
+            self.socket_samples += 1
+
+    def recorded_pids(self) -> set[int]:
+        """Pids that faultmod wrote: every rank (``rank{r}``) and its children (``children{r}``)."""
+        pids: set[int] = set()
+        if self.pids_dir.is_dir():
+            for f in self.pids_dir.iterdir():
+                if f.name.startswith(("rank", "children")):
+                    pids |= {int(x) for x in f.read_text().split()}
+        return pids
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self._err)
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait(self, timeout: float, what: str = "") -> Result:
+        """Wait until ``timeout`` seconds after the start; past it kill everything and fail the test."""
+        try:
+            self.proc.wait(timeout=max(0.1, self.start + timeout - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            time.sleep(0.5)
+            pytest.fail(
+                f"{what or 'job'} did not exit within {timeout:.0f} s (killed it): {self.args}\n"
+                f"--- stderr (tail) ---\n{self.stderr[-6000:]}"
+            )
+        self.end = time.monotonic()
+        for t in self._threads:
+            t.join(timeout=5)  # an orphan that keeps the pipes open must not hang the test
+        return Result(self.proc.returncode, "".join(self._out), self.stderr, self.end - self.start)
+
+    def all_processes(self) -> dict[int, psutil.Process | None]:
+        for pid in self.recorded_pids():
+            self._remember(pid)
+        with self._lock:
+            return dict(self.processes)
+
+    def kill_all(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        for pid, proc in self.all_processes().items():
+            if _alive(pid, proc):
+                with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
+                    (proc or psutil.Process(pid)).kill()
+        with contextlib.suppress(Exception):
+            self.proc.wait(timeout=5)
+
+
+class Harness:
+    """Starts jobs in one folder (each with its own pids dir and TMPDIR) and checks that nothing outlives them."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.jobs: list[Job] = []
+
+    def env(self, tag: str, fault: str | None, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV + _SLURM_ENV}
+        tmp = self.root / f"tmp-{tag}"
+        tmp.mkdir(exist_ok=True)
+        env.update(
+            PYTHONPATH=os.pathsep.join(filter(None, [str(FAULTS_DIR), os.environ.get("PYTHONPATH")])),
+            PIDS_DIR=str(self.root / f"pids-{tag}"),
+            FAULT=fault or "",
+            TMPDIR=str(tmp),  # the launcher's private folder (error files, file rendezvous) lands here
+            OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+            CUDA_VISIBLE_DEVICES="",  # these are CPU/gloo scenarios, on any machine
+        )
+        env.update(extra or {})
+        return env
+
+    def start(self, args: list[str], fault: str | None = None, tag: str = "a", watch_sockets: bool = False) -> Job:
+        job = Job(args, self.env(tag, fault), self.root, self.root / f"pids-{tag}", watch_sockets)
+        self.jobs.append(job)
+        return job
+
+    def run(self, args: list[str], timeout: float, fault: str | None = None, tag: str = "a") -> Result:
+        return self.start(args, fault, tag).wait(timeout)
+
+    def assert_no_leftovers(self, grace: float = 15.0) -> None:
+        """Every process any job had (ranks, DataLoader workers, helpers) is gone within ``grace`` seconds."""
+        procs: dict[int, psutil.Process | None] = {}
+        for job in self.jobs:
+            procs.update(job.all_processes())
+        deadline = time.monotonic() + grace
+        while True:
+            alive = {pid: p for pid, p in procs.items() if _alive(pid, p)}
+            if not alive or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        described = []
+        for pid, p in alive.items():
+            with contextlib.suppress(psutil.Error):
+                described.append(f"{pid} {' '.join((p or psutil.Process(pid)).cmdline())[:160]}")
+        assert not alive, f"processes still alive {grace:.0f} s after the job: {described}"
+
+    def cleanup(self) -> None:
+        for job in self.jobs:
+            job.kill_all()
+
+
+@pytest.fixture
+def h(tmp_path: Path):
+    harness = Harness(tmp_path)
+    yield harness
+    harness.cleanup()
+
+
+def wait_until(cond: Callable[[], bool], job: Job, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        if not job.running():
+            job.wait(5)
+            pytest.fail(f"the job exited ({job.proc.returncode}) before {what}\n{job.stderr[-6000:]}")
+        time.sleep(0.1)
+    job.kill_all()
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}\n{job.stderr[-6000:]}")
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+
+
+def checkpoints(out: Path) -> dict[int, Path]:
+    from ignite_mgpu.checkpoint import list_checkpoints
+
+    return {int(p.stem.split("_")[1]): p for p in list_checkpoints(out)}
+
+
+def assert_loads(path: Path, iteration: int) -> None:
+    from ignite_mgpu.checkpoint import is_complete, read_checkpoint
+
+    assert is_complete(path), f"{path} is not a complete archive"
+    ckpt = read_checkpoint(path)
+    assert {"model", "optimizer", "trainer"} <= set(ckpt), sorted(ckpt)
+    assert ckpt["trainer"]["iteration"] == iteration, (path, ckpt["trainer"])
+
+
+def assert_last_good(out: Path, last: int) -> None:
+    """The newest checkpoint is ``last``, it loads, nothing newer exists, and no temp file is left."""
+    found = checkpoints(out)
+    assert found, f"no checkpoint in {out}: {sorted(p.name for p in out.iterdir())}"
+    assert max(found) == last, f"expected the newest checkpoint at iteration {last}, found {sorted(found)}"
+    for it, path in found.items():
+        assert_loads(path, it)
+    assert not list(out.glob(".tmp-*")), "a temp file of an interrupted save was left behind"
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+# ----------------------------------------------------------------------------------------------- one clean run
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Result]:
+    """One successful 2-rank epoch; every_iters=3 so checkpoints 9 and 10 (epoch end) are kept."""
+    root = tmp_path_factory.mktemp("clean")
+    harness = Harness(root)
+    out = root / "out"
+    args = [*BASE, "checkpoint.every_iters=3", "--output-dir", str(out)]
+    try:
+        result = harness.run(args, timeout=120)
+        assert result.rc == 0, result
+        harness.assert_no_leftovers()
+    finally:
+        harness.cleanup()
+    return out, result
+
+
+@pytest.mark.timeout(180)
+def test_s29_clean_run_checkpoints_are_private_and_complete(clean_run: tuple[Path, Result]) -> None:
+    out, result = clean_run
+    assert "finished" in result.stderr
+    assert sorted(checkpoints(out)) == [9, 10]
+    files = [*out.glob("checkpoint_*.pt"), *out.glob("best_model_*.pt")]
+    assert len(files) == 3, sorted(p.name for p in out.iterdir())
+    for path in files:
+        mode = path.stat().st_mode & 0o777
+        assert mode & 0o077 == 0, f"{path.name} has mode {oct(mode)}: group/other may read it"
+    assert_last_good(out, 10)
+    assert not (out / ".lock").exists(), "the output-dir lock outlived the job"
+
+
+@pytest.mark.timeout(180)
+def test_s25_output_dir_with_checkpoints_needs_resume(h: Harness, clean_run: tuple[Path, Result]) -> None:
+    out = h.root / "out"
+    shutil.copytree(clean_run[0], out)
+    before = snapshot(out)
+    r = h.run([*BASE, "--output-dir", str(out)], timeout=30)
+    assert r.rc == 2, r
+    assert "already holds checkpoints" in r.stderr, r
+    assert "--resume" in r.stderr
+    assert snapshot(out) == before, "files of the earlier run were changed or deleted"
+    assert not h.jobs[0].recorded_pids(), "a rank was spawned"
+
+
+@pytest.mark.timeout(180)
+def test_s14_resume_auto_skips_a_truncated_newest_checkpoint(h: Harness, clean_run: tuple[Path, Result]) -> None:
+    out = h.root / "out"
+    shutil.copytree(clean_run[0], out)
+    newest = out / "checkpoint_10.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    r = h.run([*BASE, "--output-dir", str(out), "--resume", "auto", "train.epochs=2"], timeout=90)
+    assert r.rc == 0, r
+    assert re.search(r"checkpoint_10\.pt.*corrupt or truncated", r.stderr), r
+    assert re.search(r"resumed from \S*checkpoint_9\.pt at iteration 9", r.stderr), r
+    assert "finished" in r.stderr
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert (last["epoch"], last["iteration"]) == (2, 20), last
+    h.assert_no_leftovers()
+
+
+def _truncate_half(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def _flip_tensor_bytes(data: bytes) -> bytes:
+    # The middle of the file is tensor data (weights and momentum); the zip CRCs must notice.
+    mid = len(data) // 2
+    return data[:mid] + bytes(b ^ 0xFF for b in data[mid : mid + 64]) + data[mid + 64 :]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "damage", [_truncate_half, lambda d: b"", _flip_tensor_bytes], ids=["half", "empty", "bitflip"]
+)
+def test_s14_resume_from_a_corrupt_path_exits_1(h: Harness, clean_run: tuple[Path, Result], damage) -> None:  # noqa: ANN001
+    out = h.root / "out"
+    shutil.copytree(clean_run[0], out)
+    bad = out / "checkpoint_10.pt"
+    bad.write_bytes(damage(bad.read_bytes()))
+    r = h.run([*BASE, "--output-dir", str(out), "--resume", str(bad), "train.epochs=2"], timeout=30)
+    assert r.rc == 1, r
+    assert "corrupt or truncated" in r.stderr and "checkpoint_10.pt" in r.stderr, r
+    assert "Traceback" not in r.stderr, r
+    assert not h.jobs[0].recorded_pids(), "ranks were spawned for an unusable checkpoint"
+
+
+@pytest.mark.timeout(120)
+def test_final_checkpoint_survives_the_epoch_end_save(h: Harness) -> None:
+    """checkpoint.every_iters divides the epoch: the epoch-end save of the same iteration must not delete it."""
+    out = h.root / "out"
+    args = [*BASE, "--nproc", "1", "data.train_size=256", "--output-dir", str(out)]  # 4 iterations
+    r = h.run(args, timeout=60)
+    assert r.rc == 0, r
+    assert sorted(checkpoints(out)) == [2, 4], sorted(p.name for p in out.iterdir())
+    assert_last_good(out, 4)
+
+
+# ----------------------------------------------------------------------------------------------- a rank fails
+
+
+@pytest.mark.timeout(120)
+def test_s1_rank_raises_reported_once_last_checkpoint_intact(h: Harness) -> None:
+    out = h.root / "out"
+    r = h.run([*BASE, "--output-dir", str(out)], fault="raise:1:5", timeout=45)
+    assert r.rc == 1, r
+    assert "rank 1 failed with RuntimeError: boom" in r.stderr, r
+    assert r.stderr.count("Traceback (most recent call last)") == 1, r
+    assert r.stderr.count('raise RuntimeError("boom")') == 1, r
+    assert "rank 0 failed" not in r.stderr, r
+    h.assert_no_leftovers()
+    assert_last_good(out, 4)
+
+
+@pytest.mark.timeout(180)
+def test_s3_sigkilled_rank_then_resume_auto(h: Harness) -> None:
+    out = h.root / "out"
+    r = h.run([*BASE, "--output-dir", str(out)], fault="kill:1:5", timeout=45)
+    assert r.rc == 1, r
+    assert "rank 1 terminated with signal SIGKILL" in r.stderr, r
+    h.assert_no_leftovers()
+    assert_last_good(out, 4)
+
+    r = h.run([*BASE, "--output-dir", str(out), "--resume", "auto", "train.epochs=2"], timeout=90, tag="b")
+    assert r.rc == 0, r
+    assert re.search(r"resumed from \S*checkpoint_4\.pt at iteration 4", r.stderr), r
+    assert "finished" in r.stderr
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert (last["epoch"], last["iteration"]) == (2, 20), last
+    h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(120)
+def test_s4_rank0_sigkilled_job_ends_promptly(h: Harness) -> None:
+    out = h.root / "out"
+    r = h.run([*BASE, "--output-dir", str(out)], fault="kill:0:5", timeout=45)
+    assert r.rc == 1, r
+    assert "rank 0 terminated with signal SIGKILL" in r.stderr, r
+    h.assert_no_leftovers()
+    assert_last_good(out, 4)
+
+
+@pytest.mark.timeout(120)
+def test_s20_nan_on_one_rank_stops_all_with_exit_3(h: Harness) -> None:
+    out = h.root / "out"
+    r = h.run([*BASE, "--output-dir", str(out)], fault="nan:1:7", timeout=30)
+    assert r.rc == 3, r
+    assert re.search(r"non-finite loss.* at iteration 7 on rank 1", r.stderr), r
+    assert "Traceback" not in r.stderr, r
+    h.assert_no_leftovers()
+    assert_last_good(out, 6)
+
+
+@pytest.mark.timeout(120)
+def test_s27_hung_rank_hits_the_collective_timeout(h: Harness) -> None:
+    out = h.root / "out"
+    r = h.run([*BASE, "--output-dir", str(out), "--timeout", "10"], fault="sleep:1:3", timeout=60)
+    assert r.rc == 1, r
+    assert re.search(r"timed out after 10 s", r.stderr), r
+    assert "rank(s) 1 stopped answering" in r.stderr, r
+    h.assert_no_leftovers()
+    assert_last_good(out, 2)
+
+
+@pytest.mark.timeout(120)
+def test_s28_model_constructor_raises_on_rank1(h: Harness) -> None:
+    out = h.root / "out"
+    r = h.run([*BASE, "--output-dir", str(out)], fault="init:1:0", timeout=30)
+    assert r.rc == 1, r
+    assert "rank 1 failed with RuntimeError: init boom" in r.stderr, r
+    assert r.stderr.count("Traceback (most recent call last)") == 1, r
+    h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(120)
+def test_dataloader_workers_do_not_outlive_a_failed_job(h: Harness) -> None:
+    out = h.root / "out"
+    r = h.run([*BASE, "--output-dir", str(out), "data.num_workers=2"], fault="raise:1:5", timeout=60)
+    assert r.rc == 1, r
+    assert "rank 1 failed with RuntimeError: boom" in r.stderr, r
+    pids_dir = h.jobs[0].pids_dir
+    workers = {r: (pids_dir / f"children{r}").read_text().split() for r in (0, 1)}
+    assert all(len(w) >= 2 for w in workers.values()), f"expected 2 DataLoader workers per rank: {workers}"
+    h.assert_no_leftovers(grace=15)
+
+
+# ----------------------------------------------------------------------------------------------- signals
+
+
+SLOW = "slow:*:1:0.25"  # every rank sleeps 0.25 s per iteration: 20 iterations take >= 5 s
+
+
+@pytest.mark.timeout(180)
+def test_s5_sigterm_checkpoints_at_a_common_iteration_then_resume(h: Harness) -> None:
+    out = h.root / "out"
+    args = [*BASE, "--output-dir", str(out), "train.epochs=2", "dist.stop_grace=15"]
+    job = h.start(args, fault=SLOW)
+    wait_until(lambda: (out / "checkpoint_2.pt").exists(), job, 90, "the first checkpoint")
+    signalled = time.monotonic()
+    os.kill(job.pid, signal.SIGTERM)
+    r = job.wait(timeout=signalled - job.start + 15 + 30)
+    assert r.rc == 143, r
+    m = re.search(r"stopped by SIGTERM at iteration (\d+)", r.stderr)
+    assert m, r
+    stopped_at = int(m.group(1))
+    assert 2 <= stopped_at < 20, r
+    h.assert_no_leftovers()
+    assert_last_good(out, stopped_at)  # one checkpoint written at the stop, complete
+
+    r = h.run([*BASE, "--output-dir", str(out), "--resume", "auto", "train.epochs=2"], timeout=90, tag="b")
+    assert r.rc == 0, r
+    assert re.search(rf"resumed from \S*checkpoint_{stopped_at}\.pt at iteration {stopped_at}", r.stderr), r
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert (last["epoch"], last["iteration"]) == (2, 20), last
+    h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(120)
+def test_s5_sigterm_escalates_to_sigkill_when_a_rank_is_stuck(h: Harness) -> None:
+    out = h.root / "out"
+    args = [*BASE, "--output-dir", str(out), "dist.stop_grace=5"]
+    job = h.start(args, fault="sleep:1:3")  # rank 1 hangs in iteration 3; rank 0 waits in its all-reduce
+    wait_until(lambda: (out / "checkpoint_2.pt").exists(), job, 90, "the first checkpoint")
+    time.sleep(1)
+    signalled = time.monotonic()
+    os.kill(job.pid, signal.SIGTERM)
+    r = job.wait(timeout=signalled - job.start + 5 + 30)
+    assert r.rc == 143, r
+    assert "did not stop within 5 s" in r.stderr, r
+    h.assert_no_leftovers()
+    assert_last_good(out, 2)
+
+
+@pytest.mark.timeout(120)
+def test_s6_ctrl_c_to_the_process_group_exits_130(h: Harness) -> None:
+    out = h.root / "out"
+    job = h.start([*BASE, "--output-dir", str(out), "train.epochs=2", "dist.stop_grace=15"], fault=SLOW)
+    wait_until(lambda: (out / "checkpoint_2.pt").exists(), job, 90, "the first checkpoint")
+    signalled = time.monotonic()
+    os.killpg(job.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+    r = job.wait(timeout=signalled - job.start + 15 + 30)
+    assert r.rc == 130, r
+    assert "SIGINT" in r.stderr, r
+    assert "finished" not in r.stderr, r
+    h.assert_no_leftovers()
+    found = checkpoints(out)
+    assert found and max(found) < 20, sorted(found)
+    assert_last_good(out, max(found))  # complete archives only, no temp file
+
+
+@pytest.mark.timeout(180)
+def test_s7_sigkilled_launcher_takes_its_workers_along(h: Harness) -> None:
+    out = h.root / "out"
+    job = h.start([*BASE, "--output-dir", str(out), "train.epochs=2"], fault=SLOW)
+    wait_until(lambda: (out / "checkpoint_2.pt").exists() and len(job.recorded_pids()) == 2, job, 90, "the checkpoint")
+    time.sleep(0.3)  # let the sampler see the whole tree
+    job.proc.kill()
+    job.wait(timeout=120)
+    h.assert_no_leftovers(grace=30)
+    # Nothing holds the output dir: the stale lock of the dead launcher does not block the resume.
+    r = h.run([*BASE, "--output-dir", str(out), "--resume", "auto", "train.epochs=2"], timeout=90, tag="b")
+    assert r.rc == 0, r
+    assert "finished" in r.stderr
+    h.assert_no_leftovers()
+
+
+# ----------------------------------------------------------------------------------------------- ports, locks
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("holder", ["socket", "tcpstore"])
+def test_s8_busy_master_port_exits_2_before_spawning(h: Harness, holder: str) -> None:
+    out = h.root / "out"
+    with contextlib.ExitStack() as stack:
+        if holder == "socket":
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            sock.listen()
+            port = sock.getsockname()[1]
+        else:  # a foreign job's TCPStore: must be refused, never joined
+            from torch.distributed import TCPStore
+
+            store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # alive until the end
+            port = store.port
+        r = h.run([*BASE, "--output-dir", str(out), "--master-port", str(port)], timeout=15)
+    assert r.rc == 2, r
+    assert f"{port}" in r.stderr and "already in use" in r.stderr, r
+    assert not h.jobs[0].recorded_pids(), "a rank was spawned"
+    assert not out.exists()
+
+
+@pytest.mark.timeout(180)
+def test_s8_s9_two_jobs_without_port_share_the_host_on_loopback_only(h: Harness) -> None:
+    jobs = [
+        h.start([*BASE, "--output-dir", str(h.root / f"out-{tag}")], fault="slow:*:1:0.2", tag=tag, watch_sockets=True)
+        for tag in ("a", "b")
+    ]
+    rendezvous: dict[str, bool] = {"a": False, "b": False}
+    while any(j.running() for j in jobs):
+        for tag in rendezvous:  # a single-node job without --master-port rendezvous through a private file
+            rendezvous[tag] |= bool(list((h.root / f"tmp-{tag}").glob("ignite-mgpu-*/rendezvous")))
+        if time.monotonic() - jobs[0].start > 150:
+            break
+        time.sleep(0.1)
+    results = [j.wait(timeout=160) for j in jobs]
+    for r in results:
+        assert r.rc == 0, r
+        assert "finished" in r.stderr
+    assert rendezvous == {"a": True, "b": True}, "no file rendezvous was seen"
+    for tag in rendezvous:
+        assert not list((h.root / f"tmp-{tag}").iterdir()), "the launcher left its private temp folder behind"
+    for job in jobs:
+        assert job.socket_samples > 0, "the sampler never saw both ranks' sockets"
+        exposed = [(pid, ip, port) for pid, ip, port in job.listeners if not _is_loopback(ip)]
+        assert not exposed, f"sockets listening beyond loopback: {exposed} (all: {sorted(job.listeners)})"
+        assert not [x for x in job.listeners if x[2] == 29500], "something listens on the default master port"
+    h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(180)
+def test_s30_second_launch_on_a_locked_output_dir_fails_fast(h: Harness) -> None:
+    out = h.root / "out"
+    args = [*BASE, "--output-dir", str(out), "train.epochs=2"]
+    first = h.start(args, fault="slow:*:1:0.5", tag="a")  # >= 10 s of training
+    wait_until(lambda: (out / "checkpoint_2.pt").exists(), first, 90, "the first job's checkpoint")
+    seconds = [h.start(args, tag="b"), h.start([*args, "--resume", "auto"], tag="c")]
+    results = [j.wait(timeout=15, what="the second launch") for j in seconds]
+    assert first.running(), "test precondition: the first job finished before the second launches were refused"
+    for r in results:
+        assert r.rc == 2, r
+        assert f"locked by pid {first.pid}" in r.stderr, r
+    assert not any(j.recorded_pids() for j in seconds), "the second launch spawned ranks"
+    r = first.wait(timeout=120)
+    assert r.rc == 0, r  # the first job is unharmed
+    assert "finished" in r.stderr
+    h.assert_no_leftovers()
+
+
+# ----------------------------------------------------------------------------------------------- bad input
+
+
+_BAD_YAML = "data:\n  batch_size: [64\n"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--nproc", "0"], ["dist.nproc", "0"]),
+        (["--nproc", "-1"], ["dist.nproc", "-1"]),
+        (["--nproc", "abc"], ["--nproc", "abc"]),
+        (["train.epochs=-1"], ["train.epochs", "-1"]),
+        (["data.batch_size=0"], ["data.batch_size", "0"]),
+        (["optim.lr=nan"], ["optim.lr", "nan"]),
+        (["--backend", "abc"], ["--backend", "abc"]),
+        (["optim.lrr=0.1"], ["optim.lrr", "Did you mean"]),
+        (["--config", "BAD_YAML"], ["bad.yaml", "not valid YAML"]),
+        (["--backend", "nccl"], ["nccl needs CUDA"]),
+    ],
+    ids=["nproc0", "nproc-1", "nproc-abc", "epochs-1", "batch0", "lr-nan", "backend-abc", "typo", "yaml", "nccl"],
+)
+def test_s10_s11_bad_input_exits_2_before_spawning(h: Harness, extra: list[str], expected: list[str]) -> None:
+    bad_yaml = h.root / "bad.yaml"
+    bad_yaml.write_text(_BAD_YAML)
+    extra = [str(bad_yaml) if x == "BAD_YAML" else x for x in extra]
+    out = h.root / "out"
+    r = h.run([*BASE, "--output-dir", str(out), *extra], timeout=30)
+    assert r.rc == 2, r
+    for text in expected:
+        assert text in r.stderr, f"{text!r} not in the message\n{r}"
+    assert "Traceback" not in r.stderr, r
+    assert not out.exists(), "the output dir was created for a rejected job"
+    assert not h.jobs[0].recorded_pids(), "a rank was spawned"
+    assert [p for p in h.jobs[0].all_processes() if p != h.jobs[0].pid] == [], "a child process was started"
+
+
+# ----------------------------------------------------------------------------------------------- soak
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_soak_memory_stays_flat_over_20k_iterations(h: Harness) -> None:
+    """One process, 20 epochs x 1000 tiny iterations (batch 8, 8x8 images), a checkpoint every epoch: the peak
+    RSS (metrics.jsonl peak_memory_mb) may grow by at most 20 MB between epoch 2 and the last epoch."""
+    out = h.root / "out"
+    args = [
+        "train",
+        "--nproc",
+        "1",
+        "--output-dir",
+        str(out),
+        "model.name=faultmod:make8",
+        "data.image_size=8",
+        "data.batch_size=8",
+        "data.train_size=800",
+        "data.val_size=16",
+        "train.epoch_length=1000",
+        "train.epochs=20",
+        "train.check_every=20",
+        "train.progress_bar=false",
+    ]
+    r = h.run(args, timeout=100)
+    assert r.rc == 0, r
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["epoch"] for row in rows] == list(range(1, 21))
+    assert rows[-1]["iteration"] == 20_000
+    growth = rows[-1]["peak_memory_mb"][0] - rows[1]["peak_memory_mb"][0]
+    assert growth < 20, f"peak RSS grew by {growth:.1f} MB from epoch 2 to 20: {[x['peak_memory_mb'] for x in rows]}"
+    h.assert_no_leftovers()
