@@ -10,6 +10,7 @@ _PUBLIC = {
     "launch": "ignite_mgpu.launcher",
     "create_trainer": "ignite_mgpu.engine",
     "create_evaluator": "ignite_mgpu.engine",
+    "prepare_model": "ignite_mgpu.engine",
     "load_checkpoint": "ignite_mgpu.checkpoint",
     "Config": "ignite_mgpu.config",
     "ConfigError": "ignite_mgpu.config",

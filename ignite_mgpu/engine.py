@@ -15,7 +15,7 @@ from ignite.metrics import Metric
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ignite_mgpu.handlers import TrainingGuard, reduce_replica_losses
+from ignite_mgpu.handlers import LossDataParallel, TrainingGuard, reduce_replica_losses
 
 Batch = Any
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -28,6 +28,27 @@ def unwrap(model: nn.Module) -> nn.Module:
         if not isinstance(inner, nn.Module):
             return model
         model = inner
+
+
+def prepare_model(
+    model: nn.Module, strategy: str = "ddp", sync_batchnorm: bool = False, compile: bool = False
+) -> nn.Module:
+    """Place and wrap a model for this process: DDP through ``idist.auto_model``, or DataParallel.
+
+    ``strategy="dp"`` (or one process that sees several GPUs, where ``auto_model`` would pick DataParallel too)
+    gives a ``LossDataParallel``: plain DataParallel, except that a forward returning its own loss does not
+    trigger the "all input tensors were scalars" warning. ``compile`` applies ``torch.compile`` first.
+    """
+    if strategy not in ("ddp", "dp"):
+        raise ValueError(f"strategy={strategy!r}: use 'ddp' (a process per GPU) or 'dp' (nn.DataParallel).")
+    if compile:
+        model = torch.compile(model)  # type: ignore[assignment]  # an OptimizedModule is an nn.Module
+    several_gpus = torch.cuda.is_available() and torch.cuda.device_count() > 1
+    if strategy == "dp" or (idist.get_world_size() == 1 and several_gpus):
+        if not torch.cuda.is_available():
+            raise ValueError("strategy='dp' (nn.DataParallel) needs CUDA GPUs; on the CPU use strategy='ddp'.")
+        return LossDataParallel(model.to(torch.device("cuda", 0)))
+    return idist.auto_model(model, sync_bn=sync_batchnorm)
 
 
 def _autocast(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:

@@ -162,6 +162,12 @@ def _run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> None
     for name in ("launcher.Parallel", "auto.auto_dataloader", "auto.auto_model", "auto.auto_optim"):
         logging.getLogger(f"ignite.distributed.{name}").setLevel(logging.WARNING)  # ignite keeps existing loggers
     with idist.Parallel(backend=plan.backend, init_method=plan.init_method) as parallel:
+        if plan.gpus is not None and idist.device().type == "cuda":
+            import torch
+
+            index = idist.device().index or 0
+            print(f"rank {idist.get_rank()}: cuda:{index} is physical GPU {plan.gpus[index]} "
+                  f"({torch.cuda.get_device_name(index)})", file=sys.stderr, flush=True)
         parallel.run(fn, *args)
 
 

@@ -22,8 +22,15 @@ from torch import nn
 from ignite_mgpu import checkpoint as ckpt
 from ignite_mgpu.config import Config, dump_config
 from ignite_mgpu.data import create_dataloaders
-from ignite_mgpu.engine import create_evaluator, create_lr_scheduler, create_optimizer, create_trainer, unwrap
-from ignite_mgpu.handlers import EpochReport, GuardEvents, LossDataParallel
+from ignite_mgpu.engine import (
+    create_evaluator,
+    create_lr_scheduler,
+    create_optimizer,
+    create_trainer,
+    prepare_model,
+    unwrap,
+)
+from ignite_mgpu.handlers import EpochReport, GuardEvents
 from ignite_mgpu.models import create_model
 
 logger = logging.getLogger("ignite_mgpu")
@@ -39,15 +46,6 @@ def setup_logging(rank: int) -> None:
         force=True,
     )
     logging.getLogger("ignite").setLevel(logging.WARNING)
-
-
-def place_model(model: nn.Module, cfg: Config) -> nn.Module:
-    """torch.compile, then DDP via ``idist.auto_model`` (or our DataParallel for --strategy dp)."""
-    if cfg.model.compile:
-        model = torch.compile(model)  # type: ignore[assignment]  # an OptimizedModule is an nn.Module
-    if cfg.dist.strategy == "dp":
-        return LossDataParallel(model.to(idist.device()))
-    return idist.auto_model(model, sync_bn=cfg.model.sync_batchnorm)
 
 
 def model_devices(model: nn.Module) -> list[torch.device]:
@@ -81,7 +79,8 @@ def training(local_rank: int, cfg: Config) -> None:
 
     train_loader, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
     example = train_loader.dataset[0][0].unsqueeze(0)  # type: ignore[index]  # map-style (image, label)
-    model = place_model(create_model(cfg.model, example), cfg)
+    m = cfg.model
+    model = prepare_model(create_model(m, example), cfg.dist.strategy, m.sync_batchnorm, m.compile)
     o, t = cfg.optim, cfg.train
     optimizer = create_optimizer(model, o.name, o.lr, o.momentum, o.weight_decay)
     steps_per_epoch = (t.epoch_length or len(train_loader)) / t.grad_accum_steps
