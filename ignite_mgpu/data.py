@@ -162,7 +162,7 @@ def create_dataloaders(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Da
     }
     if cfg.skip_bad_samples:
         common["collate_fn"] = _collate_skipping_none
-    train_sampler = DistributedSampler(train_ds, world_size, rank, shuffle=cfg.shuffle, seed=seed)
+    train_sampler: DistributedSampler = DistributedSampler(train_ds, world_size, rank, shuffle=cfg.shuffle, seed=seed)
     val_sampler = UnpaddedDistributedSampler(val_ds, world_size, rank, shuffle=False)
     train_loader = idist.auto_dataloader(train_ds, sampler=train_sampler, **common)
     val_loader = idist.auto_dataloader(val_ds, sampler=val_sampler, **common)

@@ -137,8 +137,9 @@ def _set_sampler_epoch(engine: Engine) -> None:
     # A DistributedSampler shuffles with seed + epoch; without set_epoch every epoch repeats the same order.
     loader = engine.state.dataloader
     sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None) or getattr(loader, "sampler", None)
-    if hasattr(sampler, "set_epoch"):
-        sampler.set_epoch(engine.state.epoch - 1)
+    set_epoch = getattr(sampler, "set_epoch", None)
+    if set_epoch is not None:
+        set_epoch(engine.state.epoch - 1)
 
 
 def create_evaluator(

@@ -116,7 +116,7 @@ class TrainingGuard:
         local = torch.tensor([_stop_signal, first_bad, float(losses.sum()) if not first_bad else 0.0, len(losses)])
         rows = local.view(1, 4)
         if idist.get_world_size() > 1:
-            rows = idist.all_gather(local.double()).view(-1, 4).cpu()
+            rows = torch.as_tensor(idist.all_gather(local.double())).view(-1, 4).cpu()
         bad_rows = [(int(it), rank) for rank, it in enumerate(rows[:, 1].tolist()) if it > 0]
         if bad_rows:
             iteration, rank = min(bad_rows)
@@ -215,7 +215,7 @@ class EpochReport:
         iterations = engine.state.iteration - self._first_iteration
         local = torch.tensor([self._wait / seconds, *_peak_memory_mb(self.devices)], dtype=torch.float64)
         rows = (
-            idist.all_gather(local).view(idist.get_world_size(), -1).cpu()
+            torch.as_tensor(idist.all_gather(local)).view(idist.get_world_size(), -1).cpu()
             if idist.get_world_size() > 1
             else local[None]
         )

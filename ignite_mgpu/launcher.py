@@ -166,8 +166,12 @@ def _run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> None
             import torch
 
             index = idist.device().index or 0
-            print(f"rank {idist.get_rank()}: cuda:{index} is physical GPU {plan.gpus[index]} "
-                  f"({torch.cuda.get_device_name(index)})", file=sys.stderr, flush=True)
+            print(
+                f"rank {idist.get_rank()}: cuda:{index} is physical GPU {plan.gpus[index]} "
+                f"({torch.cuda.get_device_name(index)})",
+                file=sys.stderr,
+                flush=True,
+            )
         parallel.run(fn, *args)
 
 
@@ -413,19 +417,19 @@ def launch(
     """
     from ignite_mgpu.config import Config, validate
 
+    if backend not in ("auto", "nccl", "gloo") or strategy not in ("ddp", "dp"):
+        raise ConfigError(f"backend={backend!r} / strategy={strategy!r}: use auto|nccl|gloo and ddp|dp.")
     dist_cfg = DistConfig(
         nproc=nproc,
-        backend=backend,
+        backend=backend,  # type: ignore[arg-type]  # checked against the Literal just above
         gpus=gpus,
-        strategy=strategy,
-        nnodes=nnodes,  # type: ignore[arg-type]  # checked below
+        strategy=strategy,  # type: ignore[arg-type]  # checked against the Literal just above
+        nnodes=nnodes,
         node_rank=node_rank,
         master_addr=master_addr,
         master_port=master_port,
         timeout=timeout,
     )
-    if backend not in ("auto", "nccl", "gloo") or strategy not in ("ddp", "dp"):
-        raise ConfigError(f"backend={backend!r} / strategy={strategy!r}: use auto|nccl|gloo and ddp|dp.")
     validate(Config(dist=dist_cfg))
     code = run_plan(make_plan(dist_cfg), fn, *args)
     if code:

@@ -112,9 +112,9 @@ def training(local_rank: int, cfg: Config) -> None:
         "optimizer": optimizer,
         "lr_scheduler": scheduler,
         "trainer": trainer,
-        "scaler": trainer.scaler,
+        "scaler": getattr(trainer, "scaler"),  # noqa: B009 - an attribute create_trainer adds to the Engine
         "run": run_info,
-    }  # type: ignore[attr-defined]  # set by create_trainer
+    }
     report = EpochReport(out / "metrics.jsonl", cfg.data.batch_size, evaluator, model_devices(model))
     report.attach(trainer)
     full, best = attach_checkpoints(trainer, evaluator, to_save, cfg)

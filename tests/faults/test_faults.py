@@ -252,8 +252,12 @@ class Harness:
     def run(self, args: list[str], timeout: float, fault: str | None = None, tag: str = "a") -> Result:
         return self.start(args, fault, tag).wait(timeout)
 
-    def assert_no_leftovers(self, grace: float = 15.0) -> None:
-        """Every process any job had (ranks, DataLoader workers, helpers) is gone within ``grace`` seconds."""
+    def assert_no_leftovers(self, grace: float = 3.0) -> None:
+        """Every process any job had (ranks, DataLoader workers, helpers) is gone ``grace`` seconds after it.
+
+        The launcher joins its ranks before it exits, so when it returns the job should be over; the small grace
+        only absorbs the kernel finishing the exits on a loaded machine.
+        """
         procs: dict[int, psutil.Process | None] = {}
         for job in self.jobs:
             procs.update(job.all_processes())
@@ -512,9 +516,10 @@ def test_dataloader_workers_do_not_outlive_a_failed_job(h: Harness) -> None:
     assert r.rc == 1, r
     assert "rank 1 failed with RuntimeError: boom" in r.stderr, r
     pids_dir = h.jobs[0].pids_dir
-    workers = {r: (pids_dir / f"children{r}").read_text().split() for r in (0, 1)}
-    assert all(len(w) >= 2 for w in workers.values()), f"expected 2 DataLoader workers per rank: {workers}"
-    h.assert_no_leftovers(grace=15)
+    # idist.auto_dataloader splits num_workers over the ranks: one worker process per rank here.
+    workers = {rank: (pids_dir / f"children{rank}").read_text().split() for rank in (0, 1)}
+    assert all(workers.values()), f"expected a DataLoader worker in every rank: {workers}"
+    h.assert_no_leftovers()
 
 
 # ----------------------------------------------------------------------------------------------- signals
@@ -641,7 +646,8 @@ def test_s8_s9_two_jobs_without_port_share_the_host_on_loopback_only(h: Harness)
         assert "finished" in r.stderr
     assert rendezvous == {"a": True, "b": True}, "no file rendezvous was seen"
     for tag in rendezvous:
-        assert not list((h.root / f"tmp-{tag}").iterdir()), "the launcher left its private temp folder behind"
+        left = list((h.root / f"tmp-{tag}").glob("ignite-mgpu-*"))
+        assert not left, f"the launcher left its private temp folder behind: {left}"
     for job in jobs:
         assert job.socket_samples > 0, "the sampler never saw both ranks' sockets"
         exposed = [(pid, ip, port) for pid, ip, port in job.listeners if not _is_loopback(ip)]
