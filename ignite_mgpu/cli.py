@@ -182,11 +182,20 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
         _fail(f"no such option: {bad_flags[0]} (see ignite-mgpu train --help).")
     with _errors_to_exit():
         cfg = _load(args, config_path, flags)
+        from ignite_mgpu.config import ConfigError
         from ignite_mgpu.data import build_datasets, check_sizes
         from ignite_mgpu.launcher import make_plan, run_plan
         from ignite_mgpu.models import check_model_name
 
         check_model_name(cfg.model.name)
+        if cfg.train.tensorboard:
+            try:
+                import tensorboard  # noqa: F401
+            except ImportError:
+                raise ConfigError(
+                    "train.tensorboard=true needs the tensorboard package: "
+                    "pip install tensorboard (or pip install -e '.[tensorboard]')."
+                ) from None
         # Only the job's first process checks and locks output_dir: other nodes may share it (NFS), and under
         # torchrun/SLURM every process runs this command.
         leader = cfg.dist.node_rank == 0 and int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0

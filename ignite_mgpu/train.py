@@ -118,6 +118,8 @@ def training(local_rank: int, cfg: Config) -> None:
     report = EpochReport(out / "metrics.jsonl", cfg.data.batch_size, evaluator, model_devices(model))
     report.attach(trainer)
     full, best = attach_checkpoints(trainer, evaluator, to_save, cfg)
+    if t.tensorboard and rank == 0:
+        attach_tensorboard(trainer, report, out / "tb")
     if t.progress_bar and rank == 0 and sys.stderr.isatty():
         from ignite.handlers import ProgressBar
 
@@ -151,6 +153,22 @@ def attach_checkpoints(
         trainer.add_event_handler(GuardEvents.STOPPING, full)
     evaluator.add_event_handler(Events.COMPLETED, best)
     return full, best
+
+
+def attach_tensorboard(trainer: Engine, report: EpochReport, logdir: Path) -> None:
+    """Every number of the epoch report as a TensorBoard scalar (rank 0; needs the tensorboard package)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(logdir))
+
+    def write(engine: Engine) -> None:
+        for key, value in report.last.items():
+            if isinstance(value, (int, float)) and key not in ("epoch", "iteration"):
+                writer.add_scalar(key, value, engine.state.epoch)
+        writer.flush()
+
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, write)
+    trainer.add_event_handler(Events.COMPLETED, lambda: writer.close())
 
 
 def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:

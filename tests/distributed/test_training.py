@@ -257,3 +257,16 @@ def test_resume_with_another_world_size(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "written with 2 processes, resuming with 1: the global batch stays 32" in result.stderr
     assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]
+
+
+@pytest.mark.timeout(120)
+def test_tensorboard_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    out = tmp_path / "run"
+    launch(training, tiny_config(out, "train.tensorboard=true", "train.epochs=1"), nproc=1)
+    (events,) = (out / "tb").glob("events.out.tfevents.*")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(events.parent))
+    acc.Reload()
+    assert {"train_loss", "val_accuracy", "samples_per_s"} <= set(acc.Tags()["scalars"])
