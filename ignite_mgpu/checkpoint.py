@@ -173,12 +173,18 @@ def check_model_state(model: nn.Module, state: Mapping[str, Any], source: str) -
         )
 
 
-def load_checkpoint(path: str | Path, to_load: Mapping[str, Any], map_location: Any = None) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | Path,
+    to_load: Mapping[str, Any],
+    map_location: Any = None,
+    check: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Load ``path`` into the objects of ``to_load`` (e.g. ``{"model": model, "optimizer": opt}``).
 
     Accepts a full checkpoint or a bare state_dict (for the model), strips ``module.`` / ``_orig_mod.``, maps every
     tensor to this rank's device (not cuda:0 for all ranks), and loads with ``weights_only=True``.
-    Everything is checked before anything is loaded, so a mismatch leaves the objects untouched.
+    Everything is checked before anything is loaded, so a mismatch leaves the objects untouched; ``check``
+    (called with the checkpoint dict) can add a test of its own.
 
     Returns:
         The checkpoint dict as read (after prefix stripping of its model entry).
@@ -198,6 +204,8 @@ def load_checkpoint(path: str | Path, to_load: Mapping[str, Any], map_location: 
             logger.info("%s: stripped the %s prefix from every key", path, " and ".join(found))
         model = to_load["model"]
         check_model_state(_unwrap(model), ckpt["model"], str(path))
+    if check is not None:
+        check(ckpt)
     for name, obj in to_load.items():
         target = _unwrap(obj) if isinstance(obj, nn.Module) else obj
         target.load_state_dict(ckpt[name])
@@ -249,8 +257,8 @@ def convert(src: str | Path, dst: str | Path) -> list[str]:
 class RunInfo:
     """Saved with every checkpoint: what a resume must know about the run that wrote it."""
 
-    def __init__(self, world_size: int, global_batch: int, config_hash: str) -> None:
-        self.info = {"world_size": world_size, "global_batch": global_batch, "config_hash": config_hash}
+    def __init__(self, world_size: int, global_batch: int, config: dict[str, str]) -> None:
+        self.info = {"world_size": world_size, "global_batch": global_batch, "config": config}
         self.loaded: dict[str, Any] = {}
 
     def state_dict(self) -> dict[str, Any]:

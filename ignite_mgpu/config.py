@@ -71,6 +71,7 @@ class CheckpointConfig:
     n_saved: int = 2  # how many full checkpoints to keep
     metric: Literal["accuracy", "loss"] = "accuracy"  # validation metric that picks best_model_*.pt
     save_on_stop: bool = True  # on SIGTERM/SIGINT write one checkpoint before exiting
+    allow_config_change: bool = False  # let --resume continue a checkpoint written with other settings
 
 
 @dataclass

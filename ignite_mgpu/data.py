@@ -82,7 +82,9 @@ class _CheckedImageFolder(Dataset):
 
 
 def _collate_skipping_none(batch: list[Any]) -> Any:
-    return default_collate([b for b in batch if b is not None])
+    """(images, labels, number of skipped samples) for ``data.skip_bad_samples``; the trainer sums the third."""
+    kept = [b for b in batch if b is not None]
+    return [*default_collate(kept), torch.tensor(len(batch) - len(kept))]
 
 
 def build_datasets(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Dataset, Dataset]:

@@ -237,16 +237,15 @@ class EpochReport:
         if idist.get_rank() == 0:
             with self.path.open("a") as f:
                 f.write(json.dumps(self.last) + "\n")
+            r = self.last
+            world = idist.get_world_size()
+            labels = [f"rank {i}" for i in range(world)] if world > 1 else [str(d) for d in self.devices]
+            where = "GPU" if self.devices[0].type == "cuda" else "process (RSS)"
             logger.info(
                 "epoch %d | train_loss %.4f | val_loss %.4f | val_acc %.4f | %.0f samples/s | %.2f ms/it | "
-                "data wait %.0f%% | peak memory MB %s (max/min %.2f)",
-                self.last["epoch"],
-                self.last["train_loss"],
-                self.last["val_loss"],
-                self.last["val_accuracy"],
-                self.last["samples_per_s"],
-                self.last["time_per_iter_ms"],
-                100 * self.last["data_wait_share"],
-                memory,
-                self.last["memory_imbalance"],
-            )
+                "data wait %.0f%%\n  peak memory per %s, MB | %s | max/min %.2f",
+                r["epoch"], r["train_loss"], r["val_loss"], r["val_accuracy"], r["samples_per_s"],
+                r["time_per_iter_ms"], 100 * r["data_wait_share"], where,
+                " | ".join(f"{name}: {mb:.0f}" for name, mb in zip(labels, memory, strict=False)),
+                r["memory_imbalance"],
+            )  # fmt: skip

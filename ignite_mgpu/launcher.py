@@ -189,6 +189,14 @@ def _set_pdeathsig() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
+def _is_user_error(err: BaseException) -> bool:
+    """Errors whose message says it all (bad checkpoint, config, a deliberate stop): no traceback."""
+    from ignite_mgpu.checkpoint import CheckpointError
+    from ignite_mgpu.handlers import TrainingStopped
+
+    return isinstance(err, (ConfigError, CheckpointError, TrainingStopped))
+
+
 def _worker(local_rank: int, plan: LaunchPlan, fn: Callable[..., Any], args: tuple, error_dir: str) -> None:
     _set_pdeathsig()
     os.setpgid(0, 0)  # own process group: Ctrl-C reaches only the launcher, which then stops the workers
@@ -217,7 +225,7 @@ def _worker(local_rank: int, plan: LaunchPlan, fn: Callable[..., Any], args: tup
             "time": time.time(),
             "type": type(err).__name__,
             "message": str(err),
-            "traceback": "" if isinstance(err, TrainingStopped) else traceback.format_exc(),
+            "traceback": "" if _is_user_error(err) else traceback.format_exc(),
             "code": code,
         }
         Path(error_dir, f"rank{rank}.json").write_text(json.dumps(report))
@@ -352,12 +360,8 @@ class _Supervisor:
         if failed:
             # The earliest error is the cause; later ones are usually peers losing their connection to it.
             first = min(failed, key=lambda r: r["time"])
-            print(
-                f"ignite-mgpu: rank {first['rank']} failed with {first['type']}: {first['message']}\n"
-                f"{first['traceback']}",
-                file=sys.stderr,
-                end="",
-            )
+            print(f"ignite-mgpu: rank {first['rank']} failed with {first['type']}: {first['message']}", file=sys.stderr)
+            print(first["traceback"], file=sys.stderr, end="")
             return 1
         print(f"ignite-mgpu: a rank exited with codes {codes}.", file=sys.stderr)
         return 1
@@ -378,7 +382,7 @@ def run_plan(plan: LaunchPlan, fn: Callable[..., Any], *args: Any) -> int:
     from ignite_mgpu.handlers import TrainingStopped
 
     for line in plan.messages:
-        logger.info(line)
+        print(f"ignite-mgpu: {line}", file=sys.stderr)
     if plan.external or plan.backend is None:
         with _in_process_signals():
             try:
@@ -386,6 +390,11 @@ def run_plan(plan: LaunchPlan, fn: Callable[..., Any], *args: Any) -> int:
             except TrainingStopped as err:
                 print(f"ignite-mgpu: {err}", file=sys.stderr)
                 return err.exit_code
+            except Exception as err:
+                if not _is_user_error(err):
+                    raise
+                print(f"ignite-mgpu: {type(err).__name__}: {err}", file=sys.stderr)
+                return 1
         return 0
     return _Supervisor(plan, fn, args).run()
 

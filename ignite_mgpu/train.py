@@ -3,7 +3,6 @@ bottom; ``evaluation`` scores saved weights. Both run in every process that the 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -55,12 +54,33 @@ def model_devices(model: nn.Module) -> list[torch.device]:
     return [next(model.parameters()).device]
 
 
-def config_hash(cfg: Config) -> str:
-    """Hash of what makes two runs the same run (not epochs, resume or output folder)."""
-    keep = {k: v for k, v in json.loads(json.dumps(vars(cfg), default=vars)).items() if k not in ("resume",)}
-    keep["train"].pop("epochs", None)
-    keep.pop("dist", None)
-    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:12]
+# Keys that may change between an interrupted run and its resumption without making it another run.
+_RESUMABLE_CHANGES = (
+    "resume",
+    "output_dir",
+    "train.epochs",
+    "train.progress_bar",
+    "train.tensorboard",
+    "train.check_every",
+    "data.num_workers",
+    "data.download",
+    "data.root",
+    "dist.",
+    "checkpoint.",
+)
+
+
+def run_signature(cfg: Config) -> dict[str, str]:
+    """The config keys that define a run, flattened ("optim.lr" -> "0.05"); compared on resume."""
+    from omegaconf import OmegaConf
+
+    def flat(node: Any, prefix: str = "") -> dict[str, str]:
+        if isinstance(node, dict):
+            return {k: v for key, sub in node.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
+        return {prefix[:-1]: str(node)}
+
+    everything = flat(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    return {k: v for k, v in everything.items() if not k.startswith(_RESUMABLE_CHANGES)}
 
 
 def training(local_rank: int, cfg: Config) -> None:
@@ -106,7 +126,7 @@ def training(local_rank: int, cfg: Config) -> None:
     evaluator = create_evaluator(model, metrics, precision=t.precision)
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(val_loader))
 
-    run_info = ckpt.RunInfo(world_size, cfg.data.batch_size, config_hash(cfg))
+    run_info = ckpt.RunInfo(world_size, cfg.data.batch_size, run_signature(cfg))
     to_save = {
         "model": unwrap(model),
         "optimizer": optimizer,
@@ -118,6 +138,8 @@ def training(local_rank: int, cfg: Config) -> None:
     report = EpochReport(out / "metrics.jsonl", cfg.data.batch_size, evaluator, model_devices(model))
     report.attach(trainer)
     full, best = attach_checkpoints(trainer, evaluator, to_save, cfg)
+    if cfg.data.skip_bad_samples:
+        attach_skip_counter(trainer)
     if t.tensorboard and rank == 0:
         attach_tensorboard(trainer, report, out / "tb")
     if t.progress_bar and rank == 0 and sys.stderr.isatty():
@@ -155,6 +177,25 @@ def attach_checkpoints(
     return full, best
 
 
+def attach_skip_counter(trainer: Engine) -> None:
+    """Count the unreadable images skipped in each epoch over all ranks (the collate function reports them)."""
+    skipped = [0]
+
+    def count(engine: Engine) -> None:
+        skipped[0] += int(engine.state.batch[2])  # type: ignore[index]  # the skip collate adds a 3rd entry
+
+    def report(engine: Engine) -> None:
+        total = int(idist.all_reduce(torch.tensor(skipped[0])))
+        skipped[0] = 0
+        if total:
+            logger.warning(
+                "epoch %d: skipped %d unreadable images (data.skip_bad_samples=true)", engine.state.epoch, total
+            )
+
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, count)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, report)
+
+
 def attach_tensorboard(trainer: Engine, report: EpochReport, logdir: Path) -> None:
     """Every number of the epoch report as a TensorBoard scalar (rank 0; needs the tensorboard package)."""
     from torch.utils.tensorboard import SummaryWriter
@@ -179,7 +220,19 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
     path = ckpt.find_resumable(cfg.output_dir) if cfg.resume == "auto" else Path(str(cfg.resume))
     if path is None:
         raise ckpt.CheckpointError(f"--resume auto: no complete checkpoint in {cfg.output_dir}.")
-    ckpt.load_checkpoint(path, to_save)
+    now = run_signature(cfg)
+
+    def same_run(checkpoint: dict[str, Any]) -> None:  # runs before anything is loaded
+        saved = checkpoint.get("run", {}).get("config", {})
+        changed = [f"{k}: {v} -> {now.get(k, 'absent')}" for k, v in saved.items() if v != now.get(k, "absent")]
+        if changed and not cfg.checkpoint.allow_config_change:
+            raise ckpt.CheckpointError(
+                f"{path} belongs to a run with other settings ({'; '.join(changed[:5])}"
+                f"{'; ...' if len(changed) > 5 else ''}). Resume with the same settings, use a new --output-dir, "
+                "or pass checkpoint.allow_config_change=true to resume anyway."
+            )
+
+    ckpt.load_checkpoint(path, to_save, check=same_run)
     saved = to_save["run"].loaded
     logger.info("resumed from %s at iteration %d", path, to_save["trainer"].state.iteration)
     if saved.get("world_size", world_size) != world_size:

@@ -11,8 +11,11 @@ pytestmark = [pytest.mark.distributed]
 
 
 def run_example(name, *args, timeout=150):
-    return subprocess.run([sys.executable, str(REPO / "examples" / name), *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO / "examples", env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    script = str(REPO / "examples" / name)
+    return subprocess.run(
+        [sys.executable, script, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO / "examples", env=env
+    )
 
 
 @pytest.mark.timeout(180)

@@ -5,15 +5,17 @@ import json
 import os
 from pathlib import Path
 
+import ignite.distributed as idist
 import pytest
 
-import ignite.distributed as idist
 from ignite_mgpu import gpus, launch
 
 pytestmark = [pytest.mark.distributed]
 
-FOUR_A100 = [gpus.GpuInfo(i, f"00000000:{7 + i:02X}:00.0", "NVIDIA A100-SXM4-80GB", used, 81920, util, procs)
-             for i, (used, util, procs) in enumerate([(70000, 95, 2), (30000, 40, 1), (500, 0, 0), (400, 0, 0)])]
+FOUR_A100 = [
+    gpus.GpuInfo(i, f"00000000:{7 + i:02X}:00.0", "NVIDIA A100-SXM4-80GB", used, 81920, util, procs)
+    for i, (used, util, procs) in enumerate([(70000, 95, 2), (30000, 40, 1), (500, 0, 0), (400, 0, 0)])
+]
 
 
 def report_environment(local_rank: int, out: str) -> None:

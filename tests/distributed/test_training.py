@@ -12,6 +12,7 @@ from pathlib import Path
 import ignite.distributed as idist
 import pytest
 import torch
+from ignite.engine import Events
 from torch import nn
 
 from ignite_mgpu import launch
@@ -50,6 +51,8 @@ def test_two_processes_end_like_one_and_evaluate_exactly(tmp_path):
     for field in ("epoch", "train_loss", "val_loss", "val_accuracy", "samples_per_s", "peak_memory_mb"):
         assert field in rows[-1]
     assert len(rows[-1]["peak_memory_mb"]) == 2  # one entry per process
+    assert all(mb > 50 for mb in rows[-1]["peak_memory_mb"]) and rows[-1]["memory_imbalance"] >= 1.0
+    assert 0 <= rows[-1]["data_wait_share"] <= 1 and rows[-1]["samples_per_s"] > 0
 
     # 101 validation samples on 2 ranks: the reduced metrics equal one process scoring every sample once.
     cfg = tiny_config(two)
@@ -83,6 +86,9 @@ def public_api_worker(local_rank: int, out: str, global_batch: int, accum: int) 
     model = idist.auto_model(nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3)))
     optimizer = idist.auto_optim(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     trainer = create_trainer(model, optimizer, nn.CrossEntropyLoss(), grad_accum_steps=accum, check_every=2)
+    local_losses: list[float] = []
+    trainer.add_event_handler(Events.EPOCH_STARTED, lambda: local_losses.clear())
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: local_losses.append(float(e.state.output)))
     trainer.run(loader, max_epochs=3)
     torch.save(
         {
@@ -90,6 +96,7 @@ def public_api_worker(local_rank: int, out: str, global_batch: int, accum: int) 
             "batch": loader.batch_size,
             "epoch": sampler.epoch,
             "loss": trainer.state.metrics["train_loss"],
+            "local_losses": local_losses,
         },
         Path(out) / f"rank{idist.get_rank()}.pt",
     )
@@ -107,6 +114,9 @@ def test_public_api_ranks_agree_and_accumulation_skips_sync_correctly(tmp_path):
         assert torch.equal(r0["state"][key], r1["state"][key])  # DDP keeps ranks bitwise identical
     assert r0["batch"] == 16 and r0["epoch"] == 2  # global 32 split over 2; set_epoch called every epoch
     assert r0["loss"] == r1["loss"]  # the logged loss is the mean over ranks, the same everywhere
+    both = r0["local_losses"] + r1["local_losses"]
+    assert r0["loss"] == pytest.approx(sum(both) / len(both), rel=1e-6)
+    assert r0["local_losses"] != r1["local_losses"]  # each rank saw other data
     a0 = torch.load(accumulated / "rank0.pt", weights_only=True)
     assert a0["batch"] == 8
     for key in r0["state"]:  # 2 micro-batches of 8 per rank (no_sync on the first) == one batch of 16
@@ -270,3 +280,32 @@ def test_tensorboard_scalars(tmp_path):
     acc = EventAccumulator(str(events.parent))
     acc.Reload()
     assert {"train_loss", "val_accuracy", "samples_per_s"} <= set(acc.Tags()["scalars"])
+
+
+@pytest.mark.timeout(120)
+def test_imagefolder_skips_and_counts_bad_images(tmp_path):
+    from PIL import Image
+
+    root = tmp_path / "images"
+    for split, n in (("train", 8), ("val", 4)):
+        for cls in ("cat", "dog"):
+            folder = root / split / cls
+            folder.mkdir(parents=True)
+            for i in range(n):
+                Image.new("RGB", (20, 20), color=(40 * i, 100 if cls == "cat" else 10, 7)).save(folder / f"{i}.png")
+    (root / "train" / "cat" / "broken.png").write_bytes(b"\x89PNG truncated")
+    args = [
+        "data.name=imagefolder",
+        f"data.root={root}",
+        "data.image_size=16",
+        "data.batch_size=4",
+        "model.num_classes=2",
+        "train.epochs=1",
+        "--nproc",
+        "2",
+    ]
+    failed = run_cli(["train", *args, "--output-dir", str(tmp_path / "a")], tmp_path)
+    assert failed.returncode == 1 and "cannot read image" in failed.stderr and "broken.png" in failed.stderr
+    skipped = run_cli(["train", *args, "data.skip_bad_samples=true", "--output-dir", str(tmp_path / "b")], tmp_path)
+    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    assert "skipped 1 unreadable images" in skipped.stderr
