@@ -102,9 +102,11 @@ def create_trainer(
     # DDP all-reduces gradients in every backward; on accumulation steps that traffic is wasted, so skip it.
     no_sync = model.no_sync if isinstance(model, DistributedDataParallel) else contextlib.nullcontext
     parameters = [p for p in model.parameters() if p.requires_grad]
+    inner = unwrap(model)  # the evaluator switches the unwrapped module to eval mode
 
     def train_step(engine: Engine, batch: Batch) -> torch.Tensor:
-        model.train()
+        if not inner.training:  # model.train() walks every submodule: only do it after an evaluation
+            model.train()
         x, y = _to_device(batch, device, non_blocking)
         step_now = engine.state.iteration % grad_accum_steps == 0
         with contextlib.nullcontext() if step_now else no_sync():

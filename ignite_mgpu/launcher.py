@@ -250,8 +250,11 @@ class _Supervisor:
     def _signal_all(self, sig: int) -> None:
         for p in self.procs:
             if p.exitcode is None and p.pid:
+                if sig == signal.SIGKILL:  # the worker's group holds its data-loader workers too
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(p.pid, sig)
                 with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(p.pid, sig) if sig == signal.SIGKILL else os.kill(p.pid, sig)
+                    os.kill(p.pid, sig)  # also before the worker made its own group
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.signal_received:  # second signal: no more waiting

@@ -180,3 +180,45 @@ def test_evaluator_metrics_and_unwrap():
     x, y = next(iter(DataLoader(loader.dataset, batch_size=32)))
     assert state.metrics["acc"] == pytest.approx((model(x).argmax(1) == y).float().mean().item())
     assert unwrap(nn.DataParallel(model)) is model
+
+
+def test_dataparallel_gathers_replica_losses_without_the_scalar_warning(monkeypatch, recwarn):
+    from ignite_mgpu.handlers import LossDataParallel
+
+    received = []
+
+    def base_gather(self, outputs, output_device):  # stands in for the CUDA gather; torch warns on 0-dim inputs
+        received.extend(outputs)
+        if all(o.dim() == 0 for o in outputs):
+            import warnings
+
+            warnings.warn("Was asked to gather along dimension 0, but all input tensors were scalars", stacklevel=1)
+        return torch.cat(outputs)
+
+    monkeypatch.setattr(nn.DataParallel, "gather", base_gather)
+    dp = LossDataParallel.__new__(LossDataParallel)
+    out = dp.gather([torch.tensor(1.0), torch.tensor(2.0)], output_device=0)
+    assert out.shape == (2,) and all(t.dim() == 1 for t in received)
+    assert not [w for w in recwarn if "all input tensors were scalars" in str(w.message)]
+
+
+def test_prepare_model_compiles_and_checkpoints_stay_clean():
+    from ignite_mgpu import prepare_model
+
+    net = linear()
+    compiled = prepare_model(net, compile=True)  # one process on a CPU: no DDP wrapper
+    assert compiled is not net and unwrap(compiled) is net
+    assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    with pytest.raises(ValueError, match="strategy='dp'.*needs CUDA"):
+        prepare_model(linear(), strategy="dp")
+
+
+def test_training_mode_is_restored_after_evaluation():
+    model = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5), nn.Linear(6, 3))
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), device="cpu")
+    evaluator = create_evaluator(model, {}, device="cpu")
+    modes = []
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(data()))
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda: modes.append(model[1].training))
+    trainer.run(data(), max_epochs=2)
+    assert all(modes) and len(modes) == 8

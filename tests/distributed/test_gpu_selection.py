@@ -46,3 +46,23 @@ def test_bad_gpu_requests_fail_before_spawning(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     with pytest.raises(gpus.ConfigError, match="CUDA_VISIBLE_DEVICES"):
         launch(report_environment, "/nonexistent", gpus="2,3", backend="gloo")
+
+
+def report_device(local_rank: int, out: str) -> None:
+    import torch
+
+    seen = {"device": str(idist.device()), "name": torch.cuda.get_device_name(0)}
+    Path(out, f"rank{local_rank}.json").write_text(json.dumps(seen))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_real_gpu_selection(tmp_path):
+    snapshot = gpus.query_gpus()
+    if not snapshot:
+        pytest.skip("nvidia-smi shows no GPU")
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    last = snapshot[-1]
+    launch(report_device, str(tmp_path), gpus=str(last.index))  # one GPU: in-process, cuda:0 is that GPU
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    assert seen["device"] == "cuda:0" and seen["name"] == last.name
