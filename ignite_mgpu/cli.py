@@ -82,6 +82,30 @@ def _errors_to_exit() -> Iterator[None]:
         _fail(str(err))
 
 
+def _lock_owner(output_dir: Path) -> int | None:
+    """The pid of the live job that holds ``output_dir/.lock``, or None (no lock, or a stale one)."""
+    try:
+        pid = int((output_dir / ".lock").read_text() or 0)
+    except (OSError, ValueError):
+        return None
+    if pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return pid
+
+
+def _locked_message(output_dir: Path, pid: int) -> str:
+    return (
+        f"output_dir {output_dir} is locked by pid {pid}, another job writing there; wait for it or choose "
+        "another --output-dir."
+    )
+
+
 @contextlib.contextmanager
 def _output_lock(output_dir: Path) -> Iterator[None]:
     """One job per output folder: a second one fails fast instead of mixing checkpoints."""
@@ -92,19 +116,9 @@ def _output_lock(output_dir: Path) -> Iterator[None]:
             fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
             break
         except FileExistsError:
-            pid = int(lock.read_text() or 0) if lock.exists() else 0
-            try:
-                os.kill(pid, 0) if pid > 0 else None
-                alive = pid > 0
-            except ProcessLookupError:
-                alive = False
-            except PermissionError:
-                alive = True
-            if alive:
-                _fail(
-                    f"output_dir {output_dir} is locked by pid {pid}, another job writing there; wait for it or "
-                    "choose another --output-dir."
-                )
+            pid = _lock_owner(output_dir)
+            if pid is not None:
+                _fail(_locked_message(output_dir, pid))
             lock.unlink(missing_ok=True)  # stale: its job is gone
     else:
         _fail(f"cannot lock output_dir {output_dir}; remove {lock} if no job is running.")
@@ -122,6 +136,9 @@ def check_output_dir(cfg: Any) -> None:
     from ignite_mgpu.config import ConfigError
 
     out = Path(cfg.output_dir)
+    owner = _lock_owner(out)
+    if owner is not None:  # before anything else: the checkpoints there are the running job's
+        raise ConfigError(_locked_message(out, owner))
     if out.exists() and not os.access(out, os.W_OK):
         raise ConfigError(f"output_dir {out.resolve()} is not writable; choose another --output-dir.")
     existing = ckpt.list_checkpoints(out) if out.is_dir() else []

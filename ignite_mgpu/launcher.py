@@ -237,6 +237,9 @@ def _worker(local_rank: int, plan: LaunchPlan, fn: Callable[..., Any], args: tup
 # ----------------------------------------------------------------------------------------------- supervisor
 
 
+FAILURE_GRACE = 10.0  # seconds the other ranks get to notice a failed rank before they are killed
+
+
 class _Supervisor:
     """Starts the workers, watches them, stops them all on the first failure or a signal."""
 
@@ -249,10 +252,14 @@ class _Supervisor:
 
     def _signal_all(self, sig: int) -> None:
         for p in self.procs:
-            if p.exitcode is None and p.pid:
-                if sig == signal.SIGKILL:  # the worker's group holds its data-loader workers too
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(p.pid, sig)
+            if not p.pid:
+                continue
+            if sig == signal.SIGKILL:
+                # The worker's group holds its data-loader workers, and outlives a worker that already exited
+                # (os._exit leaves them orphaned until their watchdog notices, about 5 s later).
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, sig)
+            if p.exitcode is None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(p.pid, sig)  # also before the worker made its own group
 
@@ -276,6 +283,7 @@ class _Supervisor:
             plan.init_method = "file://" + os.path.join(self.error_dir, "rendezvous")  # no TCP port at all
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         self.deadline = float("inf")
+        self.failure_deadline = float("inf")
         try:
             for local_rank in range(plan.nproc):
                 p = ctx.Process(
@@ -306,9 +314,14 @@ class _Supervisor:
                 p.join()
                 if p.exitcode != 0 and self.first_exit is None:
                     self.first_exit = (self.procs.index(p), p.exitcode)
-                if p.exitcode != 0 and not self.signal_received:
-                    # One rank failed: the others cannot finish (their next collective would wait forever).
-                    self._signal_all(signal.SIGKILL)
+                if p.exitcode != 0 and not self.signal_received and self.failure_deadline == float("inf"):
+                    # One rank failed: the others cannot finish. With gloo their next collective fails at once
+                    # ("Connection closed by peer") and they exit by themselves, after a checkpoint they are
+                    # writing has landed; whatever still runs after the grace (NCCL may hang) is killed.
+                    self.failure_deadline = time.monotonic() + FAILURE_GRACE
+            if time.monotonic() > self.failure_deadline:
+                self._signal_all(signal.SIGKILL)
+                self.failure_deadline = float("inf")
             if time.monotonic() > self.deadline:
                 print(
                     f"ignite-mgpu: workers did not stop within {self.plan.stop_grace:.0f} s; killing them.",
@@ -325,7 +338,9 @@ class _Supervisor:
         codes = [p.exitcode for p in self.procs]
         if self.signal_received:
             stopped = [r for r in reports if r["code"] in (130, 143)]
-            print(f"ignite-mgpu: {stopped[0]['message'] if stopped else 'stopped'}.", file=sys.stderr)
+            # The workers were told with SIGTERM; name the signal the user actually sent.
+            message = stopped[0]["message"].replace("SIGTERM", signal.Signals(self.signal_received).name)
+            print(f"ignite-mgpu: {message if stopped else 'stopped'}.", file=sys.stderr)
             return 128 + self.signal_received
         if all(c == 0 for c in codes):
             return 0

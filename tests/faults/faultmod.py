@@ -14,6 +14,8 @@ needs no hooks. Environment variables, read in every worker:
     - ``nan``: return NaN logits (a poisoned batch).
     - ``slow``: from that iteration on, sleep ``arg`` seconds (default 0.2) in every training forward.
     - ``init``: ``RuntimeError("init boom")`` in the model constructor (``iteration`` is ignored).
+    - ``slowsave``: from that iteration on, ``state_dict()`` sleeps ``arg`` seconds (default 3): a checkpoint
+      that takes long to write, as a large model's does.
 
 ``PIDS_DIR``
     The constructor writes this process's pid to ``PIDS_DIR/rank{RANK}``; at the second training forward it
@@ -87,6 +89,12 @@ class FaultyLinear(nn.Module):
                 poison = True
         logits = self.fc(x.flatten(1))
         return logits * float("nan") if poison else logits
+
+    def state_dict(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - nn.Module's signature
+        for kind, _, iteration, arg in self.faults:
+            if kind == "slowsave" and self.calls >= iteration:
+                time.sleep(3.0 if arg is None else arg)
+        return super().state_dict(*args, **kwargs)
 
     @staticmethod
     def _record_children() -> None:
