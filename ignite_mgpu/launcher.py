@@ -339,8 +339,9 @@ class _Supervisor:
         if self.signal_received:
             stopped = [r for r in reports if r["code"] in (130, 143)]
             # The workers were told with SIGTERM; name the signal the user actually sent.
-            message = stopped[0]["message"].replace("SIGTERM", signal.Signals(self.signal_received).name)
-            print(f"ignite-mgpu: {message if stopped else 'stopped'}.", file=sys.stderr)
+            name = signal.Signals(self.signal_received).name
+            message = stopped[0]["message"].replace("SIGTERM", name) if stopped else f"stopped by {name}"
+            print(f"ignite-mgpu: {message}.", file=sys.stderr)
             return 128 + self.signal_received
         if all(c == 0 for c in codes):
             return 0
