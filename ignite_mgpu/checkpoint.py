@@ -1,21 +1,25 @@
-"""Checkpoints over ignite's Checkpoint: a saver that never deletes before writing, safe tolerant loading,
-resume discovery, and the ``checkpoint inspect`` / ``convert`` helpers."""
+"""Checkpoint files: safe tolerant loading, resume discovery, and the ``checkpoint inspect`` / ``convert`` helpers.
+
+Imports torch but not ignite: the launching process checks the output folder with it before it spawns the workers,
+and importing ignite there would delay every start by about a second. The saver and the ignite ``Checkpoint``
+handlers that write the files are in handlers.py.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import re
-import tempfile
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ignite.distributed as idist
 import torch
-from ignite.handlers import Checkpoint, DiskSaver
 from torch import nn
+
+if TYPE_CHECKING:
+    from ignite.handlers import Checkpoint
 
 logger = logging.getLogger(__name__)
 PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
@@ -40,40 +44,6 @@ def _allow_rng_state_types() -> None:
 
 
 _allow_rng_state_types()
-
-
-class SafeDiskSaver(DiskSaver):
-    """DiskSaver that writes a private temp file, fsyncs, renames, and only then deletes the old checkpoint.
-
-    ignite's Checkpoint asks to remove the oldest file *before* saving the new one (pytorch-ignite #1986): a crash
-    or a full disk in between would leave no checkpoint. Removals are deferred until the next save succeeds.
-    Files are created 0600 (ignite's DiskSaver adds group/other read bits).
-    """
-
-    def __init__(self, dirname: str | Path) -> None:
-        super().__init__(dirname, atomic=True, create_dir=True, require_empty=False)
-        self._pending: list[str] = []
-
-    def _save_func(self, checkpoint: Mapping, path: Path, func: Callable) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.dirname, prefix=".tmp-", suffix=".pt")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                func(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException as err:
-            Path(tmp).unlink(missing_ok=True)
-            kept = ", ".join(sorted(p.name for p in Path(self.dirname).glob("checkpoint_*.pt"))) or "none"
-            raise CheckpointError(f"saving {path.name} failed ({err}); kept the previous checkpoints: {kept}") from err
-        for name in self._pending:
-            if name != path.name:  # ignite "removes" a file it is about to overwrite under the same name
-                (Path(self.dirname) / name).unlink(missing_ok=True)
-        self._pending.clear()
-
-    def remove(self, filename: str) -> None:
-        if idist.get_rank() == self.save_on_rank:
-            self._pending.append(filename)
 
 
 def clean_stale_temp_files(dirname: str | Path) -> None:
@@ -189,7 +159,11 @@ def load_checkpoint(
     Returns:
         The checkpoint dict as read (after prefix stripping of its model entry).
     """
-    ckpt = read_checkpoint(path, map_location if map_location is not None else idist.device())
+    if map_location is None:
+        import ignite.distributed as idist
+
+        map_location = idist.device()
+    ckpt = read_checkpoint(path, map_location)
     if is_state_dict(ckpt) or "model" not in ckpt:
         ckpt = {"model": ckpt}
     absent = [k for k in to_load if k not in ckpt]
@@ -281,27 +255,3 @@ def adopt_existing(full: Checkpoint, best: Checkpoint, dirname: str | Path, sign
         if (m := _BEST_NAME.match(p.name))
     ]
     best.load_state_dict({"_saved": sorted(bests)})
-
-
-def create_checkpointers(
-    objects: Mapping[str, Any],
-    model: nn.Module,
-    dirname: str | Path,
-    n_saved: int,
-    metric: str,
-    best_step: Callable[[Any, Any], int],
-) -> tuple[Checkpoint, Checkpoint]:
-    """(full training state ``checkpoint_<iteration>.pt``, best unwrapped model ``best_model_*.pt``)."""
-    saver = SafeDiskSaver(dirname)
-    full = Checkpoint(dict(objects), saver, n_saved=n_saved, global_step_transform=lambda e, _: e.state.iteration)
-    sign = 1.0 if metric == "accuracy" else -1.0
-    best = Checkpoint(
-        {"model": model},
-        saver,
-        filename_prefix="best",
-        n_saved=1,
-        score_function=lambda e: sign * e.state.metrics[metric],
-        score_name=f"val_{metric}",
-        global_step_transform=best_step,
-    )
-    return full, best

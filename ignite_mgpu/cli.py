@@ -200,8 +200,8 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
     with _errors_to_exit():
         cfg = _load(args, config_path, flags)
         from ignite_mgpu.config import ConfigError
-        from ignite_mgpu.data import build_datasets, check_sizes
-        from ignite_mgpu.launcher import make_plan, run_plan
+        from ignite_mgpu.data import GENERATED, build_datasets, check_sizes
+        from ignite_mgpu.launcher import make_plan, run_named, run_plan
         from ignite_mgpu.models import check_model_name
 
         check_model_name(cfg.model.name)
@@ -219,14 +219,16 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
         if leader:
             check_output_dir(cfg)
         plan = make_plan(cfg.dist)
-        train_ds, val_ds = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
-        check_sizes(train_ds, val_ds, cfg.data.batch_size, plan.world_size)
-        del train_ds, val_ds
-    from ignite_mgpu.train import training
-
+        if cfg.data.name in GENERATED:  # sizes known from the config: only the workers generate the data
+            sizes = range(cfg.data.train_size), range(cfg.data.val_size)
+            check_sizes(*sizes, cfg.data.batch_size, plan.world_size)  # type: ignore[arg-type]  # sized like datasets
+        else:
+            train_ds, val_ds = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
+            check_sizes(train_ds, val_ds, cfg.data.batch_size, plan.world_size)
+            del train_ds, val_ds
     lock = _output_lock(Path(cfg.output_dir)) if leader else contextlib.nullcontext()
     with lock:
-        code = run_plan(plan, training, cfg)
+        code = run_plan(plan, run_named, "ignite_mgpu.train:training", cfg)
     sys.exit(code)
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import ignite.distributed as idist
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 AMPLITUDE = 0.2
+GENERATED = ("synthetic", "fake")  # made in memory; their sizes are in the config
 
 
 class SyntheticImages(Dataset):
@@ -152,8 +153,12 @@ def create_dataloaders(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Da
     ``DistributedSampler`` for training, an unpadded one for validation) so 1 and N processes see the same data.
     The trainer calls ``sampler.set_epoch`` every epoch (see engine.create_trainer).
     """
+    import ignite.distributed as idist  # here, not at the top: the launching process imports this module
+
     world_size, rank = idist.get_world_size(), idist.get_rank()
-    with idist.one_rank_first(local=True):  # torchvision datasets write caches on first use
+    # torchvision datasets write caches on first use; generated data (synthetic, fake) is built in parallel.
+    first = contextlib.nullcontext() if cfg.name in GENERATED else idist.one_rank_first(local=True)
+    with first:
         train_ds, val_ds = build_datasets(cfg, num_classes, seed)
     check_sizes(train_ds, val_ds, cfg.batch_size, world_size)
     common: dict[str, Any] = {

@@ -1,12 +1,16 @@
-"""What ignite lacks: the collective stop/non-finite guard, the DataParallel loss reduction, the epoch report."""
+"""What ignite lacks: the collective stop/non-finite guard, the DataParallel loss reduction, the epoch report,
+and checkpoint writing that never deletes the previous file before the new one is safely on disk."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 import signal
+import tempfile
 import time
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -14,7 +18,10 @@ from typing import Any
 import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, EventEnum, Events
+from ignite.handlers import Checkpoint, DiskSaver
 from torch import nn
+
+from ignite_mgpu.checkpoint import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -249,3 +256,61 @@ class EpochReport:
                 " | ".join(f"{name}: {mb:.0f}" for name, mb in zip(labels, memory, strict=False)),
                 r["memory_imbalance"],
             )  # fmt: skip
+
+
+class SafeDiskSaver(DiskSaver):
+    """DiskSaver that writes a private temp file, fsyncs, renames, and only then deletes the old checkpoint.
+
+    ignite's Checkpoint asks to remove the oldest file *before* saving the new one (pytorch-ignite #1986): a crash
+    or a full disk in between would leave no checkpoint. Removals are deferred until the next save succeeds.
+    Files are created 0600 (ignite's DiskSaver adds group/other read bits).
+    """
+
+    def __init__(self, dirname: str | Path) -> None:
+        super().__init__(dirname, atomic=True, create_dir=True, require_empty=False)
+        self._pending: list[str] = []
+
+    def _save_func(self, checkpoint: Mapping, path: Path, func: Callable) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.dirname, prefix=".tmp-", suffix=".pt")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                func(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as err:
+            Path(tmp).unlink(missing_ok=True)
+            kept = ", ".join(sorted(p.name for p in Path(self.dirname).glob("checkpoint_*.pt"))) or "none"
+            raise CheckpointError(f"saving {path.name} failed ({err}); kept the previous checkpoints: {kept}") from err
+        for name in self._pending:
+            if name != path.name:  # ignite "removes" a file it is about to overwrite under the same name
+                (Path(self.dirname) / name).unlink(missing_ok=True)
+        self._pending.clear()
+
+    def remove(self, filename: str) -> None:
+        if idist.get_rank() == self.save_on_rank:
+            self._pending.append(filename)
+
+
+def create_checkpointers(
+    objects: Mapping[str, Any],
+    model: nn.Module,
+    dirname: str | Path,
+    n_saved: int,
+    metric: str,
+    best_step: Callable[[Any, Any], int],
+) -> tuple[Checkpoint, Checkpoint]:
+    """(full training state ``checkpoint_<iteration>.pt``, best unwrapped model ``best_model_*.pt``)."""
+    saver = SafeDiskSaver(dirname)
+    full = Checkpoint(dict(objects), saver, n_saved=n_saved, global_step_transform=lambda e, _: e.state.iteration)
+    sign = 1.0 if metric == "accuracy" else -1.0
+    best = Checkpoint(
+        {"model": model},
+        saver,
+        filename_prefix="best",
+        n_saved=1,
+        score_function=lambda e: sign * e.state.metrics[metric],
+        score_name=f"val_{metric}",
+        global_step_transform=best_step,
+    )
+    return full, best

@@ -398,11 +398,12 @@ def _in_process_signals() -> Iterator[None]:
 
 def run_plan(plan: LaunchPlan, fn: Callable[..., Any], *args: Any) -> int:
     """Run ``fn(local_rank, *args)`` as the plan says; returns the job's exit code (see module docstring)."""
-    from ignite_mgpu.handlers import TrainingStopped
-
     for line in plan.messages:
         print(f"ignite-mgpu: {line}", file=sys.stderr)
     if plan.external or plan.backend is None:
+        # Training runs in this process, which needs ignite anyway; a parent that spawns workers never imports it.
+        from ignite_mgpu.handlers import TrainingStopped
+
         with _in_process_signals():
             try:
                 _run_in_group(plan, fn, args)
@@ -416,6 +417,15 @@ def run_plan(plan: LaunchPlan, fn: Callable[..., Any], *args: Any) -> int:
                 return 1
         return 0
     return _Supervisor(plan, fn, args).run()
+
+
+def run_named(local_rank: int, target: str, *args: Any) -> Any:
+    """Import ``target`` ("module:function") and run it: passed to ``run_plan``, only the name is pickled, so the
+    launching process spawns the workers without importing ignite or the training code (a second per start)."""
+    import importlib
+
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)(local_rank, *args)
 
 
 def launch(

@@ -29,7 +29,7 @@ from ignite_mgpu.engine import (
     prepare_model,
     unwrap,
 )
-from ignite_mgpu.handlers import EpochReport, GuardEvents
+from ignite_mgpu.handlers import EpochReport, GuardEvents, create_checkpointers
 from ignite_mgpu.models import create_model
 
 logger = logging.getLogger("ignite_mgpu")
@@ -163,7 +163,7 @@ def attach_checkpoints(
 ) -> tuple[Checkpoint, Checkpoint]:
     """Full state every N epochs / iterations and on a stop signal; the best unwrapped model after validation."""
     c = cfg.checkpoint
-    full, best = ckpt.create_checkpointers(
+    full, best = create_checkpointers(
         to_save, to_save["model"], cfg.output_dir, c.n_saved, c.metric, global_step_from_engine(trainer)
     )
     if c.every:

@@ -14,6 +14,7 @@ from ignite.handlers import Checkpoint
 from torch import nn
 
 from ignite_mgpu import checkpoint as ckpt
+from ignite_mgpu import handlers
 from ignite_mgpu.cli import main
 
 
@@ -40,7 +41,7 @@ def test_compiled_and_wrapped_prefixes_are_stripped():
 
 def test_checkpoint_saved_from_ddp_like_wrapper_has_no_prefix(tmp_path):
     model = nn.DataParallel(small())  # ignite's Checkpoint unwraps DP/DDP
-    saver = ckpt.SafeDiskSaver(tmp_path)
+    saver = handlers.SafeDiskSaver(tmp_path)
     Checkpoint({"model": model}, saver, filename_prefix="best")(Engine(lambda e, b: None))
     (path,) = tmp_path.glob("best_*.pt")
     state = torch.load(path, weights_only=True)
@@ -97,7 +98,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     trainer = Engine(lambda e, b: None)
     handler = Checkpoint(
         {"model": model, "trainer": trainer},
-        ckpt.SafeDiskSaver(tmp_path),
+        handlers.SafeDiskSaver(tmp_path),
         n_saved=1,
         global_step_transform=lambda e, _: e.state.iteration,
     )
@@ -123,7 +124,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
 def test_files_are_private(tmp_path):
     trainer = Engine(lambda e, b: None)
-    Checkpoint({"model": small(), "trainer": trainer}, ckpt.SafeDiskSaver(tmp_path))(trainer)
+    Checkpoint({"model": small(), "trainer": trainer}, handlers.SafeDiskSaver(tmp_path))(trainer)
     for path in tmp_path.glob("*.pt"):
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0
 
@@ -134,7 +135,7 @@ def test_best_model_loads_into_torchvision_resnet(tmp_path):
     evaluator.state.metrics = {"accuracy": 0.5}
     trainer = Engine(lambda e, b: None)
     trainer.state.epoch = 3
-    _, best = ckpt.create_checkpointers(
+    _, best = handlers.create_checkpointers(
         {"model": model}, nn.DataParallel(model), tmp_path, 1, "accuracy", lambda e, _: trainer.state.epoch
     )
     best(evaluator)

@@ -50,8 +50,8 @@ def test_flags_and_overrides_reach_the_config(captured, tmp_path):
         tmp_path,
     )
     assert result.exit_code == 0, result.output
-    plan, fn, (cfg,) = captured[0]
-    assert fn.__name__ == "training"
+    plan, fn, (target, cfg) = captured[0]
+    assert fn.__name__ == "run_named" and target == "ignite_mgpu.train:training"  # the parent never imports it
     assert (plan.nproc, plan.backend, plan.world_size) == (2, "gloo", 2)
     assert cfg.optim.lr == 0.01 and cfg.train.epochs == 3 and cfg.seed == 7
     assert cfg.dist.nproc == 2 and cfg.dist.timeout == 20 and cfg.output_dir == "out"
@@ -62,7 +62,7 @@ def test_yaml_as_first_argument_then_overrides_then_flags(captured, tmp_path):
     (tmp_path / "run.yaml").write_text("optim:\n  lr: 0.2\ndist:\n  nproc: 3\n")
     result = invoke(["train", str(tmp_path / "run.yaml"), "optim.lr=0.3", "dist.nproc=1", "--nproc", "2"], tmp_path)
     assert result.exit_code == 0, result.output
-    cfg = captured[0][2][0]
+    cfg = captured[0][2][1]
     assert cfg.optim.lr == 0.3 and cfg.dist.nproc == 2
 
 
