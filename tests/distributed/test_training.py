@@ -258,15 +258,20 @@ def test_resume_mid_epoch_is_bitwise_identical(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_resume_with_another_world_size(tmp_path):
+def test_resume_with_another_world_size_but_not_other_settings(tmp_path):
     out = tmp_path / "run"
     assert run_cli(["train", *TINY, "--nproc", "2", "--output-dir", str(out)], tmp_path).returncode == 0
+    other = run_cli(["train", *TINY, "--output-dir", str(out), "--resume", "auto", "optim.lr=0.2"], tmp_path)
+    assert other.returncode == 1 and "belongs to a run with other settings (optim.lr: 0.05 -> 0.2)" in other.stderr
+    assert "Traceback" not in other.stderr
+    (out / ".tmp-killed-writer.pt").write_bytes(b"half a checkpoint")  # left by a writer killed mid-save
     result = run_cli(
         ["train", *TINY, "--nproc", "1", "--output-dir", str(out), "--resume", "auto", "train.epochs=3"], tmp_path
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "written with 2 processes, resuming with 1: the global batch stays 32" in result.stderr
     assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]
+    assert not (out / ".tmp-killed-writer.pt").exists()
 
 
 @pytest.mark.timeout(120)
