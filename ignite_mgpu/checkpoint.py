@@ -250,7 +250,7 @@ def adopt_existing(full: Checkpoint, best: Checkpoint, dirname: str | Path, sign
     found = [(int(m.group(1)), p.name) for p in list_checkpoints(dirname) if (m := _CKPT_NAME.match(p.name))]
     full.load_state_dict({"_saved": sorted(found)})
     bests = [
-        (sign * float(m.group(2)), p.name)
+        (float(m.group(2)), p.name)  # the file name already holds the signed score
         for p in Path(dirname).glob("best_model_*.pt")
         if (m := _BEST_NAME.match(p.name))
     ]

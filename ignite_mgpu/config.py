@@ -33,7 +33,7 @@ class DataConfig:
     root: str | None = None  # dataset folder; required for all but synthetic/fake (imagefolder: root/train, root/val)
     download: bool = False  # let torchvision download mnist/fashion_mnist/cifar10 into root
     batch_size: int = 128  # GLOBAL batch: split evenly across all processes
-    num_workers: int = 0  # data-loader worker processes per training process
+    num_workers: int = 0  # data-loader workers per node, split over its processes (as idist.auto_dataloader does)
     shuffle: bool = True  # shuffle the training set every epoch (seeded)
     image_size: int = 32  # side of the images for synthetic, fake and imagefolder
     train_size: int = 4096  # samples in the synthetic/fake training split
@@ -172,6 +172,14 @@ def validate(cfg: Config) -> None:
     _check(t.check_every >= 1, "train.check_every", t.check_every, "use >= 1")
     _check(c.every >= 0 and c.every_iters >= 0, "checkpoint.every/every_iters", (c.every, c.every_iters), "use >= 0")
     _check(c.n_saved >= 1, "checkpoint.n_saved", c.n_saved, "keep at least 1 checkpoint")
+    accum = t.grad_accum_steps
+    _check(
+        c.every_iters % accum == 0,
+        "checkpoint.every_iters",
+        c.every_iters,
+        f"use a multiple of train.grad_accum_steps={accum}: a checkpoint inside an accumulation window "
+        "would lose the gradients accumulated so far",
+    )
     _check(dist.nproc is None or dist.nproc >= 1, "dist.nproc", dist.nproc, "run at least 1 process (--nproc 1)")
     _check(dist.nnodes >= 1, "dist.nnodes", dist.nnodes, "use at least 1 node")
     _check(0 <= dist.node_rank < dist.nnodes, "dist.node_rank", dist.node_rank, f"use 0..{dist.nnodes - 1}")

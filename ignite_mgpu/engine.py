@@ -35,19 +35,21 @@ def prepare_model(
 ) -> nn.Module:
     """Place and wrap a model for this process: DDP through ``idist.auto_model``, or DataParallel.
 
-    ``strategy="dp"`` (or one process that sees several GPUs, where ``auto_model`` would pick DataParallel too)
-    gives a ``LossDataParallel``: plain DataParallel, except that a forward returning its own loss does not
-    trigger the "all input tensors were scalars" warning. ``compile`` applies ``torch.compile`` first.
+    ``strategy="dp"`` gives a ``LossDataParallel``: plain DataParallel, except that a forward returning its own
+    loss does not trigger the "all input tensors were scalars" warning. With "ddp" and a single process the model
+    is only moved to ``idist.device()`` (``auto_model`` would silently pick DataParallel when one process sees
+    several GPUs). ``compile`` applies ``torch.compile`` first.
     """
     if strategy not in ("ddp", "dp"):
         raise ValueError(f"strategy={strategy!r}: use 'ddp' (a process per GPU) or 'dp' (nn.DataParallel).")
     if compile:
         model = torch.compile(model)  # type: ignore[assignment]  # an OptimizedModule is an nn.Module
-    several_gpus = torch.cuda.is_available() and torch.cuda.device_count() > 1
-    if strategy == "dp" or (idist.get_world_size() == 1 and several_gpus):
+    if strategy == "dp":
         if not torch.cuda.is_available():
             raise ValueError("strategy='dp' (nn.DataParallel) needs CUDA GPUs; on the CPU use strategy='ddp'.")
         return LossDataParallel(model.to(torch.device("cuda", 0)))
+    if idist.get_world_size() == 1:
+        return model.to(idist.device())
     return idist.auto_model(model, sync_bn=sync_batchnorm)
 
 

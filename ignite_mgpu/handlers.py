@@ -110,7 +110,9 @@ class TrainingGuard:
         # answering should fail the job in minutes, not after the process group's 10-30 minute default.
         self._timeout_set = True
         if _collective_timeout is not None and idist.get_world_size() > 1:
-            torch.distributed.distributed_c10d.set_timeout(timedelta(seconds=_collective_timeout))
+            c10d = torch.distributed.distributed_c10d
+            set_timeout = getattr(c10d, "set_timeout", None) or c10d._set_pg_timeout  # public only in new torch
+            set_timeout(timedelta(seconds=_collective_timeout))
 
     def check(self, engine: Engine) -> None:
         """Run the collective check now (on every rank at the same iteration). Raises TrainingStopped."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,7 @@ def training(local_rank: int, cfg: Config) -> None:
     setup_logging(rank)
     manual_seed(cfg.seed)
     if cfg.train.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts, at the first matmul
         torch.use_deterministic_algorithms(True)
     out = Path(cfg.output_dir)
     if rank == 0:
@@ -111,6 +113,8 @@ def training(local_rank: int, cfg: Config) -> None:
         o.scheduler == "cosine",
     )
     check_every = math.gcd(t.check_every, cfg.checkpoint.every_iters) if cfg.checkpoint.every_iters else t.check_every
+    # A stop (and its checkpoint) must fall on an optimizer step, never inside a gradient-accumulation window.
+    check_every = max(t.grad_accum_steps, check_every // t.grad_accum_steps * t.grad_accum_steps)
     trainer = create_trainer(
         model,
         optimizer,
