@@ -245,7 +245,7 @@ class RunInfo:
 _BEST_NAME = re.compile(r"^best_model_(\d+)_val_\w+=(-?[\d.]+)\.pt$")
 
 
-def adopt_existing(full: Checkpoint, best: Checkpoint, dirname: str | Path, sign: float) -> None:
+def adopt_existing(full: Checkpoint, best: Checkpoint, dirname: str | Path) -> None:
     """On resume, let the handlers manage the files the interrupted run left (keep n_saved, one best)."""
     found = [(int(m.group(1)), p.name) for p in list_checkpoints(dirname) if (m := _CKPT_NAME.match(p.name))]
     full.load_state_dict({"_saved": sorted(found)})

@@ -71,6 +71,13 @@ def make_plan(cfg: DistConfig) -> LaunchPlan:
 
     environ = os.environ
     gpu_plan = None
+    if _started_externally(environ):
+        if cfg.nproc is not None or (cfg.gpus or "").startswith("auto"):
+            raise ConfigError(
+                "this process was started by torchrun/SLURM, which decides the processes: drop --nproc, and choose "
+                "GPUs with physical ids (--gpus 2,3) or CUDA_VISIBLE_DEVICES, not --gpus auto (each process would "
+                "choose on its own)."
+            )
     if cfg.gpus is not None:
         gpu_plan = gpus.plan_gpus(cfg.gpus, gpus.query_gpus(), environ, cfg.nproc)
         gpus.check_cuda_not_initialized(gpu_plan.physical_ids, environ)
@@ -95,12 +102,6 @@ def make_plan(cfg: DistConfig) -> LaunchPlan:
             raise ConfigError("--strategy dp runs ONE process that drives every selected GPU; drop --nproc/--nnodes.")
     external = _started_externally(environ)
     if external:
-        if cfg.nproc is not None or (cfg.gpus or "").startswith("auto"):
-            raise ConfigError(
-                "this process was started by torchrun/SLURM, which decides the processes: drop --nproc, and choose "
-                "GPUs with physical ids (--gpus 2,3) or CUDA_VISIBLE_DEVICES, not --gpus auto (each process would "
-                "choose on its own)."
-            )
         world = int(environ.get("WORLD_SIZE", environ.get("SLURM_NTASKS", "1")))
         nproc = int(environ.get("LOCAL_WORLD_SIZE", environ.get("SLURM_NTASKS_PER_NODE", str(world))).split("(")[0])
         return LaunchPlan(

@@ -155,7 +155,7 @@ def training(local_rank: int, cfg: Config) -> None:
     if cfg.resume:
         if not resume(cfg, to_save, world_size):
             return
-        ckpt.adopt_existing(full, best, cfg.output_dir, 1.0 if cfg.checkpoint.metric == "accuracy" else -1.0)
+        ckpt.adopt_existing(full, best, cfg.output_dir)
     trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
     if rank == 0:
         summary = report.last | {"best_model": str(best.last_checkpoint) if best.last_checkpoint else None}

@@ -152,3 +152,27 @@ def test_inspect_and_convert_cli(tmp_path):
     small().load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True))
     bad = CliRunner().invoke(main, ["checkpoint", "inspect", str(tmp_path / "nope.pt")])
     assert bad.exit_code == 2 and "does not exist" in bad.output
+
+
+@pytest.mark.parametrize(
+    "metric, names, better",
+    [
+        ("accuracy", ["best_model_1_val_accuracy=0.5000.pt"], 0.6),
+        ("loss", ["best_model_1_val_loss=-0.5000.pt"], 0.1),  # loss scores are stored negated: higher is better
+    ],
+)
+def test_resumed_best_model_rotation(tmp_path, metric, names, better):
+    for name in names:
+        torch.save(small().state_dict(), tmp_path / name)
+    torch.save({"model": small().state_dict()}, tmp_path / "checkpoint_4.pt")
+    trainer, evaluator = Engine(lambda e, b: None), Engine(lambda e, b: None)
+    trainer.state.epoch = 2
+    full, best = handlers.create_checkpointers(
+        {"model": small(), "trainer": trainer}, small(), tmp_path, 1, metric, lambda e, _: trainer.state.epoch
+    )
+    ckpt.adopt_existing(full, best, tmp_path)
+    evaluator.state.metrics = {metric: better}
+    best(evaluator)
+    assert [p.name for p in tmp_path.glob("best_model_*.pt")] == [
+        f"best_model_2_val_{metric}={better if metric == 'accuracy' else -better:.4f}.pt"
+    ]
