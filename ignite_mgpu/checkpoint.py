@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ignite_mgpu.models import unwrap
+
 if TYPE_CHECKING:
     from ignite.handlers import Checkpoint
 
@@ -177,19 +179,13 @@ def load_checkpoint(
         if found:
             logger.info("%s: stripped the %s prefix from every key", path, " and ".join(found))
         model = to_load["model"]
-        check_model_state(_unwrap(model), ckpt["model"], str(path))
+        check_model_state(unwrap(model), ckpt["model"], str(path))
     if check is not None:
         check(ckpt)
     for name, obj in to_load.items():
-        target = _unwrap(obj) if isinstance(obj, nn.Module) else obj
+        target = unwrap(obj) if isinstance(obj, nn.Module) else obj
         target.load_state_dict(ckpt[name])
     return ckpt
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    while isinstance(getattr(model, "module", None) or getattr(model, "_orig_mod", None), nn.Module):
-        model = getattr(model, "module", None) or model._orig_mod  # type: ignore[assignment]
-    return model
 
 
 def describe(path: str | Path) -> dict[str, Any]:

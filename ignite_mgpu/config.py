@@ -21,6 +21,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
+    """`model:` which network to build."""
+
     name: str = "simple_cnn"  # built-in name, any torchvision.models name (resnet18), or "package.module:factory"
     num_classes: int = 10  # size of the classifier output
     sync_batchnorm: bool = False  # convert BatchNorm to SyncBatchNorm (DDP only)
@@ -29,6 +31,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    """`data:` which dataset, and how it is batched and loaded."""
+
     name: Literal["synthetic", "fake", "mnist", "fashion_mnist", "cifar10", "imagefolder"] = "synthetic"
     root: str | None = None  # dataset folder; required for all but synthetic/fake (imagefolder: root/train, root/val)
     download: bool = False  # let torchvision download mnist/fashion_mnist/cifar10 into root
@@ -43,17 +47,21 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["sgd", "adamw"] = "sgd"
+    """`optim:` optimizer and learning-rate schedule."""
+
+    name: Literal["sgd", "adamw"] = "sgd"  # SGD with Nesterov momentum, or AdamW
     lr: float = 0.05  # peak learning rate for the global batch
     momentum: float = 0.9  # sgd only
-    weight_decay: float = 5e-4
+    weight_decay: float = 5e-4  # L2 penalty (decoupled for AdamW)
     scheduler: Literal["cosine", "constant"] = "cosine"  # shape after warm-up, stepped every iteration
     warmup_epochs: float = 0.2  # linear warm-up length in epochs (0 = none)
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 2
+    """`train:` the training loop."""
+
+    epochs: int = 2  # passes over the training set
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16 autocast; fp16 uses a GradScaler (CUDA only)
     grad_accum_steps: int = 1  # micro-batches per optimizer step; DDP all-reduces only on the last one
     clip_grad_norm: float | None = None  # max global gradient norm (None = no clipping)
@@ -66,6 +74,8 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
+    """`checkpoint:` what is saved into output_dir, and when."""
+
     every: int = 1  # save the full training state every N epochs (0 = never)
     every_iters: int = 0  # also save every N iterations (0 = off)
     n_saved: int = 2  # how many full checkpoints to keep
@@ -76,6 +86,8 @@ class CheckpointConfig:
 
 @dataclass
 class DistConfig:
+    """`dist:` processes, GPUs and rendezvous (the CLI flags --nproc, --gpus, ... set these)."""
+
     nproc: int | None = None  # processes on this node (None = number of selected GPUs, or 1 on CPU)
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto = nccl when CUDA is available, else gloo
     gpus: str | None = None  # "all", "none", "auto", "auto:N", or physical ids "2,3" (None = current environment)
@@ -90,6 +102,8 @@ class DistConfig:
 
 @dataclass
 class Config:
+    """The whole run: one section per YAML top-level key, plus seed, output_dir and resume."""
+
     seed: int = 0  # seeds the data order, the model initialisation and the synthetic data
     output_dir: str = "runs/default"  # config.yaml, metrics.jsonl and checkpoints go here
     resume: str | None = None  # checkpoint path, or "auto" for the newest loadable one in output_dir

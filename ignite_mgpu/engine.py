@@ -16,18 +16,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ignite_mgpu.handlers import LossDataParallel, TrainingGuard, reduce_replica_losses
+from ignite_mgpu.models import unwrap
 
 Batch = Any
 PRECISIONS = ("fp32", "bf16", "fp16")
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside DataParallel / DistributedDataParallel / torch.compile wrappers."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
 
 
 def prepare_model(

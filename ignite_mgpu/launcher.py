@@ -7,7 +7,6 @@ Exit codes: 0 success, 1 a rank failed, 2 usage/config error before spawning, 3 
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import sys
@@ -16,8 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ignite_mgpu.config import ConfigError, DistConfig
-
-logger = logging.getLogger("ignite_mgpu")
 
 
 @dataclass

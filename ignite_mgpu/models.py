@@ -36,6 +36,15 @@ def _mlp(num_classes: int) -> nn.Module:
 BUILTIN = {"simple_cnn": SimpleCNN, "mlp": _mlp}
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DataParallel / DistributedDataParallel / torch.compile wrappers."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
 def check_model_name(name: str) -> None:
     """Raise ConfigError unless ``name`` resolves to a model constructor (runs in the parent, before spawning)."""
     _resolve(name)
