@@ -82,26 +82,30 @@ def _errors_to_exit() -> Iterator[None]:
         _fail(str(err))
 
 
-def _lock_owner(output_dir: Path) -> int | None:
-    """The pid of the live job that holds ``output_dir/.lock``, or None (no lock, or a stale one)."""
+def _lock_owner(output_dir: Path) -> str | None:
+    """Who holds ``output_dir/.lock`` ("pid N on host H"), or None when no running job holds it.
+
+    The lock is an ``fcntl.flock`` on the file, so the kernel (and the NFS lock manager) drops it when its job
+    dies, however it dies: a lock file left behind by a killed job locks nothing.
+    """
+    import fcntl
+
     try:
-        pid = int((output_dir / ".lock").read_text() or 0)
-    except (OSError, ValueError):
-        return None
-    if pid <= 0:
+        fd = os.open(output_dir / ".lock", os.O_RDONLY)
+    except OSError:
         return None
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass
-    return pid
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another job"
+    finally:
+        os.close(fd)  # also releases the probe's shared lock
+    return None
 
 
-def _locked_message(output_dir: Path, pid: int) -> str:
+def _locked_message(output_dir: Path, owner: str) -> str:
     return (
-        f"output_dir {output_dir} is locked by pid {pid}, another job writing there; wait for it or choose "
+        f"output_dir {output_dir} is locked by {owner}, another job writing there; wait for it or choose "
         "another --output-dir."
     )
 
@@ -109,25 +113,32 @@ def _locked_message(output_dir: Path, pid: int) -> str:
 @contextlib.contextmanager
 def _output_lock(output_dir: Path) -> Iterator[None]:
     """One job per output folder: a second one fails fast instead of mixing checkpoints."""
+    import fcntl
+    import socket
+
     output_dir.mkdir(parents=True, exist_ok=True)
     lock = output_dir / ".lock"
-    for _ in range(2):
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-            break
-        except FileExistsError:
-            pid = _lock_owner(output_dir)
-            if pid is not None:
-                _fail(_locked_message(output_dir, pid))
-            lock.unlink(missing_ok=True)  # stale: its job is gone
-    else:
-        _fail(f"cannot lock output_dir {output_dir}; remove {lock} if no job is running.")
-    os.write(fd, str(os.getpid()).encode())
-    os.close(fd)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another job"
+            os.close(fd)
+            _fail(_locked_message(output_dir, owner))
+        try:
+            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                break  # locked the file that is at the path (not one a finishing job just removed)
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode())
     try:
         yield
     finally:
-        lock.unlink(missing_ok=True)
+        lock.unlink(missing_ok=True)  # before the unlock: a waiting job then re-checks and locks a new file
+        os.close(fd)
 
 
 def check_output_dir(cfg: Any) -> None:

@@ -67,7 +67,7 @@ class TrainConfig:
     clip_grad_norm: float | None = None  # max global gradient norm (None = no clipping)
     deterministic: bool = False  # DeterministicEngine + torch.use_deterministic_algorithms: bitwise resume
     epoch_length: int | None = None  # iterations per epoch (None = one full pass over the data)
-    check_every: int = 20  # iterations between the collective non-finite-loss / stop-signal checks
+    check_every: int = 0  # iterations between the collective non-finite-loss / stop checks; 0: about once a second
     progress_bar: bool = True  # tqdm progress bar on rank 0
     tensorboard: bool = False  # write TensorBoard scalars into output_dir/tb
 
@@ -183,7 +183,7 @@ def validate(cfg: Config) -> None:
     clip = t.clip_grad_norm
     _check(clip is None or (math.isfinite(clip) and clip > 0), "train.clip_grad_norm", clip, "use null or a value > 0")
     _check(t.epoch_length is None or t.epoch_length >= 1, "train.epoch_length", t.epoch_length, "use null or >= 1")
-    _check(t.check_every >= 1, "train.check_every", t.check_every, "use >= 1")
+    _check(t.check_every >= 0, "train.check_every", t.check_every, "use 0 (about once a second) or >= 1")
     _check(c.every >= 0 and c.every_iters >= 0, "checkpoint.every/every_iters", (c.every, c.every_iters), "use >= 0")
     _check(c.n_saved >= 1, "checkpoint.n_saved", c.n_saved, "keep at least 1 checkpoint")
     accum = t.grad_accum_steps

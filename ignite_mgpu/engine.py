@@ -45,16 +45,11 @@ def prepare_model(
     return idist.auto_model(model, sync_bn=sync_batchnorm)
 
 
-def _autocast(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+def _autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """A reusable context for the forward pass: autocast for bf16/fp16, nothing for fp32."""
     if precision == "fp32":
-        return contextlib.nullcontext
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def _to_device(batch: Batch, device: torch.device, non_blocking: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = batch[0], batch[1]
-    return x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
 def create_trainer(
@@ -68,7 +63,8 @@ def create_trainer(
     clip_grad_norm: float | None = None,
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     deterministic: bool = False,
-    check_every: int = 20,
+    check_every: int = 0,
+    checkpoint_every: int = 0,
     non_blocking: bool = True,
 ) -> Engine:
     """A trainer Engine for a model already placed by ``idist.auto_model`` (DDP, DataParallel or plain).
@@ -82,7 +78,10 @@ def create_trainer(
     Args:
         precision: "fp32", "bf16" (autocast on CUDA and CPU) or "fp16" (CUDA only, with a GradScaler).
         deterministic: use ignite's DeterministicEngine (seeded per iteration; exact mid-epoch resume).
-        check_every: iterations between the guard's collective checks.
+        check_every: iterations between the guard's collective checks; 0 (default): about once a second, an
+            interval the ranks agree on from their measured step times. Rounded to ``grad_accum_steps``.
+        checkpoint_every: the iteration interval of your checkpoint handler, if any: the guard checks on those
+            iterations too, so no checkpoint is saved after an unchecked non-finite loss. 0: none.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: use one of {PRECISIONS}.")
@@ -92,40 +91,50 @@ def create_trainer(
     if precision == "fp16" and device.type != "cuda":
         raise ValueError("precision='fp16' needs CUDA (a GradScaler); on the CPU use precision='bf16'.")
     autocast = _autocast(precision, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    fp16 = precision == "fp16"
+    scaler = torch.amp.GradScaler(device.type, enabled=fp16)
     # DDP all-reduces gradients in every backward; on accumulation steps that traffic is wasted, so skip it.
     no_sync = model.no_sync if isinstance(model, DistributedDataParallel) else contextlib.nullcontext
     parameters = [p for p in model.parameters() if p.requires_grad]
     inner = unwrap(model)  # the evaluator switches the unwrapped module to eval mode
 
+    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with autocast:
+            loss = reduce_replica_losses(model(x, y), model, len(x)) if loss_fn is None else loss_fn(model(x), y)
+        scaled = loss / grad_accum_steps if grad_accum_steps > 1 else loss
+        (scaler.scale(scaled) if fp16 else scaled).backward()
+        return loss
+
+    # Every call in here runs once per iteration: the fp32 path enters no context and skips the disabled scaler.
     def train_step(engine: Engine, batch: Batch) -> torch.Tensor:
         if not inner.training:  # model.train() walks every submodule: only do it after an evaluation
             model.train()
-        x, y = _to_device(batch, device, non_blocking)
-        step_now = engine.state.iteration % grad_accum_steps == 0
-        with contextlib.nullcontext() if step_now else no_sync():
-            with autocast():
-                if loss_fn is None:
-                    loss = reduce_replica_losses(model(x, y), model, len(x))
-                else:
-                    loss = loss_fn(model(x), y)
-            scaler.scale(loss / grad_accum_steps if grad_accum_steps > 1 else loss).backward()
-        if step_now:
-            if clip_grad_norm is not None:
+        x, y = batch[0].to(device, non_blocking=non_blocking), batch[1].to(device, non_blocking=non_blocking)
+        if engine.state.iteration % grad_accum_steps:
+            with no_sync():  # an accumulation step: gradients stay local until the last micro-batch
+                return forward_backward(x, y).detach()
+        loss = forward_backward(x, y)
+        if clip_grad_norm is not None:
+            if fp16:
                 scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
-                torch.nn.utils.clip_grad_norm_(parameters, clip_grad_norm)
-            scaler.step(optimizer)
+            torch.nn.utils.clip_grad_norm_(parameters, clip_grad_norm)
+        if fp16:
+            scaler.step(optimizer)  # skips the step when the scaled gradients overflowed
             scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            if lr_scheduler is not None:
-                lr_scheduler.step()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if lr_scheduler is not None:
+            lr_scheduler.step()
         return loss.detach()
 
     trainer = DeterministicEngine(train_step) if deterministic else Engine(train_step)
     trainer.logger.setLevel("CRITICAL")  # failures are reported once by the launcher, not by every rank's engine
     trainer.scaler = scaler  # type: ignore[attr-defined]  # checkpoints save and restore it with the trainer
     trainer.add_event_handler(Events.EPOCH_STARTED, _set_sampler_epoch)
-    TrainingGuard(check_every).attach(trainer)
+    if check_every:  # a stop must fall on an optimizer step, never inside a gradient-accumulation window
+        check_every = max(grad_accum_steps, check_every // grad_accum_steps * grad_accum_steps)
+    TrainingGuard(check_every, sync_every=checkpoint_every, multiple_of=grad_accum_steps).attach(trainer)
     return trainer
 
 
@@ -158,8 +167,8 @@ def create_evaluator(
     @torch.no_grad()
     def eval_step(engine: Engine, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         net.eval()
-        x, y = _to_device(batch, device, non_blocking)
-        with autocast():
+        x, y = batch[0].to(device, non_blocking=non_blocking), batch[1].to(device, non_blocking=non_blocking)
+        with autocast:
             y_pred = net(x)
         return y_pred.float(), y
 

@@ -112,9 +112,6 @@ def training(local_rank: int, cfg: Config) -> None:
         round(steps_per_epoch * o.warmup_epochs),
         o.scheduler == "cosine",
     )
-    check_every = math.gcd(t.check_every, cfg.checkpoint.every_iters) if cfg.checkpoint.every_iters else t.check_every
-    # A stop (and its checkpoint) must fall on an optimizer step, never inside a gradient-accumulation window.
-    check_every = max(t.grad_accum_steps, check_every // t.grad_accum_steps * t.grad_accum_steps)
     trainer = create_trainer(
         model,
         optimizer,
@@ -124,7 +121,8 @@ def training(local_rank: int, cfg: Config) -> None:
         clip_grad_norm=t.clip_grad_norm,
         lr_scheduler=scheduler,
         deterministic=t.deterministic,
-        check_every=check_every,
+        check_every=t.check_every,
+        checkpoint_every=cfg.checkpoint.every_iters,
     )
     metrics = {"accuracy": Accuracy(), "loss": Loss(nn.CrossEntropyLoss())}
     evaluator = create_evaluator(model, metrics, precision=t.precision)
@@ -150,7 +148,7 @@ def training(local_rank: int, cfg: Config) -> None:
         from ignite.handlers import ProgressBar
 
         ProgressBar(persist=False).attach(
-            trainer, event_name=Events.ITERATION_COMPLETED(every=check_every), state_attributes=["running_loss"]
+            trainer, event_name=Events.ITERATION_COMPLETED(every=t.check_every or 10), state_attributes=["running_loss"]
         )
     if cfg.resume:
         if not resume(cfg, to_save, world_size):
@@ -173,7 +171,8 @@ def attach_checkpoints(
     if c.every:
         trainer.add_event_handler(Events.EPOCH_COMPLETED(every=c.every), full)
     if c.every_iters:
-        # The guard checks on multiples of gcd(check_every, every_iters), so no save follows an unchecked NaN.
+        # The guard also checks on these iterations (create_trainer's checkpoint_every), so no save follows an
+        # unchecked NaN.
         trainer.add_event_handler(Events.ITERATION_COMPLETED(every=c.every_iters), full)
     if c.save_on_stop:
         trainer.add_event_handler(GuardEvents.STOPPING, full)

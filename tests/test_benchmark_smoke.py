@@ -46,8 +46,9 @@ def test_quick_run_prints_both_loops_and_identical_weights(tmp_path):
         stdout, stderr = proc.communicate()
         pytest.fail(f"bench_overhead.py --quick did not finish in 60 s\n{stdout}\n{stderr[-3000:]}")
     assert proc.returncode == 0, stdout + stderr
-    rows = [line for line in stdout.splitlines() if line.startswith("| tiny MLP | 2 |")]
-    assert [row.split("|")[3].strip() for row in rows] == ["hand-written", "ignite-mgpu"], stdout
+    rows = [line.split("|") for line in stdout.splitlines() if line.startswith("| tiny MLP | 2 |")]
+    assert [row[3].strip() for row in rows[:2]] == ["hand-written", "ignite-mgpu"], stdout
+    assert len(rows) == 3 and float(rows[2][3].split()[0]) > 0, stdout  # the CPU-time row
     assert "Bitwise check passed" in stdout, stdout
     summary = json.loads(out.read_text())
     assert summary["refused"] == []
@@ -70,6 +71,8 @@ def test_report_refuses_a_ratio_when_weights_differ():
         {"workload": "mlp", "round": 0, "hand-written": 1.0, "ignite-mgpu": 1.5, "difference": "0.weight differs"},
         {"workload": "cnn", "round": 0, "hand-written": 2.0, "ignite-mgpu": 2.0, "difference": None},
     ]
+    for run in runs:
+        run["cpu"] = {"hand-written": 1.0, "ignite-mgpu": 1.0}
     table, summary = bench.report({2: {"runs": runs, "calls": {}}}, None, [0.1, 0.1, 0.1], quick=True)
     mlp_row = next(line for line in table.splitlines() if line.startswith("| tiny MLP | 2 | ignite-mgpu"))
     ratio_cell = mlp_row.split("|")[5].strip()
@@ -77,3 +80,6 @@ def test_report_refuses_a_ratio_when_weights_differ():
     assert summary["refused"] == ["tiny MLP, 2 procs: 0.weight differs"]
     cnn_row = next(line for line in table.splitlines() if line.startswith("| small CNN | 2 | ignite-mgpu"))
     assert cnn_row.split("|")[5].strip() == "1.000"
+    cpu_prefixes = ("| tiny MLP | 2 | 1.0", "| small CNN | 2 | 1.0")
+    cpu_rows = [line for line in table.splitlines() if line.startswith(cpu_prefixes)]
+    assert [row.split("|")[1].strip() for row in cpu_rows] == ["small CNN"]  # no CPU ratio for refused runs either

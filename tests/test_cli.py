@@ -116,15 +116,20 @@ def test_existing_checkpoints_need_resume(captured, tmp_path):
 def test_second_job_on_a_locked_output_dir(captured, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    hold = (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, f'pid {os.getpid()} on host h'.encode()); "
+        "print('locked', flush=True); time.sleep(60)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(out / ".lock")], stdout=subprocess.PIPE, text=True)
     try:
-        (out / ".lock").write_text(str(holder.pid))
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
         result = invoke(["train", "--output-dir", str(out)], tmp_path)
-        assert result.exit_code == 2 and f"locked by pid {holder.pid}" in result.output
+        assert result.exit_code == 2 and f"locked by pid {holder.pid} on host h" in result.output
     finally:
         holder.kill()
         holder.wait()
-    (out / ".lock").write_text("999999999")  # a dead job's lock is taken over
+    assert (out / ".lock").read_text() == f"pid {holder.pid} on host h"  # left by the killed job: locks nothing
     assert invoke(["train", "--output-dir", str(out)], tmp_path).exit_code == 0
     assert not (out / ".lock").exists()
 

@@ -171,6 +171,43 @@ def test_guard_stops_on_signal_after_the_stopping_event(monkeypatch):
     assert err.value.exit_code == 143 and stopping == [3]
 
 
+def guard_checks(monkeypatch, guard, step_seconds, n, epochs):
+    """Iterations at which ``guard`` ran a check, on a clock that advances ``step_seconds`` per iteration."""
+    from ignite.engine import Engine
+
+    clock = [0.0]
+    monkeypatch.setattr(handlers.time, "perf_counter", lambda: clock[0])
+
+    def step(engine, batch):
+        clock[0] += step_seconds
+        return torch.tensor(1.0)
+
+    checked = []
+    check = guard.check
+    monkeypatch.setattr(guard, "check", lambda e: (guard._losses and checked.append(e.state.iteration), check(e)))
+    trainer = Engine(step)
+    guard.attach(trainer)
+    trainer.run(range(n), max_epochs=epochs)
+    return checked
+
+
+def test_guard_checks_about_once_per_period_and_on_checkpoint_iterations(monkeypatch):
+    # 1/16 s per step and a 10/16 s period: a check every 10 steps, plus iteration 20 (a checkpoint), epoch ends.
+    guard = handlers.TrainingGuard(period=0.625, sync_every=20)
+    assert guard_checks(monkeypatch, guard, 0.0625, n=25, epochs=2) == [10, 20, 25, 35, 40, 50]
+
+
+def test_guard_interval_adapts_and_respects_the_accumulation_window(monkeypatch):
+    slow = handlers.TrainingGuard(period=0.625)  # 1 s steps: after the first check, every step
+    assert guard_checks(monkeypatch, slow, 1.0, n=14, epochs=1) == [10, 11, 12, 13, 14]
+    fast = handlers.TrainingGuard(period=100.0)  # about 1600 steps per period: capped at MAX_INTERVAL
+    assert guard_checks(monkeypatch, fast, 0.0625, n=2500, epochs=1) == [10, 1010, 2010, 2500]
+    windows = handlers.TrainingGuard(period=0.625, multiple_of=4)  # 10 steps, rounded up to a multiple of 4
+    assert guard_checks(monkeypatch, windows, 0.0625, n=40, epochs=1) == [12, 24, 36, 40]
+    fixed = handlers.TrainingGuard(every=6, sync_every=4)
+    assert guard_checks(monkeypatch, fixed, 0.0625, n=13, epochs=1) == [4, 6, 8, 12, 13]
+
+
 def test_evaluator_metrics_and_unwrap():
     from ignite.metrics import Accuracy
 

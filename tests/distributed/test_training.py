@@ -314,3 +314,40 @@ def test_imagefolder_skips_and_counts_bad_images(tmp_path):
     skipped = run_cli(["train", *args, "data.skip_bad_samples=true", "--output-dir", str(tmp_path / "b")], tmp_path)
     assert skipped.returncode == 0, skipped.stderr[-2000:]
     assert "skipped 1 unreadable images" in skipped.stderr
+
+
+def guard_schedule_worker(local_rank: int, out: str) -> None:
+    """Rank 1 steps 4x slower than rank 0; both must check at the same iterations (they agree on the gathered
+    timings), or their all_gathers would pair up wrongly and hang."""
+    import time
+
+    from ignite.engine import Engine
+
+    from ignite_mgpu.handlers import TrainingGuard
+
+    rank = idist.get_rank()
+
+    def step(engine, batch):
+        time.sleep(0.004 if rank == 1 else 0.001)
+        return torch.tensor(float(rank))
+
+    guard = TrainingGuard(period=0.05)
+    checked: list[int] = []
+    check = guard.check
+    guard.check = lambda e: (guard._losses and checked.append(e.state.iteration), check(e))  # type: ignore[method-assign]
+    trainer = Engine(step)
+    guard.attach(trainer)
+    trainer.run(range(60), max_epochs=2)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"checked": checked, "loss": trainer.state.metrics}))
+
+
+@pytest.mark.timeout(120)
+def test_guard_ranks_agree_on_an_adaptive_schedule(tmp_path):
+    launch(guard_schedule_worker, str(tmp_path), nproc=2, backend="gloo", timeout=60)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["checked"] == ranks[1]["checked"]
+    checked = ranks[0]["checked"]
+    assert checked[0] == 10 and 60 in checked and checked[-1] == 120, checked
+    # 0.05 s at >= 4 ms per step (the slower rank sets the pace): about 12 steps; rank 0 alone would give ~45.
+    assert max(b - a for a, b in zip(checked, checked[1:], strict=False)) <= 20, checked
+    assert ranks[0]["loss"]["train_loss"] == pytest.approx(0.5)  # losses 0 and 1 averaged over the ranks

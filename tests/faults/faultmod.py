@@ -16,6 +16,8 @@ needs no hooks. Environment variables, read in every worker:
     - ``init``: ``RuntimeError("init boom")`` in the model constructor (``iteration`` is ignored).
     - ``slowsave``: from that iteration on, ``state_dict()`` sleeps ``arg`` seconds (default 3): a checkpoint
       that takes long to write, as a large model's does.
+    - ``slowwrite``: from that iteration on, ``torch.save`` writes half of the file, flushes it, sleeps ``arg``
+      seconds (default 60) and then writes the rest: a writer that can be killed mid-file.
 
 ``PIDS_DIR``
     The constructor writes this process's pid to ``PIDS_DIR/rank{RANK}``; at the second training forward it
@@ -24,6 +26,7 @@ needs no hooks. Environment variables, read in every worker:
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import time
@@ -66,6 +69,9 @@ class FaultyLinear(nn.Module):
         _write(f"rank{me}", str(os.getpid()))
         if any(kind == "init" for kind, *_ in self.faults):
             raise RuntimeError("init boom")
+        for kind, _, iteration, arg in self.faults:
+            if kind == "slowwrite":
+                self._slow_down_torch_save(iteration, 60.0 if arg is None else arg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
@@ -95,6 +101,23 @@ class FaultyLinear(nn.Module):
             if kind == "slowsave" and self.calls >= iteration:
                 time.sleep(3.0 if arg is None else arg)
         return super().state_dict(*args, **kwargs)
+
+    def _slow_down_torch_save(self, iteration: int, seconds: float) -> None:
+        save = torch.save  # ignite's DiskSaver looks up torch.save at every call
+
+        def slow_save(obj, f, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - torch.save's signature
+            if self.calls < iteration or isinstance(f, (str, os.PathLike)):
+                return save(obj, f, *args, **kwargs)
+            buffer = io.BytesIO()
+            save(obj, buffer, *args, **kwargs)
+            data = buffer.getvalue()
+            f.write(data[: len(data) // 2])
+            f.flush()
+            time.sleep(seconds)
+            f.write(data[len(data) // 2 :])
+            return None
+
+        torch.save = slow_save
 
     @staticmethod
     def _record_children() -> None:

@@ -552,6 +552,54 @@ def test_dataloader_workers_do_not_outlive_a_failed_job(h: Harness) -> None:
     h.assert_no_leftovers(grace=2.0)
 
 
+@pytest.mark.timeout(120)
+def test_s2_data_loader_error_on_one_rank_unblocks_the_other(h: Harness) -> None:
+    """One rank's DataLoader worker fails on an unreadable image while the other rank waits in its all-reduce:
+    the job ends with that rank's error, reported once, well before any collective timeout."""
+    from PIL import Image
+
+    root = h.root / "images"
+    for split, n in (("train", 24), ("val", 4)):
+        for cls in ("cat", "dog"):
+            folder = root / split / cls
+            folder.mkdir(parents=True)
+            for i in range(n):
+                Image.new("RGB", (8, 8), color=(10 * i, 200 if cls == "cat" else 20, 7)).save(folder / f"{i}.png")
+    (root / "train" / "dog" / "broken.png").write_bytes(b"\x89PNG truncated")
+    data = ["data.name=imagefolder", f"data.root={root}", "data.image_size=8", "data.batch_size=8"]
+    args = [*BASE, *data, "model.name=faultmod:make8", "model.num_classes=2", "data.num_workers=2"]
+    r = h.run([*args, "--output-dir", str(h.root / "out")], timeout=45)
+    assert r.rc == 1, r
+    failed = re.findall(r"rank (\d) failed with", r.stderr)
+    assert len(failed) == 1, r  # one report, from the rank that read the file; not one per rank
+    assert "cannot read image" in r.stderr and "broken.png" in r.stderr, r
+    assert r.elapsed < 45, r
+    h.assert_no_leftovers(grace=2.0)
+
+
+@pytest.mark.timeout(180)
+def test_s19_writer_killed_mid_save_keeps_the_previous_checkpoint(h: Harness) -> None:
+    """SIGKILL rank 0 while it is half-way through writing checkpoint_4: checkpoint_2 stays the newest complete
+    checkpoint, no partial file carries a checkpoint name, and the next start removes the temp file."""
+    out = h.root / "out"
+    job = h.start([*BASE, "--output-dir", str(out)], fault="slowwrite:0:4:60")
+    wait_until(lambda: any(t.stat().st_size for t in out.glob(".tmp-*.pt")), job, 90, "a half-written checkpoint")
+    os.kill(int((job.pids_dir / "rank0").read_text()), signal.SIGKILL)
+    r = job.wait(timeout=45)
+    assert r.rc == 1, r
+    assert "rank 0 terminated with signal SIGKILL" in r.stderr, r
+    h.assert_no_leftovers()
+    assert sorted(checkpoints(out)) == [2], sorted(p.name for p in out.iterdir())
+    assert_loads(out / "checkpoint_2.pt", 2)
+    assert list(out.glob(".tmp-*.pt")), "the killed writer's temp file should still be there"
+
+    r = h.run([*BASE, "--output-dir", str(out), "--resume", "auto"], timeout=90, tag="b")
+    assert r.rc == 0, r
+    assert re.search(r"resumed from \S*checkpoint_2\.pt at iteration 2", r.stderr), r
+    assert_last_good(out, 10)  # also: the stale temp file is gone
+    h.assert_no_leftovers()
+
+
 # ----------------------------------------------------------------------------------------------- signals
 
 
