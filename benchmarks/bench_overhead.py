@@ -443,8 +443,8 @@ def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float],
     cpu_lines = [
         "",
         "| workload | procs | CPU ms / iteration of rank 0's training thread: hand-written | ignite-mgpu | "
-        "ignite-mgpu / hand-written, median of rounds (min–max) | target | met |",
-        "|---|---|---|---|---|---|---|",
+        "extra CPU µs / iteration, median of rounds (min–max) | ignite-mgpu / hand-written, median of rounds |",
+        "|---|---|---|---|---|---|",
     ]
     summary: dict[str, Any] = {"per_iteration": {}, "cpu_per_iteration": {}, "refused": []}
     for nproc, res in sorted(sessions.items(), reverse=True):
@@ -473,15 +473,14 @@ def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float],
                 "met": ok,
                 "identical": f"{len(runs) - len(bad)}/{len(runs)}",
             }
-            if not bad:
+            if not bad:  # supporting figures, without a target: the CPU clock leaves out all waiting
                 cpu = {name: [run["cpu"][name] for run in runs] for name in LOOPS}
-                ratios = paired(cpu)
-                ok = statistics.median(ratios) <= target if target else None
+                extra = [1000 * (b - a) for a, b in zip(cpu["hand-written"], cpu["ignite-mgpu"], strict=True)]
                 cpu_lines.append(
                     f"| {title} | {nproc} | {spread(cpu['hand-written'])} | {spread(cpu['ignite-mgpu'])} | "
-                    f"{spread(ratios)} | {f'≤ {target}' if target else '—'} | {verdict(ok)} |"
+                    f"{spread(extra, 0)} | {statistics.median(paired(cpu)):.3f} |"
                 )
-                summary["cpu_per_iteration"][f"{workload}/{nproc}"] = cpu | {"met": ok}
+                summary["cpu_per_iteration"][f"{workload}/{nproc}"] = cpu
     lines += cpu_lines
     lines += [
         "",
@@ -565,7 +564,7 @@ def main() -> int:
         profile = ["mlp"] if args.quick else ["mlp", "cnn"]
         sessions = {2: run_session(tmp, 2, ["mlp", "cnn"], rounds, iters, epochs, profile, pin)}
         if not args.quick:
-            sessions[1] = run_session(tmp, 1, ["cnn"], rounds, iters, epochs, [], pin)
+            sessions[1] = run_session(tmp, 1, ["cnn", "mlp"], rounds, iters, epochs, [], pin)
         startup = None if args.quick else time_to_first_iteration(tmp, rounds)
         help_s = help_seconds(rounds)
     table, summary = report(sessions, startup, help_s, args.quick)

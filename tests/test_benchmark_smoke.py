@@ -83,3 +83,20 @@ def test_report_refuses_a_ratio_when_weights_differ():
     cpu_prefixes = ("| tiny MLP | 2 | 1.0", "| small CNN | 2 | 1.0")
     cpu_rows = [line for line in table.splitlines() if line.startswith(cpu_prefixes)]
     assert [row.split("|")[1].strip() for row in cpu_rows] == ["small CNN"]  # no CPU ratio for refused runs either
+
+
+@pytest.mark.timeout(120)
+def test_engine_floor_prints_all_four_loops():
+    script = SCRIPT.with_name("bench_engine_floor.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), "--rounds", "1", "--iters", "50"], capture_output=True, text=True, timeout=100
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| ") and "µs" not in line]
+    assert [row[1].strip() for row in rows] == [
+        "plain loop",
+        "ignite Engine, same step",
+        "ignite-mgpu create_trainer",
+        "ignite-mgpu create_trainer + EpochReport",
+    ], proc.stdout
+    assert all(float(row[2]) > 0 for row in rows), proc.stdout
