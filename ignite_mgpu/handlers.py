@@ -172,9 +172,10 @@ class TrainingGuard:
         first = engine.state.iteration - len(losses) + 1 + int(bad.int().argmax()) if bad.any() else 0
         local = torch.tensor([first], dtype=torch.float64)
         found = torch.as_tensor(idist.all_gather(local)).tolist() if idist.get_world_size() > 1 else [first]
-        iteration, rank = min((int(it), rank) for rank, it in enumerate(found) if it > 0)
+        iteration, rank = min(((int(it), rank) for rank, it in enumerate(found) if it > 0), default=(0, -1))
+        where = f"at iteration {iteration} on rank {rank}" if iteration else "(the loss sum overflowed)"
         raise TrainingDiverged(
-            f"non-finite loss (NaN or Inf) at iteration {iteration} on rank {rank}; every rank stopped at "
+            f"non-finite loss (NaN or Inf) {where}; every rank stopped at "
             f"iteration {engine.state.iteration} and nothing was saved after the non-finite loss, so the last "
             "checkpoint is intact. Lower optim.lr, set train.clip_grad_norm, or check the input data."
         )

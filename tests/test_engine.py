@@ -208,6 +208,15 @@ def test_guard_interval_adapts_and_respects_the_accumulation_window(monkeypatch)
     assert guard_checks(monkeypatch, fixed, 0.0625, n=13, epochs=1) == [4, 6, 8, 12, 13]
 
 
+def test_guard_treats_an_overflowing_loss_sum_as_divergence():
+    from ignite.engine import Engine
+
+    trainer = Engine(lambda e, b: torch.tensor(1e308, dtype=torch.float64))  # finite, but two of them are not
+    handlers.TrainingGuard(every=2).attach(trainer)
+    with pytest.raises(TrainingDiverged, match=r"\(the loss sum overflowed\); every rank stopped at iteration 2"):
+        trainer.run(range(4), max_epochs=1)
+
+
 def test_evaluator_metrics_and_unwrap():
     from ignite.metrics import Accuracy
 
