@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -29,7 +29,7 @@ FLAGS = {
 }
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2) -> NoReturn:
     click.echo(f"ignite-mgpu: error: {message}", err=True)
     sys.exit(code)
 
@@ -98,6 +98,8 @@ def _lock_owner(output_dir: Path) -> str | None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another job"
+    except OSError:
+        return None  # no flock on this file system; _output_lock warns about it
     finally:
         os.close(fd)  # also releases the probe's shared lock
     return None
@@ -110,31 +112,52 @@ def _locked_message(output_dir: Path, owner: str) -> str:
     )
 
 
-@contextlib.contextmanager
-def _output_lock(output_dir: Path) -> Iterator[None]:
-    """One job per output folder: a second one fails fast instead of mixing checkpoints."""
+def _take_lock(lock: Path, output_dir: Path) -> int | None:
+    """An fd holding an exclusive ``flock`` on ``lock``; exits (code 2) when another job holds it; None (with a
+    warning) on a file system without ``flock``."""
     import fcntl
-    import socket
 
-    output_dir.mkdir(parents=True, exist_ok=True)
-    lock = output_dir / ".lock"
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as err:
+            _fail(f"cannot open {lock} ({err.strerror}); choose another --output-dir.")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another job"
             os.close(fd)
             _fail(_locked_message(output_dir, owner))
+        except OSError as err:  # e.g. Lustre mounted noflock, NFS without a lock manager
+            os.close(fd)
+            click.echo(
+                f"ignite-mgpu: warning: cannot lock {lock} ({err.strerror}): a second job started on the same "
+                "output_dir would not be refused.",
+                err=True,
+            )
+            return None
         try:
             if os.fstat(fd).st_ino == os.stat(lock).st_ino:
-                break  # locked the file that is at the path (not one a finishing job just removed)
+                return fd
         except FileNotFoundError:
             pass
-        os.close(fd)
-    os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode())
+        os.close(fd)  # locked a file that a finishing job has just removed: lock the one at the path now
+
+
+@contextlib.contextmanager
+def _output_lock(output_dir: Path) -> Iterator[None]:
+    """One job per output folder: a second one fails fast instead of mixing checkpoints."""
+    import socket
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    lock = output_dir / ".lock"
+    fd = _take_lock(lock, output_dir)
+    if fd is None:
+        yield
+        return
     try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode())
         yield
     finally:
         lock.unlink(missing_ok=True)  # before the unlock: a waiting job then re-checks and locks a new file

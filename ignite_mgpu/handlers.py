@@ -98,15 +98,20 @@ class TrainingGuard:
     def attach(self, engine: Engine) -> None:
         engine.register_events(*GuardEvents)
         engine.state.running_loss = math.nan  # type: ignore[attr-defined]  # shown by the progress bar
+        engine.add_event_handler(Events.STARTED, self._started)
         engine.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._on_iteration)
         engine.add_event_handler(Events.EPOCH_COMPLETED, self._on_epoch_completed)
+
+    def _started(self, engine: Engine) -> None:  # every run(), also a second one on the same engine
+        self._next, self._losses = 0, []
 
     def _epoch_started(self, engine: Engine) -> None:
         self._epoch_sum, self._epoch_count = 0.0, 0.0
         self._since = time.perf_counter()  # the time between epochs (validation, checkpoints) is not training
         if self._next <= engine.state.iteration:  # a new run, or resumed: the same iteration on every rank
-            self._next = self._schedule(engine.state.iteration, 10)
+            # Check right after the first step: it shows that every rank is alive and times a step.
+            self._next = self._schedule(engine.state.iteration, 1)
 
     def _schedule(self, iteration: int, interval: int) -> int:
         """The next check after ``iteration``: the next multiple of ``every``, or (auto) about ``interval`` later,
@@ -318,11 +323,11 @@ class SafeDiskSaver(DiskSaver):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-            _fsync_dir(self.dirname)  # the rename itself survives a power loss only once its folder is synced
         except BaseException as err:
             Path(tmp).unlink(missing_ok=True)
             kept = ", ".join(sorted(p.name for p in Path(self.dirname).glob("checkpoint_*.pt"))) or "none"
             raise CheckpointError(f"saving {path.name} failed ({err}); kept the previous checkpoints: {kept}") from err
+        _fsync_dir(self.dirname)  # the rename survives a power loss only once its folder is synced
         for name in self._pending:
             if name != path.name:  # ignite "removes" a file it is about to overwrite under the same name
                 (Path(self.dirname) / name).unlink(missing_ok=True)
@@ -334,11 +339,15 @@ class SafeDiskSaver(DiskSaver):
 
 
 def _fsync_dir(folder: str | Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
+    """Best effort: some network and virtual file systems refuse to fsync a folder (the file is in place anyway)."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        logger.debug("fsync of folder %s failed: %s", folder, err)
 
 
 def create_checkpointers(

@@ -1,6 +1,7 @@
 """The CLI in-process (click's CliRunner) with the launcher replaced: flags map onto the Config it receives,
 bad input exits 2 with one paragraph before anything starts. `python -m pytest tests/test_cli.py`."""
 
+import os
 import subprocess
 import sys
 import time
@@ -26,8 +27,13 @@ def captured(monkeypatch):
 
 
 def invoke(args, cwd):
-    with CliRunner().isolated_filesystem(temp_dir=cwd):
+    """Run the CLI in-process with ``cwd`` as the working directory (relative output dirs land there)."""
+    before = os.getcwd()
+    os.chdir(cwd)
+    try:
         return CliRunner().invoke(main, args, catch_exceptions=False)
+    finally:
+        os.chdir(before)
 
 
 def test_flags_and_overrides_reach_the_config(captured, tmp_path):
@@ -132,6 +138,20 @@ def test_second_job_on_a_locked_output_dir(captured, tmp_path):
     assert (out / ".lock").read_text() == f"pid {holder.pid} on host h"  # left by the killed job: locks nothing
     assert invoke(["train", "--output-dir", str(out)], tmp_path).exit_code == 0
     assert not (out / ".lock").exists()
+
+
+def test_a_file_system_without_flock_warns_and_runs(captured, tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    result = invoke(["train", "--output-dir", str(tmp_path / "out")], tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "cannot lock" in result.output and "would not be refused" in result.output
+    assert len(captured) == 1  # the job ran
 
 
 def test_help_is_fast_and_lists_commands():

@@ -192,20 +192,41 @@ def guard_checks(monkeypatch, guard, step_seconds, n, epochs):
 
 
 def test_guard_checks_about_once_per_period_and_on_checkpoint_iterations(monkeypatch):
-    # 1/16 s per step and a 10/16 s period: a check every 10 steps, plus iteration 20 (a checkpoint), epoch ends.
+    # 1/16 s per step and a 10/16 s period: after the first step, a check every 10 steps, plus the checkpoint
+    # iterations (multiples of 20) and the epoch ends.
     guard = handlers.TrainingGuard(period=0.625, sync_every=20)
-    assert guard_checks(monkeypatch, guard, 0.0625, n=25, epochs=2) == [10, 20, 25, 35, 40, 50]
+    assert guard_checks(monkeypatch, guard, 0.0625, n=25, epochs=2) == [1, 11, 20, 25, 35, 40, 50]
 
 
 def test_guard_interval_adapts_and_respects_the_accumulation_window(monkeypatch):
-    slow = handlers.TrainingGuard(period=0.625)  # 1 s steps: after the first check, every step
-    assert guard_checks(monkeypatch, slow, 1.0, n=14, epochs=1) == [10, 11, 12, 13, 14]
+    slow = handlers.TrainingGuard(period=0.625)  # 1 s steps: every step
+    assert guard_checks(monkeypatch, slow, 1.0, n=5, epochs=1) == [1, 2, 3, 4, 5]
     fast = handlers.TrainingGuard(period=100.0)  # about 1600 steps per period: capped at MAX_INTERVAL
-    assert guard_checks(monkeypatch, fast, 0.0625, n=2500, epochs=1) == [10, 1010, 2010, 2500]
+    assert guard_checks(monkeypatch, fast, 0.0625, n=2500, epochs=1) == [1, 1001, 2001, 2500]
     windows = handlers.TrainingGuard(period=0.625, multiple_of=4)  # 10 steps, rounded up to a multiple of 4
-    assert guard_checks(monkeypatch, windows, 0.0625, n=40, epochs=1) == [12, 24, 36, 40]
+    assert guard_checks(monkeypatch, windows, 0.0625, n=40, epochs=1) == [4, 16, 28, 40]
     fixed = handlers.TrainingGuard(every=6, sync_every=4)
     assert guard_checks(monkeypatch, fixed, 0.0625, n=13, epochs=1) == [4, 6, 8, 12, 13]
+
+
+def test_guard_restarts_its_schedule_when_the_engine_runs_again():
+    from ignite.engine import Engine
+
+    guard = handlers.TrainingGuard(every=6)
+    trainer = Engine(lambda e, b: torch.tensor(1.0))
+    guard.attach(trainer)
+    checked = []
+    check = guard.check
+
+    def record(engine):
+        if guard._losses:
+            checked.append(engine.state.iteration)
+        check(engine)
+
+    guard.check = record
+    trainer.run(range(8), max_epochs=1)
+    trainer.run(range(8), max_epochs=1)  # a finished engine starts again from iteration 0
+    assert checked == [6, 8, 6, 8]
 
 
 def test_guard_treats_an_overflowing_loss_sum_as_divergence():

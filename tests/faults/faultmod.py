@@ -16,8 +16,9 @@ needs no hooks. Environment variables, read in every worker:
     - ``init``: ``RuntimeError("init boom")`` in the model constructor (``iteration`` is ignored).
     - ``slowsave``: from that iteration on, ``state_dict()`` sleeps ``arg`` seconds (default 3): a checkpoint
       that takes long to write, as a large model's does.
-    - ``slowwrite``: from that iteration on, ``torch.save`` writes half of the file, flushes it, sleeps ``arg``
-      seconds (default 60) and then writes the rest: a writer that can be killed mid-file.
+    - ``slowwrite``: from that iteration on, ``torch.save`` writes half of the file, flushes it, writes
+      ``PIDS_DIR/halfwritten{RANK}``, sleeps ``arg`` seconds (default 60) and then writes the rest: a writer that
+      can be killed mid-file.
 
 ``PIDS_DIR``
     The constructor writes this process's pid to ``PIDS_DIR/rank{RANK}``; at the second training forward it
@@ -113,6 +114,7 @@ class FaultyLinear(nn.Module):
             data = buffer.getvalue()
             f.write(data[: len(data) // 2])
             f.flush()
+            _write(f"halfwritten{_rank()}", "")  # the test may kill this process now
             time.sleep(seconds)
             f.write(data[len(data) // 2 :])
             return None

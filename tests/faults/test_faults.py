@@ -568,12 +568,11 @@ def test_s2_data_loader_error_on_one_rank_unblocks_the_other(h: Harness) -> None
     (root / "train" / "dog" / "broken.png").write_bytes(b"\x89PNG truncated")
     data = ["data.name=imagefolder", f"data.root={root}", "data.image_size=8", "data.batch_size=8"]
     args = [*BASE, *data, "model.name=faultmod:make8", "model.num_classes=2", "data.num_workers=2"]
-    r = h.run([*args, "--output-dir", str(h.root / "out")], timeout=45)
+    r = h.run([*args, "--output-dir", str(h.root / "out")], timeout=45)  # fails the test beyond 45 s
     assert r.rc == 1, r
-    failed = re.findall(r"rank (\d) failed with", r.stderr)
-    assert len(failed) == 1, r  # one report, from the rank that read the file; not one per rank
+    assert len(re.findall(r"rank \d failed with", r.stderr)) == 1, r  # the rank that read the file, not its peer
     assert "cannot read image" in r.stderr and "broken.png" in r.stderr, r
-    assert r.elapsed < 45, r
+    assert "timed out" not in r.stderr, r  # the waiting rank was released, not timed out
     h.assert_no_leftovers(grace=2.0)
 
 
@@ -583,7 +582,9 @@ def test_s19_writer_killed_mid_save_keeps_the_previous_checkpoint(h: Harness) ->
     checkpoint, no partial file carries a checkpoint name, and the next start removes the temp file."""
     out = h.root / "out"
     job = h.start([*BASE, "--output-dir", str(out)], fault="slowwrite:0:4:60")
-    wait_until(lambda: any(t.stat().st_size for t in out.glob(".tmp-*.pt")), job, 90, "a half-written checkpoint")
+    marker = job.pids_dir / "halfwritten0"
+    wait_until(marker.exists, job, 90, "a half-written checkpoint")
+    assert list(out.glob(".tmp-*.pt")), sorted(p.name for p in out.iterdir())  # the writer's private temp file
     os.kill(int((job.pids_dir / "rank0").read_text()), signal.SIGKILL)
     r = job.wait(timeout=45)
     assert r.rc == 1, r
