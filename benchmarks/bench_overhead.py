@@ -40,6 +40,7 @@ PROFILE_ITERS = (20, 60)  # call counts are taken at two run lengths; the differ
 # fastest measured epoch, because other processes on the machine only ever add time.
 MEASURED_EPOCHS = 3
 LOOPS = ("hand-written", "ignite-mgpu")
+REFERENCE = "ignite Engine"  # (a)'s step in ignite's bare Engine, on the tiny MLP: what ignite's loop itself costs
 
 
 def make_config(workload: str, iters: int, epochs: int, output_dir: str | Path, nproc: int) -> Any:
@@ -72,14 +73,10 @@ def make_config(workload: str, iters: int, epochs: int, output_dir: str | Path, 
 # ------------------------------------------------------------------------------------ (a) the hand-written loop
 
 
-def hand_written(cfg: Any) -> tuple[list[float], list[float], dict[str, Any]]:
-    """(a): the job of ``training(cfg)`` written out by hand, without engine, handlers or validation.
-
-    Model, data, optimizer and schedule come from ignite_mgpu's factories so both runs start identical; the loop
-    is plain PyTorch. Returns (ms per iteration of each epoch, CPU ms of the same, final weights). Timed like
-    ignite times an epoch: from before ``set_epoch`` to after the last scheduler step. The CPU figure is this
-    thread's CPU time (``time.thread_time``): it leaves out time spent waiting for the other rank or descheduled.
-    """
+def _hand_built(cfg: Any) -> tuple[Any, ...]:
+    """What (a) and the bare-Engine reference build by hand: sampler, loader, model (DDP when distributed), its
+    unwrapped module, optimizer, LR schedule, loss. Model, data, optimizer and schedule come from ignite_mgpu's
+    factories, so every loop starts from the same objects as ``training(cfg)``."""
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -103,7 +100,17 @@ def hand_written(cfg: Any) -> tuple[list[float], list[float], dict[str, Any]]:
     steps = len(loader)
     total, warmup = steps * cfg.train.epochs, round(steps * o.warmup_epochs)
     scheduler = create_lr_scheduler(optimizer, total, warmup, o.scheduler == "cosine")
-    loss_fn = nn.CrossEntropyLoss()
+    return sampler, loader, model, net, optimizer, scheduler, nn.CrossEntropyLoss()
+
+
+def hand_written(cfg: Any) -> tuple[list[float], list[float], dict[str, Any]]:
+    """(a): the job of ``training(cfg)`` written out by hand, without engine, handlers or validation.
+
+    Returns (ms per iteration of each epoch, CPU ms of the same, final weights). Timed like ignite times an epoch:
+    from before ``set_epoch`` to after the last scheduler step. The CPU figure is this thread's CPU time
+    (``time.thread_time``): it leaves out time spent waiting for the other rank or descheduled.
+    """
+    sampler, loader, model, net, optimizer, scheduler, loss_fn = _hand_built(cfg)
     ms_per_iter, cpu_ms_per_iter = [], []
     for epoch in range(cfg.train.epochs):
         start, cpu_start = time.perf_counter(), time.thread_time()
@@ -115,8 +122,41 @@ def hand_written(cfg: Any) -> tuple[list[float], list[float], dict[str, Any]]:
             loss.backward()  # DDP all-reduces the gradients here
             optimizer.step()
             scheduler.step()
-        ms_per_iter.append(1000 * (time.perf_counter() - start) / steps)
-        cpu_ms_per_iter.append(1000 * (time.thread_time() - cpu_start) / steps)
+        ms_per_iter.append(1000 * (time.perf_counter() - start) / len(loader))
+        cpu_ms_per_iter.append(1000 * (time.thread_time() - cpu_start) / len(loader))
+    return ms_per_iter, cpu_ms_per_iter, {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def bare_engine(cfg: Any) -> tuple[list[float], list[float], dict[str, Any]]:
+    """The reference: (a)'s step run by ignite's bare ``Engine`` (one handler: ``set_epoch``). Its distance to (a)
+    is what ignite's loop costs; (b)'s distance to it is what ignite-mgpu's handlers and step add."""
+    from ignite.engine import Engine, Events
+
+    sampler, loader, model, net, optimizer, scheduler, loss_fn = _hand_built(cfg)
+
+    def step(engine: Engine, batch: Any) -> Any:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(batch[0]), batch[1])
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        return loss.detach()
+
+    engine = Engine(step)
+    ms_per_iter, cpu_ms_per_iter, cpu_start = [], [], [0.0]
+
+    def epoch_started(e: Engine) -> None:
+        sampler.set_epoch(e.state.epoch - 1)
+        cpu_start[0] = time.thread_time()
+
+    def epoch_completed(e: Engine) -> None:
+        cpu_ms_per_iter.append(1000 * (time.thread_time() - cpu_start[0]) / len(loader))
+        ms_per_iter.append(1000 * e.state.times["EPOCH_COMPLETED"] / len(loader))
+
+    engine.add_event_handler(Events.EPOCH_STARTED, epoch_started)
+    engine.add_event_handler(Events.EPOCH_COMPLETED, epoch_completed)
+    model.train()
+    engine.run(loader, max_epochs=cfg.train.epochs)
     return ms_per_iter, cpu_ms_per_iter, {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
@@ -251,23 +291,31 @@ def session_worker(local_rank: int, spec: dict[str, Any]) -> None:
     for workload in spec["workloads"]:
         for r in range(spec["rounds"]):
             runs = {}
-            for name in LOOPS if r % 2 == 0 else LOOPS[::-1]:  # a b, b a, a b, ...: a drift in load cancels
+            names = (*LOOPS, REFERENCE) if workload == "mlp" else LOOPS  # the reference where overhead shows
+            for name in names if r % 2 == 0 else names[::-1]:  # a b, b a, a b, ...: a drift in load cancels
                 out = root / f"{workload}-{name}-{r}"
                 cfg = make_config(workload, spec["iters"][workload], 1 + spec["measured_epochs"], out, spec["nproc"])
-                runs[name] = hand_written(cfg) if name == "hand-written" else ignite_run(local_rank, cfg)
+                if name == "ignite-mgpu":
+                    runs[name] = ignite_run(local_rank, cfg)
+                else:
+                    runs[name] = (hand_written if name == "hand-written" else bare_engine)(cfg)
                 gc.collect()  # outside the timed epochs; both loops start with a clean heap
             if rank == 0:
                 (ms_a, cpu_a, state_a), (ms_b, cpu_b, state_b) = runs["hand-written"], runs["ignite-mgpu"]
-                results["runs"].append(
-                    {
-                        "workload": workload,
-                        "round": r,
-                        "hand-written": min(ms_a[1:]),
-                        "ignite-mgpu": min(ms_b[1:]),
-                        "cpu": {"hand-written": min(cpu_a[1:]), "ignite-mgpu": min(cpu_b[1:])},
-                        "difference": bitwise_difference(state_a, state_b),
-                    }
-                )
+                record = {
+                    "workload": workload,
+                    "round": r,
+                    "hand-written": min(ms_a[1:]),
+                    "ignite-mgpu": min(ms_b[1:]),
+                    "cpu": {"hand-written": min(cpu_a[1:]), "ignite-mgpu": min(cpu_b[1:])},
+                    "difference": bitwise_difference(state_a, state_b),
+                }
+                if REFERENCE in runs:
+                    ms_e, cpu_e, state_e = runs[REFERENCE]
+                    record[REFERENCE] = min(ms_e[1:])
+                    record["cpu"][REFERENCE] = min(cpu_e[1:])
+                    record["difference"] = record["difference"] or bitwise_difference(state_a, state_e)
+                results["runs"].append(record)
         if workload in spec["profile"]:
             results["calls"][workload] = calls_per_iteration(root, workload, spec["nproc"], local_rank, rank)
     if rank == 0:
@@ -473,6 +521,15 @@ def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float],
                 "met": ok,
                 "identical": f"{len(runs) - len(bad)}/{len(runs)}",
             }
+            if not bad and REFERENCE in runs[0]:
+                e = [run[REFERENCE] for run in runs]
+                lines.append(
+                    f"| {title} | {nproc} | {REFERENCE} (reference; ratio over hand-written) | {spread(e)} | "
+                    f"{spread([y / x for x, y in zip(a, e, strict=True)])} | {min(e) / min(a):.3f} | — | — |"
+                )
+                summary["per_iteration"][f"{workload}/{nproc}"][REFERENCE] = e
+                cpu_e = [run["cpu"][REFERENCE] for run in runs]
+                summary["cpu_per_iteration"][f"{workload}/{nproc}/{REFERENCE}"] = cpu_e
             if not bad:  # supporting figures, without a target: the CPU clock leaves out all waiting
                 cpu = {name: [run["cpu"][name] for run in runs] for name in LOOPS}
                 extra = [1000 * (b - a) for a, b in zip(cpu["hand-written"], cpu["ignite-mgpu"], strict=True)]

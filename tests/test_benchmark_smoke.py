@@ -47,8 +47,9 @@ def test_quick_run_prints_both_loops_and_identical_weights(tmp_path):
         pytest.fail(f"bench_overhead.py --quick did not finish in 60 s\n{stdout}\n{stderr[-3000:]}")
     assert proc.returncode == 0, stdout + stderr
     rows = [line.split("|") for line in stdout.splitlines() if line.startswith("| tiny MLP | 2 |")]
-    assert [row[3].strip() for row in rows[:2]] == ["hand-written", "ignite-mgpu"], stdout
-    assert len(rows) == 3 and float(rows[2][3].split()[0]) > 0, stdout  # the CPU-time row
+    loops = [row[3].strip() for row in rows[:3]]
+    assert loops == ["hand-written", "ignite-mgpu", "ignite Engine (reference; ratio over hand-written)"], stdout
+    assert len(rows) == 4 and float(rows[3][3].split()[0]) > 0, stdout  # the CPU-time row
     assert "Bitwise check passed" in stdout, stdout
     summary = json.loads(out.read_text())
     assert summary["refused"] == []
