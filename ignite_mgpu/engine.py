@@ -166,13 +166,13 @@ def create_evaluator(
 
     @torch.no_grad()
     def eval_step(engine: Engine, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        net.eval()
         x, y = batch[0].to(device, non_blocking=non_blocking), batch[1].to(device, non_blocking=non_blocking)
         with autocast:
             y_pred = net(x)
         return y_pred.float(), y
 
     evaluator = Engine(eval_step)
+    evaluator.add_event_handler(Events.STARTED, lambda: net.eval())  # once per run: eval() visits every submodule
     evaluator.logger.setLevel("CRITICAL")
     for name, metric in metrics.items():
         metric.attach(evaluator, name)

@@ -75,3 +75,18 @@ TINY = [
     "train.epochs=2",
     "train.check_every=4",
 ]
+
+
+def make_image_folder(root: Path, counts: dict[str, int], size: int, broken: str) -> Path:
+    """An ImageNet-layout folder (root/<split>/{cat,dog}/<i>.png, ``counts`` images per class and split) plus one
+    unreadable file at ``root/broken`` (e.g. "train/cat/broken.png"). Returns root."""
+    from PIL import Image
+
+    for split, n in counts.items():
+        for cls in ("cat", "dog"):
+            folder = root / split / cls
+            folder.mkdir(parents=True)
+            for i in range(n):
+                Image.new("RGB", (size, size), color=(10 * i, 200 if cls == "cat" else 20, 7)).save(folder / f"{i}.png")
+    (root / broken).write_bytes(b"\x89PNG truncated")
+    return root

@@ -19,7 +19,7 @@ from ignite_mgpu import launch
 from ignite_mgpu.checkpoint import list_checkpoints, read_checkpoint
 from ignite_mgpu.config import load_config
 from ignite_mgpu.train import training
-from tests.conftest import REPO, TINY, run_cli
+from tests.conftest import REPO, TINY, make_image_folder, run_cli
 
 pytestmark = [pytest.mark.distributed]
 
@@ -289,16 +289,7 @@ def test_tensorboard_scalars(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_imagefolder_skips_and_counts_bad_images(tmp_path):
-    from PIL import Image
-
-    root = tmp_path / "images"
-    for split, n in (("train", 8), ("val", 4)):
-        for cls in ("cat", "dog"):
-            folder = root / split / cls
-            folder.mkdir(parents=True)
-            for i in range(n):
-                Image.new("RGB", (20, 20), color=(40 * i, 100 if cls == "cat" else 10, 7)).save(folder / f"{i}.png")
-    (root / "train" / "cat" / "broken.png").write_bytes(b"\x89PNG truncated")
+    root = make_image_folder(tmp_path / "images", {"train": 8, "val": 4}, 20, "train/cat/broken.png")
     args = [
         "data.name=imagefolder",
         f"data.root={root}",

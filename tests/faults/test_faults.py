@@ -29,6 +29,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.conftest import make_image_folder
+
 pytestmark = [pytest.mark.distributed]
 
 FAULTS_DIR = Path(__file__).resolve().parent
@@ -556,16 +558,7 @@ def test_dataloader_workers_do_not_outlive_a_failed_job(h: Harness) -> None:
 def test_s2_data_loader_error_on_one_rank_unblocks_the_other(h: Harness) -> None:
     """One rank's DataLoader worker fails on an unreadable image while the other rank waits in its all-reduce:
     the job ends with that rank's error, reported once, well before any collective timeout."""
-    from PIL import Image
-
-    root = h.root / "images"
-    for split, n in (("train", 24), ("val", 4)):
-        for cls in ("cat", "dog"):
-            folder = root / split / cls
-            folder.mkdir(parents=True)
-            for i in range(n):
-                Image.new("RGB", (8, 8), color=(10 * i, 200 if cls == "cat" else 20, 7)).save(folder / f"{i}.png")
-    (root / "train" / "dog" / "broken.png").write_bytes(b"\x89PNG truncated")
+    root = make_image_folder(h.root / "images", {"train": 24, "val": 4}, 8, "train/dog/broken.png")
     data = ["data.name=imagefolder", f"data.root={root}", "data.image_size=8", "data.batch_size=8"]
     args = [*BASE, *data, "model.name=faultmod:make8", "model.num_classes=2", "data.num_workers=2"]
     r = h.run([*args, "--output-dir", str(h.root / "out")], timeout=45)  # fails the test beyond 45 s
