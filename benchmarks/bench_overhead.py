@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import resource
 import shutil
 import statistics
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Generator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -34,11 +36,13 @@ WORKLOADS = {  # name -> title, global batch, iterations per measured epoch (def
     "mlp": ("tiny MLP", 32, 500, 30, ["model.name=mlp", "data.image_size=8", "data.batch_size=32"]),
     "cnn": ("small CNN", 128, 40, 6, ["model.name=simple_cnn"]),
 }
+BOOTSTRAP = 2000  # resamples for each 95 % interval
 TARGETS = {"mlp": 1.03, "cnn": 1.01, "scaling": 0.02, "startup": 1.15, "help_s": 0.3, "calls": 100}
 PROFILE_ITERS = (20, 60)  # call counts are taken at two run lengths; the difference cancels set-up and teardown
-# Each run trains 1 warm-up epoch (allocations, DDP buckets) and then measured epochs; a run's figure is its
-# fastest measured epoch, because other processes on the machine only ever add time.
+# Each round is one run of (b), 1 warm-up epoch (allocations, DDP buckets) and then measured epochs, in which the
+# loops take turns TURNS_PER_EPOCH times per epoch (about 0.15 s a turn with the default iterations).
 MEASURED_EPOCHS = 3
+TURNS_PER_EPOCH = 5
 LOOPS = ("hand-written", "ignite-mgpu")
 REFERENCE = "ignite Engine"  # (a)'s step in ignite's bare Engine, on the tiny MLP: what ignite's loop itself costs
 
@@ -103,36 +107,40 @@ def _hand_built(cfg: Any) -> tuple[Any, ...]:
     return sampler, loader, model, net, optimizer, scheduler, nn.CrossEntropyLoss()
 
 
-def hand_written(cfg: Any) -> tuple[list[float], list[float], dict[str, Any]]:
+def weights(net: Any) -> dict[str, Any]:
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def hand_steps(built: tuple[Any, ...], epochs: int, window: int | None) -> Generator[None, None, dict[str, Any]]:
     """(a): the job of ``training(cfg)`` written out by hand, without engine, handlers or validation.
 
-    Returns (ms per iteration of each epoch, CPU ms of the same, final weights). Timed like ignite times an epoch:
-    from before ``set_epoch`` to after the last scheduler step. The CPU figure is this thread's CPU time
-    (``time.thread_time``): it leaves out time spent waiting for the other rank or descheduled.
+    A generator: it pauses after every ``window`` iterations (never when ``window`` is None) and returns the final
+    weights. ``built`` is ``_hand_built(cfg)``.
     """
-    sampler, loader, model, net, optimizer, scheduler, loss_fn = _hand_built(cfg)
-    ms_per_iter, cpu_ms_per_iter = [], []
-    for epoch in range(cfg.train.epochs):
-        start, cpu_start = time.perf_counter(), time.thread_time()
+    sampler, loader, model, net, optimizer, scheduler, loss_fn = built
+    model.train()
+    done = 0
+    for epoch in range(epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
-        model.train()
         for x, y in loader:
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model(x), y)
             loss.backward()  # DDP all-reduces the gradients here
             optimizer.step()
             scheduler.step()
-        ms_per_iter.append(1000 * (time.perf_counter() - start) / len(loader))
-        cpu_ms_per_iter.append(1000 * (time.thread_time() - cpu_start) / len(loader))
-    return ms_per_iter, cpu_ms_per_iter, {k: v.detach().clone() for k, v in net.state_dict().items()}
+            done += 1
+            if window and done % window == 0:
+                yield
+    return weights(net)
 
 
-def bare_engine(cfg: Any) -> tuple[list[float], list[float], dict[str, Any]]:
-    """The reference: (a)'s step run by ignite's bare ``Engine`` (one handler: ``set_epoch``). Its distance to (a)
-    is what ignite's loop costs; (b)'s distance to it is what ignite-mgpu's handlers and step add."""
+def engine_steps(built: tuple[Any, ...], epochs: int, window: int) -> Generator[None, None, dict[str, Any]]:
+    """The reference: (a)'s step run by ignite's bare ``Engine`` (handlers: ``set_epoch``, and the pause after every
+    ``window`` iterations, an ``Engine.interrupt``; the next ``run`` resumes). Its distance to (a) is what ignite's
+    loop costs; (b)'s distance to it is what ignite-mgpu's step and handlers add."""
     from ignite.engine import Engine, Events
 
-    sampler, loader, model, net, optimizer, scheduler, loss_fn = _hand_built(cfg)
+    sampler, loader, model, net, optimizer, scheduler, loss_fn = built
 
     def step(engine: Engine, batch: Any) -> Any:
         optimizer.zero_grad(set_to_none=True)
@@ -142,65 +150,107 @@ def bare_engine(cfg: Any) -> tuple[list[float], list[float], dict[str, Any]]:
         scheduler.step()
         return loss.detach()
 
-    engine = Engine(step)
-    ms_per_iter, cpu_ms_per_iter, cpu_start = [], [], [0.0]
+    engine, paused = Engine(step), [False]
 
-    def epoch_started(e: Engine) -> None:
-        sampler.set_epoch(e.state.epoch - 1)
-        cpu_start[0] = time.thread_time()
+    def pause(e: Engine) -> None:
+        paused[0] = True
+        e.interrupt()
 
-    def epoch_completed(e: Engine) -> None:
-        cpu_ms_per_iter.append(1000 * (time.thread_time() - cpu_start[0]) / len(loader))
-        ms_per_iter.append(1000 * e.state.times["EPOCH_COMPLETED"] / len(loader))
-
-    engine.add_event_handler(Events.EPOCH_STARTED, epoch_started)
-    engine.add_event_handler(Events.EPOCH_COMPLETED, epoch_completed)
+    engine.add_event_handler(Events.EPOCH_STARTED, lambda e: sampler.set_epoch(e.state.epoch - 1))
+    engine.add_event_handler(Events.ITERATION_COMPLETED(every=window), pause)
     model.train()
-    engine.run(loader, max_epochs=cfg.train.epochs)
-    return ms_per_iter, cpu_ms_per_iter, {k: v.detach().clone() for k, v in net.state_dict().items()}
+    while True:
+        paused[0] = False
+        engine.run(loader, max_epochs=epochs)
+        if not paused[0]:
+            return weights(net)
+        yield
+
+
+def finish(steps: Generator[None, None, dict[str, Any]]) -> dict[str, Any]:
+    """Run a loop to its end; its final weights."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
+def clocks() -> tuple[float, float]:
+    """Wall clock, and the CPU clock of this thread (which leaves out waiting for the other rank or for a core)."""
+    return time.perf_counter(), time.thread_time()
+
+
+class Turns:
+    """Makes the loops take turns inside (b)'s run: after every ``window`` iterations of (b) (a handler on the
+    trainer ``training`` builds), each other loop runs its next ``window`` iterations, in alternating order. Every
+    turn of every loop is timed (wall and CPU) from the second epoch on; the first warms up. (b)'s turns start at its
+    epochs' start and end after its per-iteration handlers; epoch-end work (validation, the epoch report) is not
+    timed for any loop.
+    """
+
+    def __init__(self, others: dict[str, Generator[None, None, dict[str, Any]]], window: int) -> None:
+        self.others, self.window = others, window
+        self.turns: dict[str, list[tuple[float, float]]] = {name: [] for name in ("ignite-mgpu", *others)}
+        self._start: tuple[float, float] | None = None
+        self._count = 0
+
+    def attach(self, trainer: Any) -> None:
+        from ignite.engine import Events
+
+        trainer.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
+        trainer.add_event_handler(Events.ITERATION_COMPLETED(every=self.window), self._switch)
+
+    def _epoch_started(self, engine: Any) -> None:
+        self._start = clocks() if engine.state.epoch > 1 else None
+
+    def _record(self, name: str, start: tuple[float, float], end: tuple[float, float]) -> None:
+        self.turns[name].append((end[0] - start[0], end[1] - start[1]))
+
+    def _switch(self, engine: Any) -> None:
+        end = clocks()
+        if self._start is not None:
+            self._record("ignite-mgpu", self._start, end)
+        measured = engine.state.epoch > 1
+        self._count += 1
+        names = list(self.others)
+        for name in names if self._count % 2 else names[::-1]:
+            start = clocks()
+            next(self.others[name])
+            if measured:
+                self._record(name, start, clocks())
+        epoch_end = engine.state.iteration % engine.state.epoch_length == 0
+        self._start = clocks() if measured and not epoch_end else None
 
 
 # ------------------------------------------------------------------------------------ (b) ignite-mgpu, and checks
 
 
-def ignite_run(local_rank: int, cfg: Any) -> tuple[list[float], list[float], dict[str, Any]] | None:
-    """(b): ``training`` itself. On rank 0 returns (ms per iteration of each epoch, CPU ms of the same, final
-    weights). The CPU clock is read by two handlers added to the trainer that ``training`` builds (at the start of
-    each epoch and after the trainer's own epoch-end handlers: the guard's check counts against (b))."""
+def ignite_run(local_rank: int, cfg: Any, turns: Turns | None = None) -> dict[str, Any] | None:
+    """(b): ``training`` itself, with ``turns`` attached to its trainer (by wrapping
+    ``ignite_mgpu.train.create_trainer``). Rank 0 returns the final weights, read from the last checkpoint."""
     import torch.distributed as dist
-    from ignite.engine import Engine, Events
 
     import ignite_mgpu.train
     from ignite_mgpu.checkpoint import read_checkpoint
 
-    cpu_ms: list[float] = []
     create_trainer = ignite_mgpu.train.create_trainer
 
-    def create_timed_trainer(*args: Any, **kwargs: Any) -> Engine:
+    def create_taking_turns(*args: Any, **kwargs: Any) -> Any:
         trainer = create_trainer(*args, **kwargs)
-        started = [0.0]
-
-        def epoch_started() -> None:
-            started[0] = time.thread_time()
-
-        def epoch_completed(engine: Engine) -> None:
-            cpu_ms.append(1000 * (time.thread_time() - started[0]) / engine.state.epoch_length)
-
-        trainer.add_event_handler(Events.EPOCH_STARTED, epoch_started)
-        trainer.add_event_handler(Events.EPOCH_COMPLETED, epoch_completed)
+        if turns is not None:
+            turns.attach(trainer)
         return trainer
 
-    ignite_mgpu.train.create_trainer = create_timed_trainer  # type: ignore[assignment]  # same signature
+    ignite_mgpu.train.create_trainer = create_taking_turns  # type: ignore[assignment]  # same signature
     try:
         ignite_mgpu.train.training(local_rank, cfg)
     finally:
         ignite_mgpu.train.create_trainer = create_trainer
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
-    out = Path(cfg.output_dir)
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    (final,) = out.glob("checkpoint_*.pt")  # checkpoint.every=epochs: exactly one, after the last epoch
-    return [line["time_per_iter_ms"] for line in lines], cpu_ms, read_checkpoint(final)["model"]
+    (final,) = Path(cfg.output_dir).glob("checkpoint_*.pt")  # checkpoint.every=epochs: one, after the last epoch
+    return read_checkpoint(final)["model"]
 
 
 def bitwise_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
@@ -243,9 +293,9 @@ def calls_per_iteration(worker_dir: Path, workload: str, nproc: int, local_rank:
     for name in LOOPS:
         counts = []
         for n in (n1, n2):
-            cfg = make_config(workload, n, 1, worker_dir / f"calls-{workload}-{name}-{n}", nproc)
+            cfg = make_config(workload, n, 1, worker_dir / f"calls-{workload}-{name}-{n}", nproc)  # 1 epoch
             if name == "hand-written":
-                counts.append(count_calls(lambda c=cfg: hand_written(c), profile=rank == 0))
+                counts.append(count_calls(lambda c=cfg: finish(hand_steps(_hand_built(c), 1, None)), rank == 0))
             else:
                 counts.append(count_calls(lambda c=cfg: ignite_run(local_rank, c), profile=rank == 0))
         per_iter[name] = {k: (counts[1].get(k, 0) - counts[0].get(k, 0)) / (n2 - n1) for k in counts[1]}
@@ -276,8 +326,15 @@ def pin_to_core(rank: int, nproc: int) -> int | None:
     return cores[rank]
 
 
+def window_size(iters: int) -> int:
+    """Iterations per turn: the largest divisor of ``iters`` up to ``iters / TURNS_PER_EPOCH``, so that a turn never
+    spans two epochs."""
+    return max(d for d in range(1, max(1, iters // TURNS_PER_EPOCH) + 1) if iters % d == 0)
+
+
 def session_worker(local_rank: int, spec: dict[str, Any]) -> None:
-    """In every process: for each workload and round, run (a) and (b) and record rank 0's figures."""
+    """In every process: for each workload and round, one run of (b) with (a) (and the reference) taking turns in
+    it; rank 0 records every turn's times and the bitwise comparison."""
     import gc
 
     import torch
@@ -289,33 +346,26 @@ def session_worker(local_rank: int, spec: dict[str, Any]) -> None:
     root = Path(spec["dir"])
     results: dict[str, Any] = {"runs": [], "calls": {}, "core": core}
     for workload in spec["workloads"]:
+        iters = spec["iters"][workload]
+        window = window_size(iters)
         for r in range(spec["rounds"]):
-            runs = {}
-            names = (*LOOPS, REFERENCE) if workload == "mlp" else LOOPS  # the reference where overhead shows
-            for name in names if r % 2 == 0 else names[::-1]:  # a b, b a, a b, ...: a drift in load cancels
-                out = root / f"{workload}-{name}-{r}"
-                cfg = make_config(workload, spec["iters"][workload], 1 + spec["measured_epochs"], out, spec["nproc"])
-                if name == "ignite-mgpu":
-                    runs[name] = ignite_run(local_rank, cfg)
-                else:
-                    runs[name] = (hand_written if name == "hand-written" else bare_engine)(cfg)
-                gc.collect()  # outside the timed epochs; both loops start with a clean heap
+            cfg = make_config(workload, iters, 1 + spec["measured_epochs"], root / f"{workload}-{r}", spec["nproc"])
+            epochs = cfg.train.epochs
+            # Built before (b) starts: _hand_built seeds the generator as training() does when it builds its model.
+            others = {"hand-written": hand_steps(_hand_built(cfg), epochs, window)}
+            if workload == "mlp":  # the reference where ignite's per-iteration cost shows
+                others[REFERENCE] = engine_steps(_hand_built(cfg), epochs, window)
+            turns = Turns(others, window)
+            state_b = ignite_run(local_rank, cfg, turns)
+            states = {name: finish(steps) for name, steps in others.items()}
+            gc.collect()  # outside the timed turns
             if rank == 0:
-                (ms_a, cpu_a, state_a), (ms_b, cpu_b, state_b) = runs["hand-written"], runs["ignite-mgpu"]
-                record = {
-                    "workload": workload,
-                    "round": r,
-                    "hand-written": min(ms_a[1:]),
-                    "ignite-mgpu": min(ms_b[1:]),
-                    "cpu": {"hand-written": min(cpu_a[1:]), "ignite-mgpu": min(cpu_b[1:])},
-                    "difference": bitwise_difference(state_a, state_b),
-                }
-                if REFERENCE in runs:
-                    ms_e, cpu_e, state_e = runs[REFERENCE]
-                    record[REFERENCE] = min(ms_e[1:])
-                    record["cpu"][REFERENCE] = min(cpu_e[1:])
-                    record["difference"] = record["difference"] or bitwise_difference(state_a, state_e)
-                results["runs"].append(record)
+                assert state_b is not None
+                difference = bitwise_difference(states["hand-written"], state_b)
+                if REFERENCE in states:
+                    difference = difference or bitwise_difference(states["hand-written"], states[REFERENCE])
+                record = {"workload": workload, "round": r, "window": window, "difference": difference}
+                results["runs"].append(record | {"turns": turns.turns})
         if workload in spec["profile"]:
             results["calls"][workload] = calls_per_iteration(root, workload, spec["nproc"], local_rank, rank)
     if rank == 0:
@@ -472,72 +522,91 @@ def spread(values: list[float], digits: int = 3) -> str:
     )
 
 
-def paired(times: dict[str, list[float]]) -> list[float]:
-    """(b) / (a) of each round: both ran back to back in the same processes, under the same load."""
-    return [b / a for a, b in zip(times["hand-written"], times["ignite-mgpu"], strict=True)]
+def bootstrap(num: list[float], den: list[float], seed: int = 0) -> tuple[float, float]:
+    """95 % interval of sum(num) / sum(den), resampling the index (turn k of (b) and of (a) ran back to back)."""
+    rng, n = random.Random(seed), len(num)
+    found = []
+    for _ in range(BOOTSTRAP):
+        picks = [rng.randrange(n) for _ in range(n)]
+        found.append(sum(num[i] for i in picks) / sum(den[i] for i in picks))
+    found.sort()
+    return found[int(0.025 * BOOTSTRAP)], found[int(0.975 * BOOTSTRAP) - 1]
 
 
-def verdict(ok: bool | None) -> str:
-    return "—" if ok is None else ("yes" if ok else "**no**")
+def yes_no(ok: bool) -> str:
+    return "yes" if ok else "**no**"
+
+
+def verdict(low: float, high: float, lowest: float, highest: float) -> str:
+    """Met when the whole interval lies within [lowest, highest], missed when none of it does."""
+    if lowest <= low and high <= highest:
+        return "yes"
+    if high < lowest or low > highest:
+        return "**no**"
+    return "undecided: the interval spans the target"
+
+
+def turn_times(runs: list[dict], name: str, clock: int) -> list[float]:
+    """Seconds per iteration of every timed turn of ``name`` in these rounds, in order (clock 0 wall, 1 CPU)."""
+    return [turn[clock] / run["window"] for run in runs for turn in run["turns"][name]]
+
+
+def per_round_ms(runs: list[dict], name: str, clock: int = 0) -> list[float]:
+    """ms per iteration of each round (all its timed turns), by the wall (0) or CPU (1) clock."""
+    return [
+        1000 * sum(t[clock] for t in run["turns"][name]) / (run["window"] * len(run["turns"][name])) for run in runs
+    ]
 
 
 def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float], quick: bool) -> tuple[str, dict]:
     """The markdown tables and a JSON summary. Ratios only for workloads whose weights matched bit for bit."""
     lines = [
-        "| workload | procs | loop | ms / iteration, median (min–max) | ignite-mgpu / hand-written, median of "
-        "rounds (min–max) | best / best | target | met |",
+        "| workload | procs | loop | ms / iteration, median of rounds (min–max) | ratio over hand-written, all turns "
+        "[95 % interval] | median of rounds (min–max) | target | met |",
         "|---|---|---|---|---|---|---|---|",
     ]
     cpu_lines = [
         "",
-        "| workload | procs | CPU ms / iteration of rank 0's training thread: hand-written | ignite-mgpu | "
-        "extra CPU µs / iteration, median of rounds (min–max) | ignite-mgpu / hand-written, median of rounds |",
-        "|---|---|---|---|---|---|",
+        "| workload | procs | loop | CPU ms / iteration of rank 0's training thread, median of rounds (min–max) | "
+        "extra CPU µs / iteration over hand-written, all turns [95 % interval] |",
+        "|---|---|---|---|---|",
     ]
-    summary: dict[str, Any] = {"per_iteration": {}, "cpu_per_iteration": {}, "refused": []}
+    summary: dict[str, Any] = {"per_iteration": {}, "refused": []}
     for nproc, res in sorted(sessions.items(), reverse=True):
         for workload in dict.fromkeys(run["workload"] for run in res["runs"]):
             runs = [run for run in res["runs"] if run["workload"] == workload]
-            a, b = [run["hand-written"] for run in runs], [run["ignite-mgpu"] for run in runs]
             bad = [run["difference"] for run in runs if run["difference"]]
+            title, key = WORKLOADS[workload][0], f"{workload}/{nproc}"
             target = TARGETS[workload] if nproc == 2 else None
-            title = WORKLOADS[workload][0]
-            lines.append(f"| {title} | {nproc} | hand-written | {spread(a)} | | | | |")
-            if bad:
-                cell, best = f"refused: final weights differ in {len(bad)}/{len(runs)} runs ({bad[0]})", ""
-                ok = False
-                summary["refused"].append(f"{title}, {nproc} procs: {bad[0]}")
-            else:
-                ratios = paired({"hand-written": a, "ignite-mgpu": b})
-                ok = statistics.median(ratios) <= target if target else None
-                cell, best = spread(ratios), f"{min(b) / min(a):.3f}"
-            lines.append(
-                f"| {title} | {nproc} | ignite-mgpu | {spread(b)} | {cell} | {best} | "
-                f"{f'≤ {target}' if target else '—'} | {verdict(ok)} |"
-            )
-            summary["per_iteration"][f"{workload}/{nproc}"] = {
-                "hand-written": a,
-                "ignite-mgpu": b,
-                "met": ok,
-                "identical": f"{len(runs) - len(bad)}/{len(runs)}",
-            }
-            if not bad and REFERENCE in runs[0]:
-                e = [run[REFERENCE] for run in runs]
-                lines.append(
-                    f"| {title} | {nproc} | {REFERENCE} (reference; ratio over hand-written) | {spread(e)} | "
-                    f"{spread([y / x for x, y in zip(a, e, strict=True)])} | {min(e) / min(a):.3f} | — | — |"
-                )
-                summary["per_iteration"][f"{workload}/{nproc}"][REFERENCE] = e
-                cpu_e = [run["cpu"][REFERENCE] for run in runs]
-                summary["cpu_per_iteration"][f"{workload}/{nproc}/{REFERENCE}"] = cpu_e
-            if not bad:  # supporting figures, without a target: the CPU clock leaves out all waiting
-                cpu = {name: [run["cpu"][name] for run in runs] for name in LOOPS}
-                extra = [1000 * (b - a) for a, b in zip(cpu["hand-written"], cpu["ignite-mgpu"], strict=True)]
-                cpu_lines.append(
-                    f"| {title} | {nproc} | {spread(cpu['hand-written'])} | {spread(cpu['ignite-mgpu'])} | "
-                    f"{spread(extra, 0)} | {statistics.median(paired(cpu)):.3f} |"
-                )
-                summary["cpu_per_iteration"][f"{workload}/{nproc}"] = cpu
+            names = [name for name in (*LOOPS, REFERENCE) if name in runs[0]["turns"]]
+            entry: dict[str, Any] = {"identical": f"{len(runs) - len(bad)}/{len(runs)}", "loops": {}}
+            summary["per_iteration"][key] = entry
+            base_wall, base_cpu = (turn_times(runs, "hand-written", clock) for clock in (0, 1))
+            for name in names:
+                ms, cpu_ms = per_round_ms(runs, name), per_round_ms(runs, name, clock=1)
+                entry["loops"][name] = {"ms_per_round": ms, "cpu_ms_per_round": cpu_ms}
+                label = name if name != REFERENCE else f"{REFERENCE} (reference)"
+                cells = ["", "", "", ""]
+                cpu_cell = ""
+                if name != "hand-written" and bad:
+                    cells[0] = f"refused: final weights differ in {len(bad)}/{len(runs)} runs ({bad[0]})"
+                    if name == "ignite-mgpu":
+                        summary["refused"].append(f"{title}, {nproc} procs: {bad[0]}")
+                        entry["met"] = False
+                elif name != "hand-written":
+                    wall, cpu = turn_times(runs, name, 0), turn_times(runs, name, 1)
+                    ratio, (low, high) = sum(wall) / sum(base_wall), bootstrap(wall, base_wall)
+                    rounds = [b / a for a, b in zip(per_round_ms(runs, "hand-written"), ms, strict=True)]
+                    cells[0], cells[1] = f"{ratio:.3f} [{low:.3f}–{high:.3f}]", spread(rounds)
+                    extra = [b - a for a, b in zip(base_cpu, cpu, strict=True)]
+                    cpu_low, cpu_high = bootstrap(extra, [1.0] * len(extra))
+                    cpu_cell = f"{1e6 * statistics.fmean(extra):.0f} [{1e6 * cpu_low:.0f}–{1e6 * cpu_high:.0f}]"
+                    entry["loops"][name] |= {"ratio": ratio, "interval": [low, high], "ratio_per_round": rounds}
+                    if name == "ignite-mgpu" and target:
+                        entry["met"] = verdict(low, high, 0.0, target)
+                        cells[2], cells[3] = f"≤ {target}", entry["met"]
+                lines.append(f"| {title} | {nproc} | {label} | {spread(ms)} | {' | '.join(cells)} |")
+                cpu_lines.append(f"| {title} | {nproc} | {label} | {spread(cpu_ms)} | {cpu_cell} |")
     lines += cpu_lines
     lines += [
         "",
@@ -547,15 +616,22 @@ def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float],
     per = summary["per_iteration"]
     if "cnn/1" in per and "cnn/2" in per and not summary["refused"]:
         # The global batch is the same with 1 and 2 processes, so the throughput ratio is t(1 proc) / t(2 procs).
-        scale = {n: statistics.median(per["cnn/1"][n]) / statistics.median(per["cnn/2"][n]) for n in LOOPS}
-        # ignite-mgpu's scaling over the hand-written loop's is (b/a at 1 proc) / (b/a at 2 procs); taken from the
-        # paired per-round ratios, since only (a) and (b) of the same round ran under the same load.
-        rel = statistics.median(paired(per["cnn/1"])) / statistics.median(paired(per["cnn/2"]))
-        ok = abs(rel - 1) <= TARGETS["scaling"]
-        summary["scaling"] = scale | {"relative": rel, "met": ok}
+        cnn = {n: [run for run in sessions[n]["runs"] if run["workload"] == "cnn"] for n in (1, 2)}
+        t = {(n, name): turn_times(cnn[n], name, 0) for n in (1, 2) for name in LOOPS}
+        scale = {name: sum(t[1, name]) / len(t[1, name]) / (sum(t[2, name]) / len(t[2, name])) for name in LOOPS}
+        # ignite-mgpu's scaling over the hand-written loop's = ((b)/(a) at 1 proc) / ((b)/(a) at 2 procs), from the
+        # turns of each session: only the turns of one run share the machine's state.
+        rel = per["cnn/1"]["loops"]["ignite-mgpu"]["ratio"] / per["cnn/2"]["loops"]["ignite-mgpu"]["ratio"]
+        (low1, high1), (low2, high2) = (
+            per["cnn/1"]["loops"]["ignite-mgpu"]["interval"],
+            per["cnn/2"]["loops"]["ignite-mgpu"]["interval"],
+        )
+        low, high = low1 / high2, high1 / low2  # conservative: both intervals at their ends
+        met = verdict(low, high, 1 - TARGETS["scaling"], 1 + TARGETS["scaling"])
+        summary["scaling"] = scale | {"relative": rel, "interval": [low, high], "met": met}
         lines.append(
             f"| small CNN throughput, 2 procs / 1 proc | {scale['hand-written']:.3f}× | {scale['ignite-mgpu']:.3f}× "
-            f"| {rel:.3f} | within ±{TARGETS['scaling']:.0%} | {verdict(ok)} |"
+            f"| {rel:.3f} [{low:.3f}–{high:.3f}] | within ±{TARGETS['scaling']:.0%} | {met} |"
         )
     else:
         why = "refused: final weights differ" if summary["refused"] else "skipped (--quick)"
@@ -567,7 +643,7 @@ def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float],
         summary["startup"] = startup | {"relative": rel, "met": ok}
         lines.append(
             f"| launch → first finished iteration, 2 procs (s) | {spread(wall['hand-written'], 2)} | "
-            f"{spread(wall['ignite-mgpu'], 2)} | {rel:.2f}× | ≤ {TARGETS['startup']}× | {verdict(ok)} |"
+            f"{spread(wall['ignite-mgpu'], 2)} | {rel:.2f}× | ≤ {TARGETS['startup']}× | {yes_no(ok)} |"
         )
         rel_cpu = statistics.median(cpu["ignite-mgpu"]) / statistics.median(cpu["hand-written"])
         lines.append(
@@ -578,13 +654,13 @@ def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float],
         lines.append("| launch → first finished iteration, 2 procs (s) | skipped (--quick) | | | | |")
     ok = statistics.median(help_s) < TARGETS["help_s"]
     summary["help_s"] = {"values": help_s, "met": ok}
-    lines.append(f"| `ignite-mgpu --help` (s) | | {spread(help_s, 3)} | | < {TARGETS['help_s']} s | {verdict(ok)} |")
+    lines.append(f"| `ignite-mgpu --help` (s) | | {spread(help_s, 3)} | | < {TARGETS['help_s']} s | {yes_no(ok)} |")
     calls = sessions.get(2, {}).get("calls", {})
     for workload, c in calls.items():
         ok = c["extra"] <= TARGETS["calls"]
         lines.append(
             f"| Python calls / iteration, rank 0, {WORKLOADS[workload][0]} (cProfile) | {c['hand-written']:.1f} "
-            f"| {c['ignite-mgpu']:.1f} | +{c['extra']:.1f} | ≤ +{TARGETS['calls']} | {verdict(ok)} |"
+            f"| {c['ignite-mgpu']:.1f} | +{c['extra']:.1f} | ≤ +{TARGETS['calls']} | {yes_no(ok)} |"
         )
     summary["calls"] = calls
     if quick:

@@ -16,6 +16,7 @@ _PUBLIC = {
     "ConfigError": "ignite_mgpu.config",
     "load_config": "ignite_mgpu.config",
     "training": "ignite_mgpu.train",
+    "keep_freed_memory": "ignite_mgpu.allocator",
 }
 __all__ = sorted(_PUBLIC)
 

@@ -70,6 +70,7 @@ class TrainConfig:
     check_every: int = 0  # iterations between the collective non-finite-loss / stop checks; 0: about once a second
     progress_bar: bool = True  # tqdm progress bar on rank 0
     tensorboard: bool = False  # write TensorBoard scalars into output_dir/tb
+    keep_cpu_memory: bool = True  # CPU, Linux: glibc keeps freed memory for the next step (no page fault per tensor)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from ignite.utils import manual_seed
 from torch import nn
 
 from ignite_mgpu import checkpoint as ckpt
+from ignite_mgpu.allocator import keep_freed_memory
 from ignite_mgpu.config import Config, dump_config
 from ignite_mgpu.data import create_dataloaders
 from ignite_mgpu.engine import (
@@ -63,6 +64,7 @@ _RESUMABLE_CHANGES = (
     "train.progress_bar",
     "train.tensorboard",
     "train.check_every",
+    "train.keep_cpu_memory",
     "data.num_workers",
     "data.download",
     "data.root",
@@ -84,10 +86,22 @@ def run_signature(cfg: Config) -> dict[str, str]:
     return {k: v for k, v in everything.items() if not k.startswith(_RESUMABLE_CHANGES)}
 
 
+def setup_cpu_memory(keep: bool) -> None:
+    """On the CPU, let glibc keep freed memory for the next step (``keep_freed_memory``) and say what was done."""
+    if not keep or idist.device().type != "cpu":
+        return
+    why_not = keep_freed_memory()
+    if why_not is None:
+        logger.info("CPU memory: freed memory is kept for the next step (glibc mallopt; train.keep_cpu_memory)")
+    else:
+        logger.info("CPU memory: malloc left as configured: %s", why_not)
+
+
 def training(local_rank: int, cfg: Config) -> None:
     """Train ``cfg`` in this process (one of ``idist.get_world_size()``), then print a summary on rank 0."""
     rank, world_size = idist.get_rank(), idist.get_world_size()
     setup_logging(rank)
+    setup_cpu_memory(cfg.train.keep_cpu_memory)
     manual_seed(cfg.seed)
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts, at the first matmul
@@ -264,6 +278,7 @@ def evaluation(local_rank: int, cfg: Config, checkpoint_path: str, as_json: bool
     """Score the weights in ``checkpoint_path`` on the validation split (metrics reduced over all ranks)."""
     rank = idist.get_rank()
     setup_logging(rank)
+    setup_cpu_memory(cfg.train.keep_cpu_memory)
     _, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
     model = create_model(cfg.model, val_loader.dataset[0][0].unsqueeze(0))  # type: ignore[index]  # map-style
     ckpt.load_checkpoint(checkpoint_path, {"model": model}, map_location="cpu")

@@ -47,9 +47,9 @@ def test_quick_run_prints_both_loops_and_identical_weights(tmp_path):
         pytest.fail(f"bench_overhead.py --quick did not finish in 60 s\n{stdout}\n{stderr[-3000:]}")
     assert proc.returncode == 0, stdout + stderr
     rows = [line.split("|") for line in stdout.splitlines() if line.startswith("| tiny MLP | 2 |")]
-    loops = [row[3].strip() for row in rows[:3]]
-    assert loops == ["hand-written", "ignite-mgpu", "ignite Engine (reference; ratio over hand-written)"], stdout
-    assert len(rows) == 4 and float(rows[3][3].split()[0]) > 0, stdout  # the CPU-time row
+    loops = [row[3].strip() for row in rows]
+    assert loops == ["hand-written", "ignite-mgpu", "ignite Engine (reference)"] * 2, stdout  # time, CPU time
+    assert all(float(row[4].split()[0]) > 0 for row in rows), stdout
     assert "Bitwise check passed" in stdout, stdout
     summary = json.loads(out.read_text())
     assert summary["refused"] == []
@@ -66,24 +66,55 @@ def test_bitwise_difference_names_the_tensor():
     assert "different keys" in bench.bitwise_difference(a, {"w": torch.zeros(3)})
 
 
+def record(workload, difference, times):
+    """A round as session_worker records it: turns of 2 iterations, (wall s, CPU s) per turn and loop."""
+    turns = {name: [(t, t / 2) for t in values] for name, values in times.items()}
+    return {"workload": workload, "round": 0, "window": 2, "difference": difference, "turns": turns}
+
+
 def test_report_refuses_a_ratio_when_weights_differ():
     bench = load_bench()
     runs = [
-        {"workload": "mlp", "round": 0, "hand-written": 1.0, "ignite-mgpu": 1.5, "difference": "0.weight differs"},
-        {"workload": "cnn", "round": 0, "hand-written": 2.0, "ignite-mgpu": 2.0, "difference": None},
+        record("mlp", "0.weight differs", {"hand-written": [1.0, 1.0], "ignite-mgpu": [1.5, 1.5]}),
+        record("cnn", None, {"hand-written": [2.0, 4.0], "ignite-mgpu": [2.0, 4.0]}),
     ]
-    for run in runs:
-        run["cpu"] = {"hand-written": 1.0, "ignite-mgpu": 1.0}
     table, summary = bench.report({2: {"runs": runs, "calls": {}}}, None, [0.1, 0.1, 0.1], quick=True)
-    mlp_row = next(line for line in table.splitlines() if line.startswith("| tiny MLP | 2 | ignite-mgpu"))
-    ratio_cell = mlp_row.split("|")[5].strip()
-    assert ratio_cell == "refused: final weights differ in 1/1 runs (0.weight differs)"
+    timed = [line.split("|") for line in table.splitlines() if line.count("|") == 9]  # the ms / iteration table
+    rows = {tuple(c.strip() for c in row[1:4]): row for row in timed}
+    mlp_row = rows["tiny MLP", "2", "ignite-mgpu"]
+    assert mlp_row[5].strip() == "refused: final weights differ in 1/1 runs (0.weight differs)"
     assert summary["refused"] == ["tiny MLP, 2 procs: 0.weight differs"]
-    cnn_row = next(line for line in table.splitlines() if line.startswith("| small CNN | 2 | ignite-mgpu"))
-    assert cnn_row.split("|")[5].strip() == "1.000"
-    cpu_prefixes = ("| tiny MLP | 2 | 1.0", "| small CNN | 2 | 1.0")
-    cpu_rows = [line for line in table.splitlines() if line.startswith(cpu_prefixes)]
-    assert [row.split("|")[1].strip() for row in cpu_rows] == ["small CNN"]  # no CPU ratio for refused runs either
+    cnn_row = rows["small CNN", "2", "ignite-mgpu"]
+    assert cnn_row[5].strip() == "1.000 [1.000–1.000]"
+    assert cnn_row[8].strip() == "yes"  # the whole interval lies under the target
+    assert summary["per_iteration"]["cnn/2"]["loops"]["ignite-mgpu"]["ms_per_round"] == [1500.0]  # 6 s / 4 iterations
+    cpu_rows = [line.split("|") for line in table.splitlines() if line.count("|") == 6 and "CNN" in line]
+    assert [row[3].strip() for row in cpu_rows] == ["hand-written", "ignite-mgpu"]
+    assert cpu_rows[1][5].strip() == "0 [0–0]"  # the CPU clock ran half the wall time in both loops
+    refused_cpu = [row for row in table.splitlines() if row.count("|") == 6 and row.startswith("| tiny MLP | 2 | ig")]
+    assert [row.split("|")[5].strip() for row in refused_cpu] == [""]  # no CPU difference for refused runs either
+
+
+def test_verdict_needs_the_whole_interval_on_one_side():
+    bench = load_bench()
+    assert bench.verdict(1.01, 1.02, 0.0, 1.03) == "yes"
+    assert bench.verdict(1.04, 1.06, 0.0, 1.03) == "**no**"
+    assert bench.verdict(1.02, 1.04, 0.0, 1.03).startswith("undecided")
+    assert bench.verdict(0.99, 1.01, 0.98, 1.02) == "yes"  # the scaling target is a band
+
+
+def test_loops_take_turns_and_end_with_the_same_weights():
+    """(a) and the bare-Engine reference, paused every 3 iterations, reach the weights of uninterrupted (a)."""
+    bench = load_bench()
+    cfg = bench.make_config("mlp", 6, 2, "unused", 1)
+    straight = bench.finish(bench.hand_steps(bench._hand_built(cfg), 2, None))
+    hand, engine = (steps(bench._hand_built(cfg), 2, 3) for steps in (bench.hand_steps, bench.engine_steps))
+    for _ in range(4):  # 12 iterations: 4 turns each
+        next(hand)
+        next(engine)
+    assert bench.bitwise_difference(straight, bench.finish(hand)) is None
+    assert bench.bitwise_difference(straight, bench.finish(engine)) is None
+    assert bench.window_size(500) == 100 and bench.window_size(7) == 1 and bench.window_size(40) == 8
 
 
 @pytest.mark.timeout(120)
@@ -101,3 +132,18 @@ def test_engine_floor_prints_all_four_loops():
         "ignite-mgpu create_trainer + EpochReport",
     ], proc.stdout
     assert all(float(row[2]) > 0 for row in rows), proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_cpu_allocator_benchmark_prints_both_modes():
+    script = SCRIPT.with_name("bench_cpu_allocator.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), "--rounds", "1", "--steps", "2", "--batch", "8"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| 8 |")]
+    assert [row[2].strip() for row in rows] == ["glibc default", "keep_freed_memory"], proc.stdout
+    assert all(float(row[3].split()[0]) > 0 for row in rows), proc.stdout

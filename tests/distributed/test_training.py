@@ -130,6 +130,7 @@ def test_cli_train_resume_evaluate(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(metrics(out)) == 2 and (out / "config.yaml").exists()
     assert load_config(out / "config.yaml").output_dir == str(out)
+    assert "CPU memory: freed memory is kept for the next step" in result.stderr
     resumed = run_cli(
         [
             "train",
@@ -141,11 +142,13 @@ def test_cli_train_resume_evaluate(tmp_path):
             "--resume",
             "auto",
             "train.epochs=3",
+            "train.keep_cpu_memory=false",  # a speed setting: it does not make it another run
         ],
         tmp_path,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr and "checkpoint_16.pt" in resumed.stderr
+    assert "CPU memory" not in resumed.stderr
     assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]
     (best,) = out.glob("best_model_*.pt")
     ev = run_cli(["evaluate", str(REPO / "configs/debug.yaml"), "--checkpoint", str(best), "--json"], tmp_path)
