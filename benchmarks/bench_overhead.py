@@ -152,12 +152,13 @@ def engine_steps(built: tuple[Any, ...], epochs: int, window: int) -> Generator[
 
     engine, paused = Engine(step), [False]
 
-    def pause(e: Engine) -> None:
-        paused[0] = True
-        e.interrupt()
+    def pause(e: Engine) -> None:  # a plain handler: a filtered event (every=) costs 13 Python calls per iteration
+        if e.state.iteration % window == 0:
+            paused[0] = True
+            e.interrupt()
 
     engine.add_event_handler(Events.EPOCH_STARTED, lambda e: sampler.set_epoch(e.state.epoch - 1))
-    engine.add_event_handler(Events.ITERATION_COMPLETED(every=window), pause)
+    engine.add_event_handler(Events.ITERATION_COMPLETED, pause)
     model.train()
     while True:
         paused[0] = False
@@ -199,7 +200,7 @@ class Turns:
         from ignite.engine import Events
 
         trainer.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
-        trainer.add_event_handler(Events.ITERATION_COMPLETED(every=self.window), self._switch)
+        trainer.add_event_handler(Events.ITERATION_COMPLETED, self._switch)  # not every=: see engine_steps
 
     def _epoch_started(self, engine: Any) -> None:
         self._start = clocks() if engine.state.epoch > 1 else None
@@ -208,6 +209,8 @@ class Turns:
         self.turns[name].append((end[0] - start[0], end[1] - start[1]))
 
     def _switch(self, engine: Any) -> None:
+        if engine.state.iteration % self.window:
+            return
         end = clocks()
         if self._start is not None:
             self._record("ignite-mgpu", self._start, end)
