@@ -3,7 +3,7 @@
 glibc serves every block above its mmap threshold (128 KiB at first, at most 32 MiB) with a fresh ``mmap`` and gives
 it back on ``free``, and trims the top of its heap back to the kernel too. A CPU training step allocates and frees
 the same activations and gradients every time, so each step page-faults them in again, and the kernel zero-fills
-every page: about 6,600 faults per step of the default small CNN (batch 128), and 45 ms per step instead of 31
+every page: about 7,300 faults per step of the default small CNN (batch 128), and 47 ms per step instead of 31
 (``benchmarks/bench_cpu_allocator.py``). tcmalloc and jemalloc keep such memory; so does PyTorch's CUDA caching
 allocator on the GPU.
 """
