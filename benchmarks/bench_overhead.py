@@ -3,7 +3,7 @@
 Measures, with (a) a hand-written loop and (b) ``ignite_mgpu.train.training`` as ``ignite-mgpu train`` runs it:
 time per iteration on a tiny MLP and on the default small CNN, 2-vs-1 process scaling, launch to the first
 finished iteration, ``ignite-mgpu --help``, and the extra Python calls per iteration (cProfile, rank 0).
-(a) and (b) alternate (a b, b a, ...) inside the same worker processes; a ratio is printed only when their final
+(a) and (b) take turns inside one run of (b), in the same worker processes; a ratio is printed only when their final
 weights are bit-identical, which proves that both did the same work.
 
 Run: python benchmarks/bench_overhead.py [--rounds 5] [--iters N] [--quick] [--json results.json]
@@ -366,7 +366,8 @@ def session_worker(local_rank: int, spec: dict[str, Any]) -> None:
                 assert state_b is not None
                 difference = bitwise_difference(states["hand-written"], state_b)
                 if REFERENCE in states:
-                    difference = difference or bitwise_difference(states["hand-written"], states[REFERENCE])
+                    reference = bitwise_difference(states["hand-written"], states[REFERENCE])
+                    difference = difference or (reference and f"{REFERENCE}: {reference}")
                 record = {"workload": workload, "round": r, "window": window, "difference": difference}
                 results["runs"].append(record | {"turns": turns.turns})
         if workload in spec["profile"]:
@@ -673,7 +674,7 @@ def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float],
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5, help="(a, b) pairs per workload [5]")
+    parser.add_argument("--rounds", type=int, default=5, help="runs per workload and process count [5]")
     parser.add_argument("--iters", type=int, help="iterations per measured epoch [mlp 500, cnn 40]")
     parser.add_argument("--quick", action="store_true", help="one short round, MLP and CNN on 2 procs only")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")

@@ -1,6 +1,7 @@
 """keep_freed_memory: glibc keeps what PyTorch frees, so a CPU step stops page-faulting its tensors in again.
 The effect is measured in fresh interpreters (mallopt cannot be undone); `python -m pytest tests/test_allocator.py`."""
 
+import os
 import platform
 import subprocess
 import sys
@@ -29,7 +30,8 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4)
 
 
 def faults_per_step(mode):
-    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}  # no MALLOC_* variables: glibc's defaults
+    mine = ("MALLOC_", "GLIBC_TUNABLES", "LD_PRELOAD")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(mine)} | {"OMP_NUM_THREADS": "1"}  # glibc's defaults
     proc = subprocess.run(
         [sys.executable, "-c", FAULTS_PER_STEP, mode], capture_output=True, text=True, env=env, timeout=120
     )
@@ -40,8 +42,10 @@ def faults_per_step(mode):
 @glibc
 def test_freed_memory_is_reused_instead_of_faulted_in_again():
     default, kept = faults_per_step("default"), faults_per_step("keep")
-    assert default > 16_000  # glibc mmaps each 64 MiB block and unmaps it on free: 16,384 faults a block
-    assert kept < default / 100, (default, kept)
+    # glibc mmaps each 64 MiB block and unmaps it on free: 16,384 faults a block with 4 KiB pages (32 with
+    # transparent huge pages); kept, the blocks are reused and fault no more.
+    assert default >= 32
+    assert kept <= default / 30, (default, kept)
 
 
 @pytest.mark.parametrize(
@@ -54,6 +58,10 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
     ],
 )
 def test_a_malloc_the_user_configured_is_left_alone(monkeypatch, variable, value, reason):
+    for other in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_"):
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.setattr(platform, "libc_ver", lambda: ("glibc", "2.36"))
     monkeypatch.setattr(platform, "system", lambda: "Linux")
     monkeypatch.setenv(variable, value)

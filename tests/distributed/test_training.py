@@ -130,7 +130,8 @@ def test_cli_train_resume_evaluate(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(metrics(out)) == 2 and (out / "config.yaml").exists()
     assert load_config(out / "config.yaml").output_dir == str(out)
-    assert "CPU memory: freed memory is kept for the next step" in result.stderr
+    if not torch.cuda.is_available():  # kept, or why not (a MALLOC_* variable, another allocator, ...)
+        assert "CPU memory:" in result.stderr
     resumed = run_cli(
         [
             "train",
