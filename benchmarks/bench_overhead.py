@@ -366,9 +366,8 @@ def session_worker(local_rank: int, spec: dict[str, Any]) -> None:
             if rank == 0:
                 assert state_b is not None
                 difference = bitwise_difference(states["hand-written"], state_b)
-                if REFERENCE in states:
-                    reference = bitwise_difference(states["hand-written"], states[REFERENCE])
-                    difference = difference or (reference and f"{REFERENCE}: {reference}")
+                reference = bitwise_difference(states["hand-written"], states[REFERENCE])
+                difference = difference or (reference and f"{REFERENCE}: {reference}")
                 record = {"workload": workload, "round": r, "window": window, "difference": difference}
                 results["runs"].append(record | {"turns": turns.turns})
         if workload in spec["profile"]:
@@ -558,9 +557,7 @@ def turn_times(runs: list[dict], name: str, clock: int) -> list[float]:
 
 def per_round_ms(runs: list[dict], name: str, clock: int = 0) -> list[float]:
     """ms per iteration of each round (all its timed turns), by the wall (0) or CPU (1) clock."""
-    return [
-        1000 * sum(t[clock] for t in run["turns"][name]) / (run["window"] * len(run["turns"][name])) for run in runs
-    ]
+    return [1000 * statistics.fmean(turn_times([run], name, clock)) for run in runs]
 
 
 def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float], quick: bool) -> tuple[str, dict]:
@@ -623,7 +620,7 @@ def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float],
         # The global batch is the same with 1 and 2 processes, so the throughput ratio is t(1 proc) / t(2 procs).
         cnn = {n: [run for run in sessions[n]["runs"] if run["workload"] == "cnn"] for n in (1, 2)}
         t = {(n, name): turn_times(cnn[n], name, 0) for n in (1, 2) for name in LOOPS}
-        scale = {name: sum(t[1, name]) / len(t[1, name]) / (sum(t[2, name]) / len(t[2, name])) for name in LOOPS}
+        scale = {name: statistics.fmean(t[1, name]) / statistics.fmean(t[2, name]) for name in LOOPS}
         # ignite-mgpu's scaling over the hand-written loop's = ((b)/(a) at 1 proc) / ((b)/(a) at 2 procs), from the
         # turns of each session: only the turns of one run share the machine's state.
         rel = per["cnn/1"]["loops"]["ignite-mgpu"]["ratio"] / per["cnn/2"]["loops"]["ignite-mgpu"]["ratio"]
