@@ -45,11 +45,12 @@ def prepare_model(
     return idist.auto_model(model, sync_bn=sync_batchnorm)
 
 
-def _autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """A reusable context for the forward pass: autocast for bf16/fp16, nothing for fp32."""
+def _under_autocast(forward: Callable[..., Any], precision: str, device: torch.device) -> Callable[..., Any]:
+    """``forward`` run under autocast for bf16/fp16; for fp32 ``forward`` itself, so no context is entered."""
     if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+        return forward
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)(forward)  # an autocast also decorates
 
 
 def create_trainer(
@@ -90,7 +91,6 @@ def create_trainer(
     device = torch.device(device) if device is not None else idist.device()
     if precision == "fp16" and device.type != "cuda":
         raise ValueError("precision='fp16' needs CUDA (a GradScaler); on the CPU use precision='bf16'.")
-    autocast = _autocast(precision, device)
     fp16 = precision == "fp16"
     scaler = torch.amp.GradScaler(device.type, enabled=fp16)
     # DDP all-reduces gradients in every backward; on accumulation steps that traffic is wasted, so skip it.
@@ -98,9 +98,13 @@ def create_trainer(
     parameters = [p for p in model.parameters() if p.requires_grad]
     inner = unwrap(model)  # the evaluator switches the unwrapped module to eval mode
 
+    def compute_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return reduce_replica_losses(model(x, y), model, len(x)) if loss_fn is None else loss_fn(model(x), y)
+
+    compute_loss = _under_autocast(compute_loss, precision, device)  # the backward runs outside autocast
+
     def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with autocast:
-            loss = reduce_replica_losses(model(x, y), model, len(x)) if loss_fn is None else loss_fn(model(x), y)
+        loss = compute_loss(x, y)
         scaled = loss / grad_accum_steps if grad_accum_steps > 1 else loss
         (scaler.scale(scaled) if fp16 else scaled).backward()
         return loss
@@ -161,15 +165,15 @@ def create_evaluator(
     hold different numbers of validation batches (the validation sampler does not pad).
     """
     device = torch.device(device) if device is not None else idist.device()
-    autocast = _autocast(precision if precision != "fp16" or device.type == "cuda" else "fp32", device)
     net = model.module if isinstance(model, DistributedDataParallel) else model
+    forward = _under_autocast(
+        lambda x: net(x), precision if precision != "fp16" or device.type == "cuda" else "fp32", device
+    )
 
     @torch.no_grad()
     def eval_step(engine: Engine, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch[0].to(device, non_blocking=non_blocking), batch[1].to(device, non_blocking=non_blocking)
-        with autocast:
-            y_pred = net(x)
-        return y_pred.float(), y
+        return forward(x).float(), y
 
     evaluator = Engine(eval_step)
     evaluator.add_event_handler(Events.STARTED, lambda: net.eval())  # once per run: eval() visits every submodule

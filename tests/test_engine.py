@@ -61,6 +61,28 @@ def test_bf16_on_cpu_trains_and_fp16_is_refused():
         create_trainer(linear(), torch.optim.SGD(linear().parameters(), lr=0.1), None, precision="fp8")
 
 
+class Recorder(nn.Linear):
+    """A Linear layer that records the dtype of each forward's output (bfloat16 under CPU autocast)."""
+
+    def __init__(self):
+        super().__init__(6, 3)
+        self.dtypes = []
+
+    def forward(self, x):
+        out = super().forward(x)
+        self.dtypes.append(out.dtype)
+        return out
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_forward_runs_under_autocast_only_for_bf16(precision, dtype):
+    model = Recorder()
+    fit(model, data(n=16), precision=precision)
+    create_evaluator(model, {}, device="cpu", precision=precision).run(data(n=8))
+    assert model.dtypes == [dtype] * 3  # two training batches and one validation batch
+    assert not torch.is_autocast_enabled("cpu")  # nothing left switched on
+
+
 def test_loss_goes_down_and_scheduler_steps():
     model = linear()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
