@@ -175,12 +175,7 @@ def check_output_dir(cfg: Any) -> None:
         raise ConfigError(_locked_message(out, owner))
     if out.exists() and not os.access(out, os.W_OK):
         raise ConfigError(f"output_dir {out.resolve()} is not writable; choose another --output-dir.")
-    existing = ckpt.list_checkpoints(out) if out.is_dir() else []
-    if cfg.resume is None and existing:
-        raise ConfigError(
-            f"output_dir {out.resolve()} already holds checkpoints of an earlier run ({existing[0].name}, ...). "
-            "Continue it with --resume auto, or choose a new --output-dir; nothing was deleted."
-        )
+    check_no_foreign_checkpoints(cfg)
     if cfg.resume == "auto" and ckpt.find_resumable(out) is None:
         raise ConfigError(
             f"--resume auto: no complete checkpoint in {out.resolve()} to resume from. "
@@ -196,6 +191,20 @@ def check_output_dir(cfg: Any) -> None:
                 "archive). Use an earlier checkpoint, or --resume auto to pick the newest complete one.",
                 code=1,
             )
+
+
+def check_no_foreign_checkpoints(cfg: Any) -> None:
+    """A new run (no --resume) needs an output_dir without checkpoints; checked again once the lock is held."""
+    from ignite_mgpu import checkpoint as ckpt
+    from ignite_mgpu.config import ConfigError
+
+    out = Path(cfg.output_dir)
+    existing = ckpt.list_checkpoints(out) if out.is_dir() else []
+    if cfg.resume is None and existing:
+        raise ConfigError(
+            f"output_dir {out.resolve()} already holds checkpoints of an earlier run ({existing[0].name}, ...). "
+            "Continue it with --resume auto, or choose a new --output-dir; nothing was deleted."
+        )
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -262,6 +271,9 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
             del train_ds, val_ds
     lock = _output_lock(Path(cfg.output_dir)) if leader else contextlib.nullcontext()
     with lock:
+        if leader:  # again under the lock: a job may have run there since the first check
+            with _errors_to_exit():
+                check_no_foreign_checkpoints(cfg)
         code = run_plan(plan, run_named, "ignite_mgpu.train:training", cfg)
     sys.exit(code)
 
