@@ -573,6 +573,12 @@ def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float],
         "extra CPU µs / iteration over hand-written, all turns [95 % interval] |",
         "|---|---|---|---|---|",
     ]
+    over_lines = [
+        "",
+        "| workload | procs | ignite-mgpu / ignite's bare Engine, all turns [95 % interval] | "
+        "extra CPU µs / iteration over it, rank 0 [95 % interval] |",
+        "|---|---|---|---|",
+    ]
     summary: dict[str, Any] = {"per_iteration": {}, "refused": []}
     for nproc, res in sorted(sessions.items(), reverse=True):
         for workload in dict.fromkeys(run["workload"] for run in res["runs"]):
@@ -609,7 +615,23 @@ def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float],
                         cells[2], cells[3] = f"≤ {target}", entry["met"]
                 lines.append(f"| {title} | {nproc} | {label} | {spread(ms)} | {' | '.join(cells)} |")
                 cpu_lines.append(f"| {title} | {nproc} | {label} | {spread(cpu_ms)} | {cpu_cell} |")
-    lines += cpu_lines
+            if REFERENCE in names and not bad:  # what ignite-mgpu's step and handlers add to ignite's own loop
+                (wall, ref_wall), (cpu, ref_cpu) = (
+                    (turn_times(runs, "ignite-mgpu", clock), turn_times(runs, REFERENCE, clock)) for clock in (0, 1)
+                )
+                ratio, (low, high) = sum(wall) / sum(ref_wall), bootstrap(wall, ref_wall)
+                extra = [b - a for a, b in zip(ref_cpu, cpu, strict=True)]
+                cpu_low, cpu_high = bootstrap(extra, [1.0] * len(extra))
+                entry["over_reference"] = {
+                    "ratio": ratio,
+                    "interval": [low, high],
+                    "extra_cpu_s": statistics.fmean(extra),
+                }
+                over_lines.append(
+                    f"| {title} | {nproc} | {ratio:.3f} [{low:.3f}–{high:.3f}] | "
+                    f"{1e6 * statistics.fmean(extra):.0f} [{1e6 * cpu_low:.0f}–{1e6 * cpu_high:.0f}] |"
+                )
+    lines += cpu_lines + over_lines
     lines += [
         "",
         "| measurement | hand-written | ignite-mgpu | comparison | target | met |",

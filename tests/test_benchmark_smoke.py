@@ -46,10 +46,12 @@ def test_quick_run_prints_both_loops_and_identical_weights(tmp_path):
         stdout, stderr = proc.communicate()
         pytest.fail(f"bench_overhead.py --quick did not finish in 60 s\n{stdout}\n{stderr[-3000:]}")
     assert proc.returncode == 0, stdout + stderr
-    rows = [line.split("|") for line in stdout.splitlines() if line.startswith("| tiny MLP | 2 |")]
+    mlp = [line.split("|") for line in stdout.splitlines() if line.startswith("| tiny MLP | 2 |")]
+    rows, over_engine = [row for row in mlp if len(row) > 6], [row for row in mlp if len(row) == 6]
     loops = [row[3].strip() for row in rows]
     assert loops == ["hand-written", "ignite-mgpu", "ignite Engine (reference)"] * 2, stdout  # time, CPU time
     assert all(float(row[4].split()[0]) > 0 for row in rows), stdout
+    assert len(over_engine) == 1 and float(over_engine[0][3].split()[0]) > 0, stdout  # ignite-mgpu / bare Engine
     assert "Bitwise check passed" in stdout, stdout
     summary = json.loads(out.read_text())
     assert summary["refused"] == []
@@ -76,7 +78,7 @@ def test_report_refuses_a_ratio_when_weights_differ():
     bench = load_bench()
     runs = [
         record("mlp", "0.weight differs", {"hand-written": [1.0, 1.0], "ignite-mgpu": [1.5, 1.5]}),
-        record("cnn", None, {"hand-written": [2.0, 4.0], "ignite-mgpu": [2.0, 4.0]}),
+        record("cnn", None, {"hand-written": [2.0, 4.0], "ignite-mgpu": [2.0, 4.0], "ignite Engine": [1.0, 3.0]}),
     ]
     table, summary = bench.report({2: {"runs": runs, "calls": {}}}, None, [0.1, 0.1, 0.1], quick=True)
     timed = [line.split("|") for line in table.splitlines() if line.count("|") == 9]  # the ms / iteration table
@@ -89,7 +91,11 @@ def test_report_refuses_a_ratio_when_weights_differ():
     assert cnn_row[8].strip() == "yes"  # the whole interval lies under the target
     assert summary["per_iteration"]["cnn/2"]["loops"]["ignite-mgpu"]["ms_per_round"] == [1500.0]  # 6 s / 4 iterations
     cpu_rows = [line.split("|") for line in table.splitlines() if line.count("|") == 6 and "CNN" in line]
-    assert [row[3].strip() for row in cpu_rows] == ["hand-written", "ignite-mgpu"]
+    assert [row[3].strip() for row in cpu_rows] == ["hand-written", "ignite-mgpu", "ignite Engine (reference)"]
+    over_engine = [line.split("|") for line in table.splitlines() if line.count("|") == 5 and "CNN" in line]
+    assert [row[3].strip() for row in over_engine] == ["1.500 [1.333–2.000]"]  # 6 s / 4 s over both turns
+    assert summary["per_iteration"]["cnn/2"]["over_reference"]["extra_cpu_s"] == 0.25  # CPU is half the wall
+    assert "mlp/2" not in [k for k, v in summary["per_iteration"].items() if "over_reference" in v]  # refused
     assert cpu_rows[1][5].strip() == "0 [0–0]"  # the CPU clock ran half the wall time in both loops
     refused_cpu = [row for row in table.splitlines() if row.count("|") == 6 and row.startswith("| tiny MLP | 2 | ig")]
     assert [row.split("|")[5].strip() for row in refused_cpu] == [""]  # no CPU difference for refused runs either
