@@ -45,7 +45,7 @@ def run(local_rank: int, args: argparse.Namespace) -> None:
     val_loader = idist.auto_dataloader(val_ds, batch_size=256, shuffle=False)
 
     net = nn.Sequential(nn.Linear(2, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 2))
-    model = prepare_model(net)  # DDP on every process (DataParallel with --strategy dp)
+    model = prepare_model(net)  # DDP when there are several processes (strategy="dp": DataParallel)
     optimizer = idist.auto_optim(torch.optim.AdamW(model.parameters(), lr=0.01))
     trainer = create_trainer(model, optimizer, nn.CrossEntropyLoss(), clip_grad_norm=1.0)
     evaluator = create_evaluator(model, {"accuracy": Accuracy(), "loss": Loss(nn.CrossEntropyLoss())})

@@ -39,7 +39,7 @@ class DataConfig:
     batch_size: int = 128  # GLOBAL batch: split evenly across all processes
     num_workers: int = 0  # data-loader workers per node, split over its processes (as idist.auto_dataloader does)
     shuffle: bool = True  # shuffle the training set every epoch (seeded)
-    image_size: int = 32  # side of the images for synthetic, fake and imagefolder
+    image_size: int = 32  # side of the images; every dataset is resized to it
     train_size: int = 4096  # samples in the synthetic/fake training split
     val_size: int = 1000  # samples in the synthetic/fake validation split
     skip_bad_samples: bool = False  # imagefolder: skip unreadable images (counted) instead of failing
@@ -53,7 +53,7 @@ class OptimConfig:
     lr: float = 0.05  # peak learning rate for the global batch
     momentum: float = 0.9  # sgd only
     weight_decay: float = 5e-4  # L2 penalty (decoupled for AdamW)
-    scheduler: Literal["cosine", "constant"] = "cosine"  # shape after warm-up, stepped every iteration
+    scheduler: Literal["cosine", "constant"] = "cosine"  # shape after warm-up, stepped every optimizer step
     warmup_epochs: float = 0.2  # linear warm-up length in epochs (0 = none)
 
 

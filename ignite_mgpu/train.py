@@ -282,7 +282,7 @@ def evaluation(local_rank: int, cfg: Config, checkpoint_path: str, as_json: bool
     _, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
     model = create_model(cfg.model, val_loader.dataset[0][0].unsqueeze(0))  # type: ignore[index]  # map-style
     ckpt.load_checkpoint(checkpoint_path, {"model": model}, map_location="cpu")
-    model = idist.auto_model(model)
+    model = prepare_model(model, cfg.dist.strategy)  # as training places it: never a silent DataParallel
     metrics = {"accuracy": Accuracy(), "loss": Loss(nn.CrossEntropyLoss())}
     state = create_evaluator(model, metrics, precision=cfg.train.precision).run(val_loader)
     result = {"checkpoint": checkpoint_path, "samples": len(val_loader.dataset), **state.metrics}  # type: ignore[arg-type]  # sized

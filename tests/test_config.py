@@ -82,3 +82,12 @@ def test_yaml_is_parsed_safely(tmp_path):
     with pytest.raises(ConfigError):
         load_config(evil)
     assert not (tmp_path / "pwned").exists()
+
+
+def test_default_yaml_lists_every_key_with_its_default():
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    listed = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "configs" / "default.yaml"))
+    assert listed == OmegaConf.to_container(OmegaConf.structured(Config))
