@@ -47,3 +47,17 @@ def test_loss_in_forward_dataparallel():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "LossDataParallel" in result.stdout
     assert "all input tensors were scalars" not in result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_readme_in_your_own_code_snippet(tmp_path):
+    readme = (REPO / "README.md").read_text()
+    snippet = readme.split("## In your own code")[1].split("```python")[1].split("```")[0]
+    script = tmp_path / "snippet.py"
+    script.write_text(snippet)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if "train_loss" in line)
+    assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"], result.stdout
+    assert len({line.split("train_loss ")[1] for line in lines}) == 1  # the epoch mean over ranks, on every rank
