@@ -83,6 +83,33 @@ def test_forward_runs_under_autocast_only_for_bf16(precision, dtype):
     assert not torch.is_autocast_enabled("cpu")  # nothing left switched on
 
 
+@pytest.mark.parametrize(("precision", "entered"), [("fp32", 0), ("bf16", 4)])
+def test_the_fp32_step_enters_no_context(precision, entered):
+    import contextlib
+    import sys
+
+    from torch.amp import autocast_mode
+
+    files = {contextlib.__file__, autocast_mode.__file__}
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "__enter__" and frame.f_code.co_filename in files:
+            calls.append(frame.f_code.co_filename)
+
+    model = linear()
+    trainer = create_trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), device="cpu", precision=precision
+    )
+    loader = data(n=32)  # 4 iterations
+    sys.setprofile(profile)
+    try:
+        trainer.run(loader, max_epochs=1)
+    finally:
+        sys.setprofile(None)
+    assert len(calls) == entered  # bf16: one autocast per forward; fp32: not even a no-op context
+
+
 def test_loss_goes_down_and_scheduler_steps():
     model = linear()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
