@@ -560,6 +560,22 @@ def per_round_ms(runs: list[dict], name: str, clock: int = 0) -> list[float]:
     return [1000 * statistics.fmean(turn_times([run], name, clock)) for run in runs]
 
 
+def ratio_over(runs: list[dict], name: str, base: str) -> tuple[float, float, float]:
+    """Wall time of all of ``name``'s turns over ``base``'s, with its paired 95 % bootstrap interval."""
+    num, den = turn_times(runs, name, 0), turn_times(runs, base, 0)
+    return sum(num) / sum(den), *bootstrap(num, den)
+
+
+def extra_cpu_over(runs: list[dict], name: str, base: str) -> tuple[float, float, float]:
+    """Mean extra CPU seconds per iteration of ``name`` over ``base``, turn by turn, with its 95 % interval."""
+    extra = [b - a for a, b in zip(turn_times(runs, base, 1), turn_times(runs, name, 1), strict=True)]
+    return statistics.fmean(extra), *bootstrap(extra, [1.0] * len(extra))
+
+
+def interval_cell(value: float, low: float, high: float, scale: float = 1.0, digits: int = 3) -> str:
+    return f"{scale * value:.{digits}f} [{scale * low:.{digits}f}–{scale * high:.{digits}f}]"
+
+
 def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float], quick: bool) -> tuple[str, dict]:
     """The markdown tables and a JSON summary. Ratios only for workloads whose weights matched bit for bit."""
     lines = [
@@ -589,7 +605,6 @@ def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float],
             names = [name for name in (*LOOPS, REFERENCE) if name in runs[0]["turns"]]
             entry: dict[str, Any] = {"identical": f"{len(runs) - len(bad)}/{len(runs)}", "loops": {}}
             summary["per_iteration"][key] = entry
-            base_wall, base_cpu = (turn_times(runs, "hand-written", clock) for clock in (0, 1))
             for name in names:
                 ms, cpu_ms = per_round_ms(runs, name), per_round_ms(runs, name, clock=1)
                 entry["loops"][name] = {"ms_per_round": ms, "cpu_ms_per_round": cpu_ms}
@@ -602,13 +617,10 @@ def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float],
                         summary["refused"].append(f"{title}, {nproc} procs: {bad[0]}")
                         entry["met"] = False
                 elif name != "hand-written":
-                    wall, cpu = turn_times(runs, name, 0), turn_times(runs, name, 1)
-                    ratio, (low, high) = sum(wall) / sum(base_wall), bootstrap(wall, base_wall)
+                    ratio, low, high = ratio_over(runs, name, "hand-written")
                     rounds = [b / a for a, b in zip(per_round_ms(runs, "hand-written"), ms, strict=True)]
-                    cells[0], cells[1] = f"{ratio:.3f} [{low:.3f}–{high:.3f}]", spread(rounds)
-                    extra = [b - a for a, b in zip(base_cpu, cpu, strict=True)]
-                    cpu_low, cpu_high = bootstrap(extra, [1.0] * len(extra))
-                    cpu_cell = f"{1e6 * statistics.fmean(extra):.0f} [{1e6 * cpu_low:.0f}–{1e6 * cpu_high:.0f}]"
+                    cells[0], cells[1] = interval_cell(ratio, low, high), spread(rounds)
+                    cpu_cell = interval_cell(*extra_cpu_over(runs, name, "hand-written"), scale=1e6, digits=0)
                     entry["loops"][name] |= {"ratio": ratio, "interval": [low, high], "ratio_per_round": rounds}
                     if name == "ignite-mgpu" and target:
                         entry["met"] = verdict(low, high, 0.0, target)
@@ -616,20 +628,12 @@ def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float],
                 lines.append(f"| {title} | {nproc} | {label} | {spread(ms)} | {' | '.join(cells)} |")
                 cpu_lines.append(f"| {title} | {nproc} | {label} | {spread(cpu_ms)} | {cpu_cell} |")
             if REFERENCE in names and not bad:  # what ignite-mgpu's step and handlers add to ignite's own loop
-                (wall, ref_wall), (cpu, ref_cpu) = (
-                    (turn_times(runs, "ignite-mgpu", clock), turn_times(runs, REFERENCE, clock)) for clock in (0, 1)
-                )
-                ratio, (low, high) = sum(wall) / sum(ref_wall), bootstrap(wall, ref_wall)
-                extra = [b - a for a, b in zip(ref_cpu, cpu, strict=True)]
-                cpu_low, cpu_high = bootstrap(extra, [1.0] * len(extra))
-                entry["over_reference"] = {
-                    "ratio": ratio,
-                    "interval": [low, high],
-                    "extra_cpu_s": statistics.fmean(extra),
-                }
+                ratio, low, high = ratio_over(runs, "ignite-mgpu", REFERENCE)
+                extra = extra_cpu_over(runs, "ignite-mgpu", REFERENCE)
+                entry["over_reference"] = {"ratio": ratio, "interval": [low, high], "extra_cpu_s": extra[0]}
                 over_lines.append(
-                    f"| {title} | {nproc} | {ratio:.3f} [{low:.3f}–{high:.3f}] | "
-                    f"{1e6 * statistics.fmean(extra):.0f} [{1e6 * cpu_low:.0f}–{1e6 * cpu_high:.0f}] |"
+                    f"| {title} | {nproc} | {interval_cell(ratio, low, high)} | "
+                    f"{interval_cell(*extra, scale=1e6, digits=0)} |"
                 )
     lines += cpu_lines + over_lines
     lines += [
@@ -655,7 +659,7 @@ def report(sessions: dict[int, dict], startup: dict | None, help_s: list[float],
         summary["scaling"] = scale | {"relative": rel, "interval": [low, high], "met": met}
         lines.append(
             f"| small CNN throughput, 2 procs / 1 proc | {scale['hand-written']:.3f}× | {scale['ignite-mgpu']:.3f}× "
-            f"| {rel:.3f} [{low:.3f}–{high:.3f}] | within ±{TARGETS['scaling']:.0%} | {met} |"
+            f"| {interval_cell(rel, low, high)} | within ±{TARGETS['scaling']:.0%} | {met} |"
         )
     else:
         why = "refused: final weights differ" if summary["refused"] else "skipped (--quick)"
