@@ -21,13 +21,13 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its thread pool
 
-import torch  # noqa: E402
-from ignite.engine import Engine  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import torch
+from ignite.engine import Engine
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from ignite_mgpu.engine import create_trainer  # noqa: E402
-from ignite_mgpu.handlers import EpochReport  # noqa: E402
+from ignite_mgpu.engine import create_trainer
+from ignite_mgpu.report import EpochReport
 
 BATCH, FEATURES, CLASSES = 16, 192, 10  # the benchmark's tiny MLP input: 3 x 8 x 8 images, 16 per process
 

@@ -54,8 +54,11 @@ def run(local_rank: int, args: argparse.Namespace) -> None:
     def validate(engine):
         metrics = evaluator.run(val_loader).metrics
         if rank == 0:
-            print(f"epoch {engine.state.epoch}: train_loss {engine.state.metrics['train_loss']:.4f} "
-                  f"val_accuracy {metrics['accuracy']:.4f}", flush=True)
+            print(
+                f"epoch {engine.state.epoch}: train_loss {engine.state.metrics['train_loss']:.4f} "
+                f"val_accuracy {metrics['accuracy']:.4f}",
+                flush=True,
+            )
 
     # ignite's Checkpoint unwraps DDP, so the file loads into the plain `net` (rank 0 writes it).
     saver = DiskSaver(args.output_dir, require_empty=False)

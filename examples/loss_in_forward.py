@@ -47,8 +47,11 @@ def run(local_rank: int, args: argparse.Namespace) -> None:
     @trainer.on(Events.EPOCH_COMPLETED)
     def log(engine):
         if idist.get_rank() == 0:
-            print(f"epoch {engine.state.epoch}: loss {engine.state.metrics['train_loss']:.5f} "
-                  f"({type(model).__name__}, {idist.get_world_size()} process(es))", flush=True)
+            print(
+                f"epoch {engine.state.epoch}: loss {engine.state.metrics['train_loss']:.5f} "
+                f"({type(model).__name__}, {idist.get_world_size()} process(es))",
+                flush=True,
+            )
 
     trainer.run(loader, max_epochs=args.epochs)
 

@@ -8,12 +8,14 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "launch": "ignite_mgpu.launcher",
+    "fit": "ignite_mgpu.jobs",
     "create_trainer": "ignite_mgpu.engine",
     "create_evaluator": "ignite_mgpu.engine",
-    "prepare_model": "ignite_mgpu.engine",
-    "load_checkpoint": "ignite_mgpu.checkpoint",
+    "prepare_model": "ignite_mgpu.strategy",
+    "load_checkpoint": "ignite_mgpu.checkpoint.load",
     "Config": "ignite_mgpu.config",
-    "ConfigError": "ignite_mgpu.config",
+    "ConfigError": "ignite_mgpu.errors",
+    "CheckpointError": "ignite_mgpu.errors",
     "load_config": "ignite_mgpu.config",
     "training": "ignite_mgpu.train",
     "keep_freed_memory": "ignite_mgpu.allocator",

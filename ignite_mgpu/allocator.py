@@ -55,3 +55,15 @@ def keep_freed_memory() -> str | None:
     if mallopt(M_MMAP_MAX, 0) != 1 or mallopt(M_TRIM_THRESHOLD, -1) != 1:
         return "mallopt refused the settings"
     return None
+
+
+def setup_cpu_memory(keep: bool, device_type: str) -> None:
+    """For a process training on ``device_type``: on the CPU, let glibc keep freed memory for the next step (unless
+    ``keep`` is False, from ``train.keep_cpu_memory``), and log what was done."""
+    if not keep or device_type != "cpu":
+        return
+    why_not = keep_freed_memory()
+    if why_not is None:
+        logger.info("CPU memory: freed memory is kept for the next step (glibc mallopt; train.keep_cpu_memory)")
+    else:
+        logger.info("CPU memory: malloc left as configured: %s", why_not)

@@ -14,9 +14,7 @@ from typing import Any, Literal
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
-class ConfigError(ValueError):
-    """A user mistake found before any process starts; the CLI prints it as one paragraph and exits with 2."""
+from ignite_mgpu.errors import ConfigError
 
 
 @dataclass

@@ -1,4 +1,7 @@
-"""Datasets by name and the distributed data loaders built over ``idist.auto_dataloader``."""
+"""Datasets by name and the distributed data loaders built over ``idist.auto_dataloader``.
+
+The launching process builds the datasets once to check their sizes, so ignite is imported only inside functions.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +18,11 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
-from ignite_mgpu.config import ConfigError, DataConfig
+from ignite_mgpu.config import DataConfig
+from ignite_mgpu.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ignite.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -174,3 +181,25 @@ def create_dataloaders(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Da
     train_loader = idist.auto_dataloader(train_ds, sampler=train_sampler, **common)
     val_loader = idist.auto_dataloader(val_ds, sampler=val_sampler, **common)
     return train_loader, val_loader  # type: ignore[return-value]  # no XLA here: plain DataLoaders
+
+
+def attach_skip_counter(trainer: Engine) -> None:
+    """Count the unreadable images skipped in each epoch over all ranks (the collate function reports them)."""
+    import ignite.distributed as idist
+    from ignite.engine import Events
+
+    skipped = [0]
+
+    def count(engine: Engine) -> None:
+        skipped[0] += int(engine.state.batch[2])  # type: ignore[index]  # the skip collate adds a 3rd entry
+
+    def report(engine: Engine) -> None:
+        total = int(idist.all_reduce(torch.tensor(skipped[0])))
+        skipped[0] = 0
+        if total:
+            logger.warning(
+                "epoch %d: skipped %d unreadable images (data.skip_bad_samples=true)", engine.state.epoch, total
+            )
+
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, count)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, report)

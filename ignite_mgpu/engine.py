@@ -1,10 +1,10 @@
-"""Engine factories: ``create_trainer`` and ``create_evaluator`` return plain ignite Engines for your own code."""
+"""Engine factories: ``create_trainer`` and ``create_evaluator`` return plain ignite Engines for your own code: one
+training step with switches (precision, accumulation, clipping), one evaluation step."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,34 +15,12 @@ from ignite.metrics import Metric
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ignite_mgpu.handlers import LossDataParallel, TrainingGuard, reduce_replica_losses
-from ignite_mgpu.models import unwrap
+from ignite_mgpu.checkpoint.files import native_rng_states, plain_rng_states
+from ignite_mgpu.guard import TrainingGuard
+from ignite_mgpu.strategy import reduce_replica_losses, unwrap
 
 Batch = Any
 PRECISIONS = ("fp32", "bf16", "fp16")
-
-
-def prepare_model(
-    model: nn.Module, strategy: str = "ddp", sync_batchnorm: bool = False, compile: bool = False
-) -> nn.Module:
-    """Place and wrap a model for this process: DDP through ``idist.auto_model``, or DataParallel.
-
-    ``strategy="dp"`` gives a ``LossDataParallel``: plain DataParallel, except that a forward returning its own
-    loss does not trigger the "all input tensors were scalars" warning. With "ddp" and a single process the model
-    is only moved to ``idist.device()`` (``auto_model`` would silently pick DataParallel when one process sees
-    several GPUs). ``compile`` applies ``torch.compile`` first.
-    """
-    if strategy not in ("ddp", "dp"):
-        raise ValueError(f"strategy={strategy!r}: use 'ddp' (a process per GPU) or 'dp' (nn.DataParallel).")
-    if compile:
-        model = torch.compile(model)  # type: ignore[assignment]  # an OptimizedModule is an nn.Module
-    if strategy == "dp":
-        if not torch.cuda.is_available():
-            raise ValueError("strategy='dp' (nn.DataParallel) needs CUDA GPUs; on the CPU use strategy='ddp'.")
-        return LossDataParallel(model.to(torch.device("cuda", 0)))
-    if idist.get_world_size() == 1:
-        return model.to(idist.device())
-    return idist.auto_model(model, sync_bn=sync_batchnorm)
 
 
 def _under_autocast(forward: Callable[..., Any], precision: str, device: torch.device) -> Callable[..., Any]:
@@ -132,7 +110,7 @@ def create_trainer(
             lr_scheduler.step()
         return loss.detach()
 
-    trainer = DeterministicEngine(train_step) if deterministic else Engine(train_step)
+    trainer = PortableDeterministicEngine(train_step) if deterministic else Engine(train_step)
     trainer.logger.setLevel("CRITICAL")  # failures are reported once by the launcher, not by every rank's engine
     trainer.scaler = scaler  # type: ignore[attr-defined]  # checkpoints save and restore it with the trainer
     trainer.add_event_handler(Events.EPOCH_STARTED, _set_sampler_epoch)
@@ -183,34 +161,18 @@ def create_evaluator(
     return evaluator
 
 
-def create_optimizer(
-    model: nn.Module, name: str, lr: float, momentum: float, weight_decay: float
-) -> torch.optim.Optimizer:
-    """SGD (Nesterov momentum) or AdamW over the trainable parameters, wrapped by ``idist.auto_optim``."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if name == "sgd":
-        opt: torch.optim.Optimizer = torch.optim.SGD(
-            params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=momentum > 0
-        )
-    elif name == "adamw":
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    else:
-        raise ValueError(f"optimizer name={name!r}: use 'sgd' or 'adamw'.")
-    return idist.auto_optim(opt)
+class PortableDeterministicEngine(DeterministicEngine):
+    """ignite's ``DeterministicEngine`` whose ``state_dict`` holds its RNG states as tensors and plain Python values:
+    a checkpoint of it loads with plain ``torch.load(path, weights_only=True)``, with no numpy globals allowed.
+    State dicts in ignite's own form (numpy arrays) still load."""
 
+    def state_dict(self) -> OrderedDict:
+        state = super().state_dict()
+        state["rng_states"] = plain_rng_states(state["rng_states"])
+        return state
 
-def _warmup_cosine(step: int, warmup: int, total: int, cosine: bool) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    if not cosine:
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def create_lr_scheduler(
-    optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, cosine: bool = True
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up then cosine decay (or constant), stepped once per optimizer step by the trainer."""
-    fn = functools.partial(_warmup_cosine, warmup=warmup_steps, total=total_steps, cosine=cosine)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        state = dict(state_dict)
+        if state.get("rng_states") is not None:
+            state["rng_states"] = native_rng_states(list(state["rng_states"]))
+        super().load_state_dict(state)

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
-from ignite_mgpu.config import ConfigError
+from ignite_mgpu.errors import ConfigError
 
 _QUERY_GPUS = "--query-gpu=index,pci.bus_id,name,memory.used,memory.total,utilization.gpu"
 _GPU_ARGV = ["nvidia-smi", _QUERY_GPUS, "--format=csv,noheader,nounits"]

@@ -1,8 +1,7 @@
 """Processes: the launch plan (backend, nproc, GPUs, rendezvous), decided once in the parent; ``supervisor.py``
 spawns one worker per process and runs ``fn(local_rank, *args)`` inside ``idist.Parallel`` there.
 
-Exit codes: 0 success, 1 a rank failed, 2 usage/config error before spawning, 3 non-finite loss, 130 SIGINT,
-143 SIGTERM. Under torchrun or SLURM nothing is spawned: the process joins the existing group.
+Under torchrun or SLURM nothing is spawned: the process joins the existing group. Exit codes: errors.EXIT_CODES.
 """
 
 from __future__ import annotations
@@ -14,7 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ignite_mgpu.config import ConfigError, DistConfig
+from ignite_mgpu.config import DistConfig
+from ignite_mgpu.errors import FAILED, SUCCESS, ConfigError, TrainingStopped, is_user_error
+from ignite_mgpu.supervisor import Supervisor
+from ignite_mgpu.worker import in_process_signals, run_in_group
 
 
 @dataclass
@@ -150,15 +152,10 @@ def make_plan(cfg: DistConfig) -> LaunchPlan:
 
 
 def run_plan(plan: LaunchPlan, fn: Callable[..., Any], *args: Any) -> int:
-    """Run ``fn(local_rank, *args)`` as the plan says; returns the job's exit code (see module docstring)."""
-    from ignite_mgpu.supervisor import Supervisor, in_process_signals, is_user_error, run_in_group
-
+    """Run ``fn(local_rank, *args)`` as the plan says; returns the job's exit code (errors.EXIT_CODES)."""
     for line in plan.messages:
         print(f"ignite-mgpu: {line}", file=sys.stderr)
     if plan.external or plan.backend is None:
-        # Training runs in this process, which needs ignite anyway; a parent that spawns workers never imports it.
-        from ignite_mgpu.handlers import TrainingStopped
-
         with in_process_signals():
             try:
                 run_in_group(plan, fn, args)
@@ -169,8 +166,8 @@ def run_plan(plan: LaunchPlan, fn: Callable[..., Any], *args: Any) -> int:
                 if not is_user_error(err):
                     raise
                 print(f"ignite-mgpu: {type(err).__name__}: {err}", file=sys.stderr)
-                return 1
-        return 0
+                return FAILED
+        return SUCCESS
     return Supervisor(plan, fn, args).run()
 
 

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ignite_mgpu.config import ConfigError, ModelConfig
+from ignite_mgpu.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ignite_mgpu.config import ModelConfig
 
 
 class SimpleCNN(nn.Module):
@@ -36,21 +41,13 @@ def _mlp(num_classes: int) -> nn.Module:
 BUILTIN = {"simple_cnn": SimpleCNN, "mlp": _mlp}
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside DataParallel / DistributedDataParallel / torch.compile wrappers."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
-
-
 def check_model_name(name: str) -> None:
     """Raise ConfigError unless ``name`` resolves to a model constructor (runs in the parent, before spawning)."""
     _resolve(name)
 
 
-def _resolve(name: str):  # noqa: ANN202 - returns a constructor taking num_classes=
+def _resolve(name: str) -> Callable[..., nn.Module]:
+    """The constructor (taking ``num_classes=``) that ``name`` names."""
     if name in BUILTIN:
         return BUILTIN[name]
     if ":" in name:

@@ -17,22 +17,72 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+# Set by pytest and by libraries themselves (torchvision's import sets torch inductor's cache folder once).
+NOT_A_LEAK = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+
+
 @pytest.fixture(autouse=True)
-def _restore_environment():
+def _no_leaked_environment():
+    """Fail a test that changes os.environ without monkeypatch (a leak would change every later test), then
+    restore it; also tear down a process group the test left."""
     saved = dict(os.environ)
     yield
+    changed = set(saved) | set(os.environ)
+    leaked = sorted(k for k in changed - NOT_A_LEAK if saved.get(k) != os.environ.get(k))
     os.environ.clear()
     os.environ.update(saved)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    from ignite_mgpu import stop
+
+    stop.reset()  # a stop requested in one test must not stop the next one's trainer
+    if leaked:
+        pytest.fail(f"the test changed os.environ without monkeypatch: {leaked}")
+
+
+def _dirs_without_nvidia_smi(path: str) -> str:
+    return os.pathsep.join(d for d in path.split(os.pathsep) if d and not (Path(d) / "nvidia-smi").exists())
+
+
+@pytest.fixture(autouse=True)
+def _cpu_only(request, _no_leaked_environment, monkeypatch):
+    """Every test without the ``gpu`` marker runs as on a machine without GPUs, also on a GPU server: CUDA hidden
+    in this process (torch.cuda may have counted the GPUs already) and in every process it starts, NVML and
+    nvidia-smi unreachable. Tests that need devices inject a recorded snapshot (tests/test_gpus.py). It depends on
+    _no_leaked_environment so that monkeypatch is undone before the leak check runs."""
+    if "gpu" in request.keywords:
+        return
+    import torch
+
+    from ignite_mgpu import gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("PATH", _dirs_without_nvidia_smi(os.environ.get("PATH", "")))
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(gpus, "_run_nvidia_smi", _no_nvidia_smi)
+
+
+def _no_nvidia_smi(argv):
+    raise FileNotFoundError("nvidia-smi (hidden from the CPU tests)")
+
+
+def _cuda_present() -> bool:
+    """Whether this machine has a usable GPU, asked in a child process: querying CUDA here would fix this process's
+    device count before a test could set CUDA_VISIBLE_DEVICES."""
+    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and out.stdout.strip() not in ("", "0")
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
-
-    if torch.cuda.is_available():
+    if not any("gpu" in item.keywords for item in items) or _cuda_present():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -19,7 +19,16 @@ import torch
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_overhead.py"
 
 
-def load_bench():
+@pytest.fixture
+def load_bench(monkeypatch):
+    """Import the benchmark script in this process; the thread variables it sets on import are restored after."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.setenv(var, "1")  # the values the script sets: monkeypatch then restores the test's own
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its sibling modules
+    return _load_bench
+
+
+def _load_bench():
     spec = importlib.util.spec_from_file_location("bench_overhead", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -59,7 +68,7 @@ def test_quick_run_prints_both_loops_and_identical_weights(tmp_path):
     assert summary["calls"]["mlp"]["ignite-mgpu"] > summary["calls"]["mlp"]["hand-written"] > 0
 
 
-def test_bitwise_difference_names_the_tensor():
+def test_bitwise_difference_names_the_tensor(load_bench):
     bench = load_bench()
     a = {"w": torch.zeros(3), "b": torch.ones(2)}
     assert bench.bitwise_difference(a, {k: v.clone() for k, v in a.items()}) is None
@@ -74,7 +83,7 @@ def record(workload, difference, times):
     return {"workload": workload, "round": 0, "window": 2, "difference": difference, "turns": turns}
 
 
-def test_report_refuses_a_ratio_when_weights_differ():
+def test_report_refuses_a_ratio_when_weights_differ(load_bench):
     bench = load_bench()
     runs = [
         record("mlp", "0.weight differs", {"hand-written": [1.0, 1.0], "ignite-mgpu": [1.5, 1.5]}),
@@ -101,7 +110,7 @@ def test_report_refuses_a_ratio_when_weights_differ():
     assert [row.split("|")[5].strip() for row in refused_cpu] == [""]  # no CPU difference for refused runs either
 
 
-def test_verdict_needs_the_whole_interval_on_one_side():
+def test_verdict_needs_the_whole_interval_on_one_side(load_bench):
     bench = load_bench()
     assert bench.verdict(1.01, 1.02, 0.0, 1.03) == "yes"
     assert bench.verdict(1.04, 1.06, 0.0, 1.03) == "**no**"
@@ -109,12 +118,12 @@ def test_verdict_needs_the_whole_interval_on_one_side():
     assert bench.verdict(0.99, 1.01, 0.98, 1.02) == "yes"  # the scaling target is a band
 
 
-def test_loops_take_turns_and_end_with_the_same_weights():
+def test_loops_take_turns_and_end_with_the_same_weights(load_bench):
     """(a) and the bare-Engine reference, paused every 3 iterations, reach the weights of uninterrupted (a)."""
     bench = load_bench()
     cfg = bench.make_config("mlp", 6, 2, "unused", 1)
-    straight = bench.finish(bench.hand_steps(bench._hand_built(cfg), 2, None))
-    hand, engine = (steps(bench._hand_built(cfg), 2, 3) for steps in (bench.hand_steps, bench.engine_steps))
+    straight = bench.finish(bench.hand_steps(bench.hand_built(cfg), 2, None))
+    hand, engine = (steps(bench.hand_built(cfg), 2, 3) for steps in (bench.hand_steps, bench.engine_steps))
     for _ in range(4):  # 12 iterations: 4 turns each
         next(hand)
         next(engine)

@@ -1,17 +1,23 @@
 """The launch plan, decided in the parent without spawning anything. `python -m pytest tests/test_launcher.py`."""
 
+import os
+
 import pytest
 
 from ignite_mgpu.config import ConfigError, DistConfig, load_config
 from ignite_mgpu.launcher import make_plan
 
 
-def test_cpu_defaults():
+def test_cpu_defaults(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
     plan = make_plan(DistConfig())
     assert (plan.nproc, plan.backend, plan.world_size, plan.external) == (1, None, 1, False)
     two = make_plan(DistConfig(nproc=2))
-    assert two.backend == "gloo" and two.env.get("OMP_NUM_THREADS") == "1"  # 2 cores split over 2 processes
+    assert two.backend == "gloo" and two.env.get("OMP_NUM_THREADS") == "4"  # 8 cores split over 2 processes
     assert two.env.get("GLOO_SOCKET_IFNAME") == "lo"  # a single-node job listens on loopback only
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert "OMP_NUM_THREADS" not in make_plan(DistConfig(nproc=2)).env  # the user's choice is kept
 
 
 def test_under_torchrun_the_outer_launcher_decides(monkeypatch):

@@ -29,6 +29,7 @@ def report_environment(local_rank: int, out: str) -> None:
 def test_workers_see_the_selected_gpus(tmp_path, monkeypatch, spec, expected):
     monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # launch() exports both into this process: restored after
     launch(report_environment, str(tmp_path), gpus=spec, backend="gloo")  # nproc defaults to the 2 GPUs chosen
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for r, env in enumerate(seen):

@@ -16,7 +16,7 @@ from ignite.engine import Events
 from torch import nn
 
 from ignite_mgpu import launch
-from ignite_mgpu.checkpoint import list_checkpoints, read_checkpoint
+from ignite_mgpu.checkpoint.files import list_checkpoints, read_checkpoint
 from ignite_mgpu.config import load_config
 from ignite_mgpu.train import training
 from tests.conftest import REPO, TINY, make_image_folder, run_cli
@@ -247,6 +247,12 @@ def test_resume_mid_epoch_is_bitwise_identical(tmp_path):
     ]
     full = tmp_path / "full"
     assert run_cli(["train", *args, "--output-dir", str(full)], tmp_path).returncode == 0
+    # The checkpoint (RNG states included) loads with plain torch.load in an interpreter where nothing was allowed.
+    plain = "import sys, torch; c = torch.load(sys.argv[1], weights_only=True); print(len(c['trainer']['rng_states']))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", plain, str(full / "checkpoint_12.pt")], capture_output=True, text=True
+    )
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "3", loaded.stderr[-2000:]
     # The run "interrupted" after iteration 12 (mid-epoch 2 of 8 iterations) left checkpoint_12.pt behind.
     resumed = tmp_path / "resumed"
     result = run_cli(
@@ -318,7 +324,7 @@ def guard_schedule_worker(local_rank: int, out: str) -> None:
 
     from ignite.engine import Engine
 
-    from ignite_mgpu.handlers import TrainingGuard
+    from ignite_mgpu.guard import TrainingGuard
 
     rank = idist.get_rank()
 

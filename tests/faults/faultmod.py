@@ -97,7 +97,7 @@ class FaultyLinear(nn.Module):
         logits = self.fc(x.flatten(1))
         return logits * float("nan") if poison else logits
 
-    def state_dict(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - nn.Module's signature
+    def state_dict(self, *args, **kwargs):  # nn.Module's signature
         for kind, _, iteration, arg in self.faults:
             if kind == "slowsave" and self.calls >= iteration:
                 time.sleep(3.0 if arg is None else arg)
@@ -106,7 +106,7 @@ class FaultyLinear(nn.Module):
     def _slow_down_torch_save(self, iteration: int, seconds: float) -> None:
         save = torch.save  # ignite's DiskSaver looks up torch.save at every call
 
-        def slow_save(obj, f, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - torch.save's signature
+        def slow_save(obj, f, *args, **kwargs):  # torch.save's signature
             if self.calls < iteration or isinstance(f, (str, os.PathLike)):
                 return save(obj, f, *args, **kwargs)
             buffer = io.BytesIO()

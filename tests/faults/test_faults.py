@@ -2,39 +2,31 @@
 
 Every test runs ``python -m ignite_mgpu train`` in a subprocess (its own session, a hard timeout, its own
 ``tmp_path``) with the test-only model ``faultmod:make`` (tests/faults/faultmod.py), which raises, hangs, kills
-itself, returns NaN or slows down at a chosen rank and iteration. While a job runs a sampler thread records its
-process tree (launcher, ranks, DataLoader workers, resource tracker) and, on request, its LISTEN sockets; after
-the job every recorded process must be gone. Scenario ids (S1...) refer to the scenarios file.
+itself, returns NaN or slows down at a chosen rank and iteration. The harness (tests/faults/harness.py) records
+each job's process tree and, on request, its LISTEN sockets; after the job every recorded process must be gone.
+Scenario ids (S1...) refer to the scenarios file. Run: `python -m pytest tests/faults -q`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import ipaddress
 import json
 import os
 import re
 import shutil
 import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.conftest import make_image_folder
+from tests.faults.harness import Harness, Job, Result, is_loopback
 
 pytestmark = [pytest.mark.distributed]
-
-FAULTS_DIR = Path(__file__).resolve().parent
-CLI = [sys.executable, "-m", "ignite_mgpu"]
 
 # A tiny 2-rank job: 640 samples / global batch 64 = 10 iterations per epoch, a check every iteration and a
 # checkpoint every 2 iterations (two kept).
@@ -54,245 +46,6 @@ BASE = [
     "checkpoint.every_iters=2",
     "checkpoint.n_saved=2",
 ]
-
-# Variables that would make the launcher think torchrun/SLURM started it.
-_DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
-_SLURM_ENV = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_NTASKS_PER_NODE")
-
-
-# ----------------------------------------------------------------------------------------------- harness
-
-
-@dataclass
-class Result:
-    rc: int
-    stdout: str
-    stderr: str
-    elapsed: float  # seconds from start to exit
-
-    def __str__(self) -> str:
-        return f"exit {self.rc} after {self.elapsed:.1f} s\n--- stderr (tail) ---\n{self.stderr[-6000:]}"
-
-
-def _alive(pid: int, proc: psutil.Process | None) -> bool:
-    """Running and not a zombie (an exited process nobody reaped yet holds nothing but its pid)."""
-    try:
-        if proc is None:
-            os.kill(pid, 0)
-            proc = psutil.Process(pid)
-        elif not proc.is_running():  # also false when the pid was reused by another process
-            return False
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except (ProcessLookupError, psutil.NoSuchProcess):
-        return False
-    except PermissionError:
-        return True
-
-
-def _is_loopback(ip: str) -> bool:
-    addr = ipaddress.ip_address(ip.split("%")[0])
-    mapped = getattr(addr, "ipv4_mapped", None)
-    return addr.is_loopback or bool(mapped and mapped.is_loopback)
-
-
-class Job:
-    """One CLI process in its own session; output is read continuously, its process tree sampled."""
-
-    def __init__(self, args: list[str], env: dict[str, str], cwd: Path, pids_dir: Path, watch_sockets: bool) -> None:
-        self.args, self.pids_dir, self.watch_sockets = args, pids_dir, watch_sockets
-        self.start = time.monotonic()
-        self.proc = subprocess.Popen(
-            [*CLI, *args],
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",
-            start_new_session=True,
-        )
-        self.pid = self.proc.pid
-        self.end: float | None = None  # when the launcher was seen to have exited (monotonic)
-        self.last_alive: dict[int, float] = {}  # when each process (not the launcher) was last seen running
-        self._stop = False
-        self._out: list[str] = []
-        self._err: list[str] = []
-        self.processes: dict[int, psutil.Process | None] = {}  # every process of the job ever seen
-        self.cmdlines: dict[int, str] = {}
-        self.listeners: set[tuple[int, str, int]] = set()  # (pid, ip, port) of LISTEN sockets ever seen
-        self.socket_samples = 0  # samples in which both ranks' sockets were read
-        self._lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._read, args=(self.proc.stdout, self._out), daemon=True),
-            threading.Thread(target=self._read, args=(self.proc.stderr, self._err), daemon=True),
-            threading.Thread(target=self._sample, daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
-
-    @staticmethod
-    def _read(stream, sink: list[str]) -> None:  # noqa: ANN001 - a text pipe
-        for line in iter(stream.readline, ""):
-            sink.append(line)
-
-    def _remember(self, pid: int, proc: psutil.Process | None = None) -> None:
-        with self._lock:
-            if self.processes.get(pid) is None:
-                with contextlib.suppress(psutil.Error):
-                    proc = proc or psutil.Process(pid)
-                    self.cmdlines[pid] = " ".join(proc.cmdline())[:160]
-                self.processes[pid] = proc
-
-    def _sample(self) -> None:
-        """Every 0.1 s: the launcher's process tree while it runs, then until every process seen is gone (at most
-        60 s), when each was last alive; this is what "nothing outlives the job" is judged on."""
-        try:
-            root = psutil.Process(self.pid)
-        except psutil.Error:
-            root = None
-        self._remember(self.pid, root)
-        while not self._stop:
-            now = time.monotonic()
-            if self.proc.poll() is None:
-                try:
-                    kids = root.children(recursive=True) if root else []
-                except psutil.Error:
-                    kids = []
-                for k in kids:
-                    self._remember(k.pid, k)
-                if self.watch_sockets and root:
-                    self._sample_sockets([root, *kids])
-            elif self.end is None:
-                self.end = now
-            alive = [pid for pid, p in self.all_processes().items() if pid != self.pid and _alive(pid, p)]
-            for pid in alive:
-                self.last_alive[pid] = now
-            if self.end is not None and (not alive or now - self.end > 60):
-                return
-            time.sleep(0.1)
-
-    def _sample_sockets(self, procs: list[psutil.Process]) -> None:
-        seen_ranks = 0
-        ranks = {int(pid) for f in self.pids_dir.glob("rank*") for pid in f.read_text().split()}
-        for p in procs:
-            try:
-                conns = p.net_connections(kind="inet")
-            except psutil.Error:
-                continue
-            seen_ranks += p.pid in ranks
-            for c in conns:
-                if c.status == psutil.CONN_LISTEN:
-                    self.listeners.add((p.pid, c.laddr.ip, c.laddr.port))
-        if seen_ranks >= 2:
-            self.socket_samples += 1
-
-    def recorded_pids(self) -> set[int]:
-        """Pids that faultmod wrote: every rank (``rank{r}``) and its children (``children{r}``)."""
-        pids: set[int] = set()
-        if self.pids_dir.is_dir():
-            for f in self.pids_dir.iterdir():
-                if f.name.startswith(("rank", "children")):
-                    pids |= {int(x) for x in f.read_text().split()}
-        return pids
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self._err)
-
-    def running(self) -> bool:
-        return self.proc.poll() is None
-
-    def wait(self, timeout: float, what: str = "") -> Result:
-        """Wait until ``timeout`` seconds after the start; past it kill everything and fail the test."""
-        try:
-            self.proc.wait(timeout=max(0.1, self.start + timeout - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            self.kill_all()
-            time.sleep(0.5)
-            pytest.fail(
-                f"{what or 'job'} did not exit within {timeout:.0f} s (killed it): {self.args}\n"
-                f"--- stderr (tail) ---\n{self.stderr[-6000:]}"
-            )
-        exited = time.monotonic()
-        for t in self._threads[:2]:
-            t.join(timeout=5)  # an orphan that keeps the pipes open must not hang the test
-        return Result(self.proc.returncode, "".join(self._out), self.stderr, exited - self.start)
-
-    def all_processes(self) -> dict[int, psutil.Process | None]:
-        for pid in self.recorded_pids():
-            self._remember(pid)
-        with self._lock:
-            return dict(self.processes)
-
-    def kill_all(self) -> None:
-        self._stop = True
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-        for pid, proc in self.all_processes().items():
-            if _alive(pid, proc):
-                with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
-                    (proc or psutil.Process(pid)).kill()
-        with contextlib.suppress(Exception):
-            self.proc.wait(timeout=5)
-
-
-class Harness:
-    """Starts jobs in one folder (each with its own pids dir and TMPDIR) and checks that nothing outlives them."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.jobs: list[Job] = []
-
-    def env(self, tag: str, fault: str | None, extra: dict[str, str] | None = None) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV + _SLURM_ENV}
-        tmp = self.root / f"tmp-{tag}"
-        tmp.mkdir(exist_ok=True)
-        env.update(
-            PYTHONPATH=os.pathsep.join(filter(None, [str(FAULTS_DIR), os.environ.get("PYTHONPATH")])),
-            PIDS_DIR=str(self.root / f"pids-{tag}"),
-            FAULT=fault or "",
-            TMPDIR=str(tmp),  # the launcher's private folder (error files, file rendezvous) lands here
-            OMP_NUM_THREADS="1",
-            PYTHONUNBUFFERED="1",
-            CUDA_VISIBLE_DEVICES="",  # these are CPU/gloo scenarios, on any machine
-        )
-        env.update(extra or {})
-        return env
-
-    def start(self, args: list[str], fault: str | None = None, tag: str = "a", watch_sockets: bool = False) -> Job:
-        job = Job(args, self.env(tag, fault), self.root, self.root / f"pids-{tag}", watch_sockets)
-        self.jobs.append(job)
-        return job
-
-    def run(self, args: list[str], timeout: float, fault: str | None = None, tag: str = "a") -> Result:
-        return self.start(args, fault, tag).wait(timeout)
-
-    def assert_no_leftovers(self, grace: float = 3.0) -> None:
-        """No process of any job (ranks, DataLoader workers, helpers) ran longer than ``grace`` seconds after
-        its launcher exited, and none runs now.
-
-        The launcher joins its ranks before it exits, so when it returns the job should be over; the grace only
-        absorbs the kernel finishing the exits on a loaded machine.
-        """
-        problems = []
-        for job in self.jobs:
-            while job.end is None and job._threads[2].is_alive():  # the sampler notes the exit within 0.1 s
-                time.sleep(0.05)
-            end = job.end if job.end is not None else time.monotonic()
-            procs = {pid: p for pid, p in job.all_processes().items() if pid != job.pid}
-            while time.monotonic() < end + grace and any(_alive(pid, p) for pid, p in procs.items()):
-                time.sleep(0.1)
-            for pid, p in procs.items():
-                late = job.last_alive.get(pid, 0.0) - end
-                if _alive(pid, p) or late > grace:
-                    what = job.cmdlines.get(pid, "?")
-                    state = "still alive" if _alive(pid, p) else f"alive {late:.1f} s after the launcher exited"
-                    problems.append(f"pid {pid} {state}: {what}")
-        assert not problems, f"processes outlived the job (grace {grace:.0f} s):\n" + "\n".join(problems)
-
-    def cleanup(self) -> None:
-        for job in self.jobs:
-            job.kill_all()
 
 
 @pytest.fixture
@@ -319,13 +72,13 @@ def wait_until(cond: Callable[[], bool], job: Job, timeout: float, what: str) ->
 
 
 def checkpoints(out: Path) -> dict[int, Path]:
-    from ignite_mgpu.checkpoint import list_checkpoints
+    from ignite_mgpu.checkpoint.files import list_checkpoints
 
     return {int(p.stem.split("_")[1]): p for p in list_checkpoints(out)}
 
 
 def assert_loads(path: Path, iteration: int) -> None:
-    from ignite_mgpu.checkpoint import is_complete, read_checkpoint
+    from ignite_mgpu.checkpoint.files import is_complete, read_checkpoint
 
     assert is_complete(path), f"{path} is not a complete archive"
     ckpt = read_checkpoint(path)
@@ -427,7 +180,7 @@ def _flip_tensor_bytes(data: bytes) -> bytes:
 @pytest.mark.parametrize(
     "damage", [_truncate_half, lambda d: b"", _flip_tensor_bytes], ids=["half", "empty", "bitflip"]
 )
-def test_s14_resume_from_a_corrupt_path_exits_1(h: Harness, clean_run: tuple[Path, Result], damage) -> None:  # noqa: ANN001
+def test_s14_resume_from_a_corrupt_path_exits_1(h: Harness, clean_run: tuple[Path, Result], damage) -> None:
     out = h.root / "out"
     shutil.copytree(clean_run[0], out)
     bad = out / "checkpoint_10.pt"
@@ -722,7 +475,7 @@ def test_s8_s9_two_jobs_without_port_share_the_host_on_loopback_only(h: Harness)
         assert not left, f"the launcher left its private temp folder behind: {left}"
     for job in jobs:
         assert job.socket_samples > 0, "the sampler never saw both ranks' sockets"
-        exposed = [(pid, ip, port) for pid, ip, port in job.listeners if not _is_loopback(ip)]
+        exposed = [(pid, ip, port) for pid, ip, port in job.listeners if not is_loopback(ip)]
         assert not exposed, f"sockets listening beyond loopback: {exposed} (all: {sorted(job.listeners)})"
         assert not [x for x in job.listeners if x[2] == 29500], "something listens on the default master port"
     h.assert_no_leftovers()

@@ -1,0 +1,192 @@
+"""Checkpoint files on disk: their names, which are complete, reading one safely (``weights_only=True``),
+wrapper prefixes, and what ``checkpoint inspect`` / ``convert`` show and write.
+
+Imports torch but not ignite: the launching process checks the output folder with it before it spawns the
+workers, and importing ignite there would delay every start by about a second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import zipfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ignite_mgpu.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
+CKPT_NAME = re.compile(r"^checkpoint_(\d+)\.pt$")
+BEST_NAME = re.compile(r"^best_model_(\d+)_val_\w+=(-?[\d.]+)\.pt$")
+TEMP_PREFIX, TEMP_SUFFIX = ".tmp-", ".pt"  # a file being written; renamed into place once complete
+
+
+def list_checkpoints(dirname: str | Path) -> list[Path]:
+    """``checkpoint_<iteration>.pt`` files, newest (highest iteration) first; by recorded step, never mtime."""
+    found = [(int(m.group(1)), p) for p in Path(dirname).glob("checkpoint_*.pt") if (m := CKPT_NAME.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def is_complete(path: Path) -> bool:
+    """True when ``path`` is a whole torch zip archive whose every record passes its CRC check."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            return zf.testzip() is None
+    except (OSError, zipfile.BadZipFile, EOFError):
+        return False
+
+
+def find_resumable(dirname: str | Path) -> Path | None:
+    """The newest complete checkpoint; a truncated/corrupt newer one is skipped with a warning."""
+    for path in list_checkpoints(dirname):
+        if is_complete(path):
+            return path
+        logger.warning("skipping %s: corrupt or truncated (incomplete zip archive); trying the previous one", path)
+    return None
+
+
+def clean_stale_temp_files(dirname: str | Path) -> None:
+    """Remove temp files a killed writer left behind (only ours: ``.tmp-*.pt``)."""
+    for tmp in Path(dirname).glob(f"{TEMP_PREFIX}*{TEMP_SUFFIX}"):
+        tmp.unlink(missing_ok=True)
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Best effort: some network and virtual file systems refuse to fsync a folder (the file is in place anyway)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        logger.debug("fsync of folder %s failed: %s", folder, err)
+
+
+# ------------------------------------------------------------------------------------------ RNG states, portably
+
+
+def plain_rng_states(states: list[Any]) -> list[Any]:
+    """ignite's ``DeterministicEngine`` RNG states ``[random, torch, numpy]`` with numpy's key array as a tensor,
+    so that the checkpoint loads with plain ``torch.load(path, weights_only=True)`` (no numpy globals allowed)."""
+    if len(states) > 2 and type(states[2][1]).__module__ == "numpy":
+        name, keys, *rest = states[2]
+        states = [*states[:2], (name, torch.from_numpy(keys.astype("int64")), *rest)]
+    return states
+
+
+def native_rng_states(states: list[Any]) -> list[Any]:
+    """The inverse of ``plain_rng_states``; numpy's own form (older checkpoints) passes through unchanged."""
+    if len(states) > 2 and isinstance(states[2][1], torch.Tensor):
+        import numpy as np
+
+        name, keys, *rest = states[2]
+        states = [*states[:2], (name, keys.numpy().astype(np.uint32), *rest)]
+    return states
+
+
+@contextlib.contextmanager
+def _numpy_rng_globals() -> Iterator[None]:
+    # Checkpoints written before plain_rng_states hold numpy's RNG state; allow exactly its types while reading.
+    import numpy as np
+
+    try:
+        from numpy._core.multiarray import _reconstruct  # numpy >= 2
+    except ImportError:  # numpy 1.x
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]  # numpy 1 location
+    allowed: list[Any] = [np.ndarray, np.dtype, _reconstruct]
+    allowed += [type(np.dtype(t)) for t in ("uint32", "int64", "float64")]
+    scoped = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5; older: allowed process-wide
+    if scoped is None:
+        torch.serialization.add_safe_globals(allowed)
+        yield
+        return
+    with scoped(allowed):
+        yield
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
+    """``torch.load(..., weights_only=True)`` with errors that say what is wrong. Never runs pickled code."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist; pass the path of a .pt file.")
+    try:
+        with _numpy_rng_globals():
+            obj = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:
+        text = str(err)
+        if "Weights only load failed" in text or "Unsupported global" in text:
+            first = next((ln for ln in text.splitlines() if "Unsupported global" in ln), text.splitlines()[0])
+            raise CheckpointError(
+                f"refusing to load {path}: it needs arbitrary Python code to unpickle ({first.strip()}). It was "
+                "NOT executed. Only load files you trust; re-save trusted weights as a plain state_dict."
+            ) from None
+        raise CheckpointError(
+            f"{path} is corrupt or truncated and cannot be loaded ({text.splitlines()[0]})."
+        ) from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state_dict or a checkpoint dict.")
+    return obj
+
+
+def strip_prefixes(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Remove wrapper prefixes that every key carries (``module.``, ``_orig_mod.``); returns (clean, found)."""
+    clean, found = dict(state_dict), []
+    changed = True
+    while changed and clean:
+        changed = False
+        for prefix in PREFIXES:
+            if all(k.startswith(prefix) for k in clean):
+                clean = {k[len(prefix) :]: v for k, v in clean.items()}
+                found.append(prefix)
+                changed = True
+    return clean, found
+
+
+def is_state_dict(obj: Mapping[str, Any]) -> bool:
+    return bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def describe(path: str | Path) -> dict[str, Any]:
+    """What ``checkpoint inspect`` prints: entries, step, parameter count, dtypes, wrapper prefixes."""
+    ckpt = read_checkpoint(path)
+    bare = is_state_dict(ckpt)
+    model_state = ckpt if bare else ckpt.get("model", {})
+    _, prefixes = strip_prefixes(model_state) if model_state else ({}, [])
+    info: dict[str, Any] = {
+        "path": str(path),
+        "kind": "state_dict" if bare else "checkpoint",
+        "entries": sorted(ckpt) if not bare else [],
+        "tensors": len(model_state),
+        "parameters": int(sum(v.numel() for v in model_state.values() if isinstance(v, torch.Tensor))),
+        "dtypes": sorted({str(v.dtype).replace("torch.", "") for v in model_state.values() if hasattr(v, "dtype")}),
+        "prefixes": prefixes,
+        "first_keys": list(model_state)[:5],
+    }
+    trainer = ckpt.get("trainer") if not bare else None
+    if isinstance(trainer, Mapping):
+        info.update({k: trainer[k] for k in ("iteration", "epoch", "epoch_length", "max_epochs") if k in trainer})
+    if isinstance(ckpt.get("run"), Mapping):
+        info["run"] = dict(ckpt["run"])
+    return info
+
+
+def convert(src: str | Path, dst: str | Path) -> list[str]:
+    """Write a clean, unwrapped model state_dict from a legacy (``module.``-prefixed) file or a full checkpoint."""
+    ckpt = read_checkpoint(src)
+    state = ckpt if is_state_dict(ckpt) else ckpt.get("model")
+    if not isinstance(state, Mapping) or not state:
+        raise CheckpointError(f"{src} has no model state_dict to convert (entries: {', '.join(ckpt)}).")
+    clean, found = strip_prefixes(state)
+    torch.save(clean, dst)
+    os.chmod(dst, 0o600)
+    return found

@@ -1,0 +1,86 @@
+"""Loading a checkpoint (full or a bare state_dict) into live objects: every key and shape checked before anything is
+loaded, wrapper prefixes stripped, tensors mapped to this rank's device."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ignite_mgpu.checkpoint.files import is_state_dict, read_checkpoint, strip_prefixes
+from ignite_mgpu.errors import CheckpointError
+from ignite_mgpu.strategy import unwrap
+
+logger = logging.getLogger(__name__)
+
+
+def check_model_state(model: nn.Module, state: Mapping[str, Any], source: str) -> None:
+    """Raise CheckpointError listing the first missing / unexpected / mis-shaped keys (nothing is loaded)."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in state and hasattr(state[k], "shape") and state[k].shape != v.shape
+    ]
+    if missing or unexpected or shapes:
+
+        def few(items: list[str]) -> str:
+            return ", ".join(items[:5]) + (f" (+{len(items) - 5} more)" if len(items) > 5 else "")
+
+        parts = [
+            f"{len(x)} {what}: {few(x)}"
+            for what, x in (("missing keys", missing), ("unexpected keys", unexpected), ("shape mismatches", shapes))
+            if x
+        ]
+        raise CheckpointError(
+            f"{source} does not match the model ({'; '.join(parts)}). "
+            "Is it from a different model.name or model.num_classes?"
+        )
+
+
+def load_checkpoint(
+    path: str | Path,
+    to_load: Mapping[str, Any],
+    map_location: Any = None,
+    check: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Load ``path`` into the objects of ``to_load`` (e.g. ``{"model": model, "optimizer": opt}``).
+
+    Accepts a full checkpoint or a bare state_dict (for the model), strips ``module.`` / ``_orig_mod.``, maps every
+    tensor to this rank's device (not cuda:0 for all ranks), and loads with ``weights_only=True``.
+    Everything is checked before anything is loaded, so a mismatch leaves the objects untouched; ``check``
+    (called with the checkpoint dict) can add a test of its own.
+
+    Returns:
+        The checkpoint dict as read (after prefix stripping of its model entry).
+    """
+    if map_location is None:
+        import ignite.distributed as idist
+
+        map_location = idist.device()
+    ckpt = read_checkpoint(path, map_location)
+    if is_state_dict(ckpt) or "model" not in ckpt:
+        ckpt = {"model": ckpt}
+    absent = [k for k in to_load if k not in ckpt]
+    if absent:
+        raise CheckpointError(
+            f"{path} has no {', '.join(absent)} (it holds: {', '.join(ckpt)}); "
+            "a weights-only file can restore the model but not resume training."
+        )
+    if "model" in to_load:
+        ckpt["model"], found = strip_prefixes(ckpt["model"])
+        if found:
+            logger.info("%s: stripped the %s prefix from every key", path, " and ".join(found))
+        model = to_load["model"]
+        check_model_state(unwrap(model), ckpt["model"], str(path))
+    if check is not None:
+        check(ckpt)
+    for name, obj in to_load.items():
+        target = unwrap(obj) if isinstance(obj, nn.Module) else obj
+        target.load_state_dict(ckpt[name])
+    return ckpt

@@ -1,0 +1,126 @@
+"""Writing checkpoints: ignite's ``Checkpoint`` handlers over a saver that never deletes the previous file before the
+new one is safely on disk; the full training state on a schedule and on a stop, the best unwrapped model after
+validation."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import ignite.distributed as idist
+from ignite.engine import Engine, Events
+from ignite.handlers import Checkpoint, DiskSaver, global_step_from_engine
+from torch import nn
+
+from ignite_mgpu.checkpoint.files import BEST_NAME, CKPT_NAME, TEMP_PREFIX, TEMP_SUFFIX, fsync_dir, list_checkpoints
+from ignite_mgpu.config import CheckpointConfig
+from ignite_mgpu.errors import CheckpointError
+from ignite_mgpu.guard import GuardEvents
+
+
+class SafeDiskSaver(DiskSaver):
+    """DiskSaver that writes a private temp file, fsyncs it, renames it, fsyncs the folder, and only then deletes
+    the old checkpoint.
+
+    ignite's Checkpoint asks to remove the oldest file *before* saving the new one (pytorch-ignite #1986): a crash
+    or a full disk in between would leave no checkpoint. Removals are deferred until the next save succeeds.
+    Files are created 0600 (ignite's DiskSaver adds group/other read bits).
+    """
+
+    def __init__(self, dirname: str | Path) -> None:
+        super().__init__(dirname, atomic=True, create_dir=True, require_empty=False)
+        self._pending: list[str] = []
+
+    def _save_func(self, checkpoint: Mapping, path: Path, func: Callable) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.dirname, prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                func(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as err:
+            Path(tmp).unlink(missing_ok=True)
+            kept = ", ".join(p.name for p in reversed(list_checkpoints(self.dirname))) or "none"
+            raise CheckpointError(f"saving {path.name} failed ({err}); kept the previous checkpoints: {kept}") from err
+        fsync_dir(self.dirname)  # the rename survives a power loss only once its folder is synced
+        for name in self._pending:
+            if name != path.name:  # ignite "removes" a file it is about to overwrite under the same name
+                (Path(self.dirname) / name).unlink(missing_ok=True)
+        self._pending.clear()
+
+    def remove(self, filename: str) -> None:
+        if idist.get_rank() == self.save_on_rank:
+            self._pending.append(filename)
+
+
+class RunInfo:
+    """Saved with every checkpoint: what a resume must know about the run that wrote it."""
+
+    def __init__(self, world_size: int, global_batch: int, config: dict[str, str]) -> None:
+        self.info = {"world_size": world_size, "global_batch": global_batch, "config": config}
+        self.loaded: dict[str, Any] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.info)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.loaded = dict(state)
+
+
+def create_checkpointers(
+    objects: Mapping[str, Any],
+    model: nn.Module,
+    dirname: str | Path,
+    n_saved: int,
+    metric: str,
+    best_step: Callable[[Any, Any], int],
+) -> tuple[Checkpoint, Checkpoint]:
+    """(full training state ``checkpoint_<iteration>.pt``, best unwrapped model ``best_model_*.pt``)."""
+    saver = SafeDiskSaver(dirname)
+    full = Checkpoint(dict(objects), saver, n_saved=n_saved, global_step_transform=lambda e, _: e.state.iteration)
+    sign = 1.0 if metric == "accuracy" else -1.0
+    best = Checkpoint(
+        {"model": model},
+        saver,
+        filename_prefix="best",
+        n_saved=1,
+        score_function=lambda e: sign * e.state.metrics[metric],
+        score_name=f"val_{metric}",
+        global_step_transform=best_step,
+    )
+    return full, best
+
+
+def attach_checkpoints(
+    trainer: Engine, evaluator: Engine, to_save: dict[str, Any], cfg: CheckpointConfig, output_dir: str | Path
+) -> tuple[Checkpoint, Checkpoint]:
+    """Full state every N epochs / iterations and on a stop signal; the best unwrapped model after validation."""
+    full, best = create_checkpointers(
+        to_save, to_save["model"], output_dir, cfg.n_saved, cfg.metric, global_step_from_engine(trainer)
+    )
+    if cfg.every:
+        trainer.add_event_handler(Events.EPOCH_COMPLETED(every=cfg.every), full)
+    if cfg.every_iters:
+        # The guard also checks on these iterations (create_trainer's checkpoint_every), so no save follows an
+        # unchecked NaN.
+        trainer.add_event_handler(Events.ITERATION_COMPLETED(every=cfg.every_iters), full)
+    if cfg.save_on_stop:
+        trainer.add_event_handler(GuardEvents.STOPPING, full)
+    evaluator.add_event_handler(Events.COMPLETED, best)
+    return full, best
+
+
+def adopt_existing(full: Checkpoint, best: Checkpoint, dirname: str | Path) -> None:
+    """On resume, let the handlers manage the files the interrupted run left (keep n_saved, one best)."""
+    found = [(int(m.group(1)), p.name) for p in list_checkpoints(dirname) if (m := CKPT_NAME.match(p.name))]
+    full.load_state_dict({"_saved": sorted(found)})
+    bests = [
+        (float(m.group(2)), p.name)  # the file name already holds the signed score
+        for p in Path(dirname).glob("best_model_*.pt")
+        if (m := BEST_NAME.match(p.name))
+    ]
+    best.load_state_dict({"_saved": sorted(bests)})

@@ -1,0 +1,73 @@
+"""The error types, the stop exceptions and the one exit-code table. Torch-free: the CLI and the process layer
+(launcher, supervisor) import this module, never the training code."""
+
+from __future__ import annotations
+
+import signal
+
+# The job's exit codes; the CLI's --help, the README and the supervisor quote this table.
+EXIT_CODES = {
+    0: "success",
+    1: "a rank failed",
+    2: "usage or config error, found before anything started",
+    3: "training diverged (non-finite loss)",
+    130: "SIGINT (Ctrl-C)",
+    143: "SIGTERM",
+}
+SUCCESS, FAILED, USAGE, DIVERGED = 0, 1, 2, 3
+
+
+def exit_codes_text() -> str:
+    """The table as one line: "0 success, 1 a rank failed, ..."."""
+    return ", ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items())
+
+
+def signal_exit_code(signum: int) -> int:
+    """The shell's convention for a process ended by a signal: 128 + N (SIGINT 130, SIGTERM 143)."""
+    return 128 + signum
+
+
+class ConfigError(ValueError):
+    """A user mistake found before any process starts; printed as one paragraph, exit code 2."""
+
+    exit_code = USAGE
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used: missing, corrupt, unsafe, or from a different model (exit code 2 before
+    the job starts; inside a running job the rank fails with it, exit code 1)."""
+
+    exit_code = USAGE
+
+
+class CorruptCheckpointError(CheckpointError):
+    """The checkpoint named by ``--resume PATH`` is truncated or damaged: the data failed, not the command."""
+
+    exit_code = FAILED
+
+
+class TrainingStopped(RuntimeError):
+    """Every rank stopped together on purpose; ``exit_code`` is what the process exits with."""
+
+    exit_code = FAILED
+
+
+class TrainingDiverged(TrainingStopped):
+    """A non-finite loss on some rank: every rank stopped at the same iteration."""
+
+    exit_code = DIVERGED
+
+
+class TrainingInterrupted(TrainingStopped):
+    """A stop signal (SIGTERM, Ctrl-C) reached some rank: every rank stopped at the same iteration."""
+
+    def __init__(self, signum: int, iteration: int) -> None:
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} at iteration {iteration}; every rank stopped at the same iteration")
+        self.exit_code = signal_exit_code(signum)
+
+
+def is_user_error(err: BaseException) -> bool:
+    """Errors whose message says it all (bad config or checkpoint, a deliberate stop): reported without a
+    traceback."""
+    return isinstance(err, (ConfigError, CheckpointError, TrainingStopped))

@@ -1,0 +1,199 @@
+"""Checks before anything starts, shared by ``ignite-mgpu train`` and ``ignite_mgpu.fit``: the model name, optional
+packages, the output folder (writable, not locked, no other run's checkpoints, a usable resume target), the dataset
+sizes for the launch plan; then one job per output folder, held by a lock while the job runs.
+
+Everything raises ConfigError / CheckpointError (one paragraph each) before a worker is spawned. ignite is never
+imported here: the launching process stays light.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from ignite_mgpu.config import Config
+from ignite_mgpu.errors import ConfigError, CorruptCheckpointError
+from ignite_mgpu.launcher import LaunchPlan, make_plan
+
+
+def is_leader(cfg: Config, environ: Mapping[str, str] = os.environ) -> bool:
+    """The job's first process. Only it checks and locks output_dir: other nodes may share the folder (NFS), and
+    under torchrun/SLURM every process runs the same command."""
+    rank = int(environ.get("RANK", environ.get("SLURM_PROCID", "0")))
+    return cfg.dist.node_rank == 0 and rank == 0
+
+
+def check_job(cfg: Config) -> None:
+    """What the config names must exist: the model, and the packages the chosen options need."""
+    from ignite_mgpu.models import check_model_name
+
+    check_model_name(cfg.model.name)
+    if cfg.train.tensorboard:
+        try:
+            import tensorboard  # noqa: F401  # only whether it is installed
+        except ImportError:
+            raise ConfigError(
+                "train.tensorboard=true needs the tensorboard package: "
+                "pip install tensorboard (or pip install -e '.[tensorboard]')."
+            ) from None
+
+
+def check_datasets(cfg: Config, world_size: int) -> None:
+    """Empty splits, a global batch that does not split over ``world_size``, too few samples per process."""
+    from ignite_mgpu.data import GENERATED, build_datasets, check_sizes
+
+    if cfg.data.name in GENERATED:  # sizes known from the config: only the workers generate the data
+        sizes = range(cfg.data.train_size), range(cfg.data.val_size)
+        check_sizes(*sizes, cfg.data.batch_size, world_size)  # type: ignore[arg-type]  # sized like datasets
+        return
+    train_ds, val_ds = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
+    check_sizes(train_ds, val_ds, cfg.data.batch_size, world_size)
+
+
+def check_output_dir(cfg: Config) -> None:
+    """Never mix two runs' checkpoints, never write where another job writes; ``--resume`` must name something
+    resumable."""
+    from ignite_mgpu.checkpoint.files import find_resumable, is_complete
+
+    out = Path(cfg.output_dir)
+    owner = lock_owner(out)
+    if owner is not None:  # before anything else: the checkpoints there are the running job's
+        raise ConfigError(_locked_message(out, owner))
+    if out.exists() and not os.access(out, os.W_OK):
+        raise ConfigError(f"output_dir {out.resolve()} is not writable; choose another --output-dir.")
+    check_no_foreign_checkpoints(cfg)
+    if cfg.resume == "auto" and find_resumable(out) is None:
+        raise ConfigError(
+            f"--resume auto: no complete checkpoint in {out.resolve()} to resume from. "
+            "Drop --resume to start a new run there."
+        )
+    if cfg.resume not in (None, "auto"):
+        path = Path(cfg.resume)
+        if not path.is_file():
+            raise ConfigError(f"--resume {path}: no such file. Pass a checkpoint_<iteration>.pt path, or auto.")
+        if not is_complete(path):
+            raise CorruptCheckpointError(
+                f"--resume {path.resolve()}: the file is corrupt or truncated (not a complete checkpoint "
+                "archive). Use an earlier checkpoint, or --resume auto to pick the newest complete one."
+            )
+
+
+def check_no_foreign_checkpoints(cfg: Config) -> None:
+    """A new run (no --resume) needs an output_dir without checkpoints; checked again once the lock is held."""
+    from ignite_mgpu.checkpoint.files import list_checkpoints
+
+    out = Path(cfg.output_dir)
+    existing = list_checkpoints(out) if out.is_dir() else []
+    if cfg.resume is None and existing:
+        raise ConfigError(
+            f"output_dir {out.resolve()} already holds checkpoints of an earlier run ({existing[0].name}, ...). "
+            "Continue it with --resume auto, or choose a new --output-dir; nothing was deleted."
+        )
+
+
+@contextlib.contextmanager
+def prepared(cfg: Config) -> Iterator[LaunchPlan]:
+    """Run every check, decide the launch plan, and hold the output folder's lock while the caller runs the job.
+
+    Raises:
+        ConfigError, CheckpointError: before anything was started or created.
+    """
+    check_job(cfg)
+    leader = is_leader(cfg)
+    if leader:
+        check_output_dir(cfg)
+    plan = make_plan(cfg.dist)
+    check_datasets(cfg, plan.world_size)
+    if not leader:
+        yield plan
+        return
+    with output_lock(Path(cfg.output_dir)):
+        check_no_foreign_checkpoints(cfg)  # again under the lock: a job may have run there since the first check
+        yield plan
+
+
+# ----------------------------------------------------------------------------------------------- the lock
+
+
+def lock_owner(output_dir: Path) -> str | None:
+    """Who holds ``output_dir/.lock`` ("pid N on host H"), or None when no running job holds it.
+
+    The lock is an ``fcntl.flock`` on the file, so the kernel (and the NFS lock manager) drops it when its job
+    dies, however it dies: a lock file left behind by a killed job locks nothing.
+    """
+    import fcntl
+
+    try:
+        fd = os.open(output_dir / ".lock", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another job"
+    except OSError:
+        return None  # no flock on this file system; output_lock warns about it
+    finally:
+        os.close(fd)  # also releases the probe's shared lock
+    return None
+
+
+def _locked_message(output_dir: Path, owner: str) -> str:
+    return (
+        f"output_dir {output_dir} is locked by {owner}, another job writing there; wait for it or choose "
+        "another --output-dir."
+    )
+
+
+def _take_lock(lock: Path, output_dir: Path) -> int | None:
+    """An fd holding an exclusive ``flock`` on ``lock``; ConfigError when another job holds it; None (with a
+    warning) on a file system without ``flock``."""
+    import fcntl
+
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as err:
+            raise ConfigError(f"cannot open {lock} ({err.strerror}); choose another --output-dir.") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another job"
+            os.close(fd)
+            raise ConfigError(_locked_message(output_dir, owner)) from None
+        except OSError as err:  # e.g. Lustre mounted noflock, NFS without a lock manager
+            os.close(fd)
+            print(
+                f"ignite-mgpu: warning: cannot lock {lock} ({err.strerror}): a second job started on the same "
+                "output_dir would not be refused.",
+                file=sys.stderr,
+            )
+            return None
+        try:
+            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # locked a file that a finishing job has just removed: lock the one at the path now
+
+
+@contextlib.contextmanager
+def output_lock(output_dir: Path) -> Iterator[None]:
+    """One job per output folder: a second one fails fast instead of mixing checkpoints."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    lock = output_dir / ".lock"
+    fd = _take_lock(lock, output_dir)
+    if fd is None:
+        yield
+        return
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode())
+        yield
+    finally:
+        lock.unlink(missing_ok=True)  # before the unlock: a waiting job then re-checks and locks a new file
+        os.close(fd)

@@ -1,0 +1,84 @@
+"""How a model is wrapped for this process (DDP, DataParallel, or placed as it is), how to get the user's module
+back out, and DataParallel's per-GPU loss vector reduced to the batch loss."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ignite.distributed as idist
+import torch
+from torch import nn
+
+STRATEGIES = ("ddp", "dp")
+
+
+def prepare_model(
+    model: nn.Module, strategy: str = "ddp", sync_batchnorm: bool = False, compile: bool = False
+) -> nn.Module:
+    """Place and wrap a model for this process: DDP through ``idist.auto_model``, or DataParallel.
+
+    ``strategy="dp"`` gives a ``LossDataParallel``: plain DataParallel, except that a forward returning its own
+    loss does not trigger the "all input tensors were scalars" warning. With "ddp" and a single process the model
+    is only moved to ``idist.device()`` (``auto_model`` would silently pick DataParallel when one process sees
+    several GPUs). ``compile`` applies ``torch.compile`` first.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}: use 'ddp' (a process per GPU) or 'dp' (nn.DataParallel).")
+    if compile:
+        model = torch.compile(model)  # type: ignore[assignment]  # an OptimizedModule is an nn.Module
+    if strategy == "dp":
+        if not torch.cuda.is_available():
+            raise ValueError("strategy='dp' (nn.DataParallel) needs CUDA GPUs; on the CPU use strategy='ddp'.")
+        return LossDataParallel(model.to(torch.device("cuda", 0)))
+    if idist.get_world_size() == 1:
+        return model.to(idist.device())
+    return idist.auto_model(model, sync_bn=sync_batchnorm)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DataParallel / DistributedDataParallel / torch.compile wrappers."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def model_devices(model: nn.Module) -> list[torch.device]:
+    """The devices a model runs on: every GPU of a DataParallel, else the device of its parameters."""
+    if isinstance(model, nn.DataParallel):
+        return [torch.device("cuda", i) for i in model.device_ids]
+    return [next(model.parameters()).device]
+
+
+class LossDataParallel(nn.DataParallel):
+    """``nn.DataParallel`` whose replicas may return their own 0-dim loss.
+
+    Plain DataParallel gathers 0-dim outputs with the warning "Was asked to gather along dimension 0, but all
+    input tensors were scalars"; here they become a vector quietly, and ``reduce_replica_losses`` weights them.
+    """
+
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        if all(isinstance(o, torch.Tensor) and o.dim() == 0 for o in outputs):
+            outputs = [o.unsqueeze(0) for o in outputs]
+        return super().gather(outputs, output_device)
+
+
+def reduce_replica_losses(out: torch.Tensor, model: nn.Module, batch_size: int) -> torch.Tensor:
+    """The batch loss from a forward that returns the loss itself.
+
+    Under ``nn.DataParallel`` each replica returns the mean loss of its chunk and DataParallel stacks them into
+    a vector. The chunks are uneven when the batch does not divide (10 samples on 4 GPUs: 3/3/3/1), so a plain
+    mean is wrong: weight each replica's loss by its share of the batch.
+    """
+    if out.dim() == 0:
+        return out
+    if isinstance(model, nn.DataParallel) and out.dim() == 1:
+        sizes = [len(c) for c in torch.arange(batch_size).chunk(len(model.device_ids))]
+        if len(sizes) == out.numel():
+            weights = torch.tensor(sizes, dtype=out.dtype, device=out.device) / batch_size
+            return (out * weights).sum()
+    raise TypeError(
+        f"with loss_fn=None the model's forward(x, y) must return the loss as a 0-dim tensor, but it returned "
+        f"shape {tuple(out.shape)}. Return loss.mean() from forward, or pass a loss_fn and return the logits."
+    )

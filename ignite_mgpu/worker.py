@@ -1,0 +1,113 @@
+"""Inside one worker process: its process group and death signal, its signal handlers, joining the job's process
+group through ``idist.Parallel``, and the error file the supervisor reads when the worker fails.
+
+Torch-free at import (ignite is imported once the worker runs), like the rest of the process layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ignite_mgpu import stop
+from ignite_mgpu.errors import FAILED, TrainingStopped, is_user_error
+
+if TYPE_CHECKING:
+    from ignite_mgpu.launcher import LaunchPlan
+
+
+def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> None:
+    """Join the job's process group (or none, for one process) and run ``fn(local_rank, *args)`` in it."""
+    import ignite.distributed as idist
+
+    stop.set_collective_timeout(plan.timeout)
+    for name in ("launcher.Parallel", "auto.auto_dataloader", "auto.auto_model", "auto.auto_optim"):
+        logging.getLogger(f"ignite.distributed.{name}").setLevel(logging.WARNING)  # ignite keeps existing loggers
+    with idist.Parallel(backend=plan.backend, init_method=plan.init_method) as parallel:
+        if plan.gpus is not None and idist.device().type == "cuda":
+            import torch
+
+            index = idist.device().index or 0
+            print(
+                f"rank {idist.get_rank()}: cuda:{index} is physical GPU {plan.gpus[index]} "
+                f"({torch.cuda.get_device_name(index)})",
+                file=sys.stderr,
+                flush=True,
+            )
+        parallel.run(fn, *args)
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    if signum == signal.SIGINT and stop.stop_requested():
+        raise KeyboardInterrupt  # second Ctrl-C: stop at once
+    stop.request_stop(signum)
+
+
+@contextlib.contextmanager
+def in_process_signals() -> Iterator[None]:
+    """SIGINT/SIGTERM ask the training in this process to stop at the next guard check (one-process jobs)."""
+    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _set_pdeathsig() -> None:
+    # If the launcher dies (even by SIGKILL), its workers die too instead of holding GPUs and ports.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+def error_report(rank: int, err: BaseException) -> dict[str, Any]:
+    """What a failed worker tells the supervisor: its rank, when, the error, its exit code."""
+    return {
+        "rank": rank,
+        "time": time.time(),
+        "type": type(err).__name__,
+        "message": str(err),
+        "traceback": "" if is_user_error(err) else traceback.format_exc(),
+        "code": err.exit_code if isinstance(err, TrainingStopped) else FAILED,
+    }
+
+
+def worker_main(local_rank: int, plan: LaunchPlan, fn: Callable[..., Any], args: tuple, error_dir: str) -> None:
+    """The spawned process's entry: set up the process, run ``fn``, exit with its code (an error file on failure)."""
+    _set_pdeathsig()
+    os.setpgid(0, 0)  # own process group: Ctrl-C reaches only the launcher, which then stops the workers
+    for var in [v for v in os.environ if v.startswith("SLURM_")]:
+        del os.environ[var]  # inside an allocation ignite would read the launcher's SLURM task, not this rank
+    rank = plan.node_rank * plan.nproc + local_rank
+    os.environ.update(plan.env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(plan.world_size),
+        LOCAL_WORLD_SIZE=str(plan.nproc),
+        GROUP_RANK=str(plan.node_rank),
+        MASTER_ADDR=plan.master_addr,
+        MASTER_PORT=str(plan.master_port or 29500),
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_signal)
+    code = 0
+    try:
+        run_in_group(plan, fn, args)
+    except BaseException as err:  # every failure becomes an error file and an exit code
+        report = error_report(rank, err)
+        code = report["code"]
+        Path(error_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: a broken process group must not hang the exit

@@ -1,0 +1,95 @@
+"""The pre-flight shared by `ignite-mgpu train` and `ignite_mgpu.fit`: from Python, a bad output folder, resume
+target or dataset size is refused with exit code 2 before anything starts, and the folder is locked while the job
+runs. The launcher is replaced; the real jobs are in tests/distributed. `python -m pytest tests/test_preflight.py`."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ignite_mgpu import fit, launcher, preflight
+from ignite_mgpu.config import load_config
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    calls = []
+
+    def fake_run_plan(plan, fn, *args):
+        calls.append((plan, args, (Path(args[-1].output_dir) / ".lock").exists()))
+        return 0
+
+    monkeypatch.setattr(launcher, "run_plan", fake_run_plan)
+    return calls
+
+
+def config(tmp_path, *overrides):
+    return load_config(overrides=[f"output_dir={tmp_path / 'out'}", *overrides])
+
+
+def test_fit_runs_the_default_job_under_the_lock(launched, tmp_path):
+    assert fit(config(tmp_path, "dist.nproc=2")) == 0
+    plan, (target, cfg), locked = launched[0]
+    assert target == "ignite_mgpu.train:training" and plan.world_size == 2 and locked
+    assert not (tmp_path / "out" / ".lock").exists()  # released when the job ended
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["dist.nproc=3"], "must split evenly over 3 processes"),
+        (["resume=auto"], "no complete checkpoint"),
+        (["resume=nope.pt"], "no such file"),
+        (["model.name=resnet181"], "Did you mean 'resnet18'"),
+    ],
+)
+def test_fit_refuses_bad_input_before_anything_starts(launched, tmp_path, capsys, overrides, message):
+    assert fit(config(tmp_path, *overrides)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ignite-mgpu: error: ") and message in err and "Traceback" not in err
+    assert not launched and not (tmp_path / "out").exists()
+
+
+def test_fit_validates_a_config_built_by_hand(launched, tmp_path, capsys):
+    from ignite_mgpu import Config
+
+    cfg = Config(output_dir=str(tmp_path / "out"))
+    cfg.train.epochs = 0  # Config(...) skips load_config's validation; fit does it
+    assert fit(cfg) == 2 and "train.epochs" in capsys.readouterr().err and not launched
+
+
+def test_fit_refuses_another_runs_checkpoints_and_a_corrupt_resume_file(launched, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save({"model": {}}, out / "checkpoint_10.pt")
+    assert fit(config(tmp_path)) == 2 and "already holds checkpoints" in capsys.readouterr().err
+    (tmp_path / "half.pt").write_bytes(b"PK\x03\x04 half a zip")
+    assert fit(config(tmp_path, f"resume={tmp_path / 'half.pt'}")) == 1  # the data failed, not the command
+    assert "corrupt or truncated" in capsys.readouterr().err
+    assert not launched and (out / "checkpoint_10.pt").exists()
+
+
+def test_checkpoints_written_before_the_lock_is_taken_are_refused(launched, tmp_path, monkeypatch, capsys):
+    # A job that ran to its end between this job's first check and its lock: checked again under the lock.
+    out = tmp_path / "out"
+    take_lock = preflight._take_lock
+
+    def another_job_ran_meanwhile(lock, output_dir):
+        torch.save({"model": {}}, output_dir / "checkpoint_10.pt")
+        return take_lock(lock, output_dir)
+
+    monkeypatch.setattr(preflight, "_take_lock", another_job_ran_meanwhile)
+    assert fit(config(tmp_path)) == 2 and "already holds checkpoints" in capsys.readouterr().err
+    assert not launched  # nothing was launched
+    assert (out / "checkpoint_10.pt").exists() and not (out / ".lock").exists()
+
+
+def test_only_the_jobs_first_process_checks_and_locks(launched, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save({"model": {}}, out / "checkpoint_10.pt")  # would be refused on the leader
+    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)  # as torchrun starts the second process
+    assert not preflight.is_leader(config(tmp_path))
+    assert fit(config(tmp_path)) == 0 and launched[0][0].external
+    assert not (out / ".lock").exists()

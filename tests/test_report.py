@@ -1,0 +1,61 @@
+"""The epoch report in one process: one JSON line per epoch in metrics.jsonl whose figures agree with the engines,
+and the data-wait share that tells a slow loader. The 2-rank version is in tests/distributed/test_training.py.
+`python -m pytest tests/test_report.py`."""
+
+import json
+import time
+
+import pytest
+import torch
+from ignite.engine import Events
+from ignite.metrics import Accuracy, Loss
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from ignite_mgpu.engine import create_evaluator, create_trainer
+from ignite_mgpu.report import EpochReport
+from tests.helpers import data, linear
+
+
+def train_with_report(tmp_path, loader, epochs=2):
+    model = linear()
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), device="cpu")
+    evaluator = create_evaluator(model, {"accuracy": Accuracy(), "loss": Loss(nn.CrossEntropyLoss())}, device="cpu")
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(data(n=16)))
+    report = EpochReport(tmp_path / "metrics.jsonl", loader.batch_size, evaluator, [torch.device("cpu")])
+    report.attach(trainer)
+    trainer.run(loader, max_epochs=epochs)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return trainer, evaluator, report, rows
+
+
+class SlowItems(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return torch.zeros(6), 0
+
+
+def test_one_line_per_epoch_agreeing_with_the_engines(tmp_path):
+    # 10 ms per sample: epochs long enough that the rounded epoch time (1 ms) hardly changes the rates.
+    trainer, evaluator, report, rows = train_with_report(tmp_path, DataLoader(SlowItems(), batch_size=8))
+    assert [r["epoch"] for r in rows] == [1, 2] and [r["iteration"] for r in rows] == [2, 4]
+    last = rows[-1]
+    assert last == report.last
+    assert last["train_loss"] == pytest.approx(trainer.state.metrics["train_loss"])
+    assert last["val_loss"] == pytest.approx(evaluator.state.metrics["loss"])
+    assert last["val_accuracy"] == pytest.approx(evaluator.state.metrics["accuracy"])
+    assert last["samples_per_s"] == pytest.approx(2 * 8 / last["epoch_time_s"], rel=0.01)
+    assert last["time_per_iter_ms"] == pytest.approx(1000 * last["epoch_time_s"] / 2, rel=0.01)
+    assert len(last["peak_memory_mb"]) == 1 and last["peak_memory_mb"][0] > 50  # this process's RSS
+    assert last["memory_imbalance"] == 1.0 and 0 <= last["data_wait_share"] <= 1
+
+
+def test_a_slow_loader_shows_in_the_data_wait_share(tmp_path):
+    *_, rows = train_with_report(tmp_path, DataLoader(SlowItems(), batch_size=8), epochs=1)
+    assert rows[0]["data_wait_share"] > 0.5  # 80 ms of loading against well under a millisecond of training
+    (tmp_path / "fast").mkdir()
+    *_, fast = train_with_report(tmp_path / "fast", data(), epochs=1)
+    assert fast[0]["data_wait_share"] < rows[0]["data_wait_share"]
