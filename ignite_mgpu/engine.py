@@ -4,6 +4,7 @@ training step with switches (precision, accumulation, clipping), one evaluation 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -11,16 +12,37 @@ from typing import Any
 import ignite.distributed as idist
 import torch
 from ignite.engine import DeterministicEngine, Engine, Events
-from ignite.metrics import Metric
+from ignite.metrics import Accuracy, Loss, Metric
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from ignite_mgpu.checkpoint.files import native_rng_states, plain_rng_states
 from ignite_mgpu.guard import TrainingGuard
-from ignite_mgpu.strategy import reduce_replica_losses, unwrap
+from ignite_mgpu.strategy import find_ddp, reduce_replica_losses, unwrap
 
 Batch = Any
 PRECISIONS = ("fp32", "bf16", "fp16")
+FP16_DEVICE_TYPES = ("cuda",)  # fp16 needs a GradScaler, which PyTorch ships for CUDA; bf16 is the CPU's choice
+
+
+def use_deterministic_algorithms() -> None:
+    """PyTorch's deterministic mode, strict: an operation without a deterministic kernel raises instead of warning.
+
+    cuBLAS needs ``CUBLAS_WORKSPACE_CONFIG`` for determinism and reads it when it starts (at the first matmul on
+    the GPU): set here unless the user chose a value. ignite's ``DeterministicEngine`` switches the mode to
+    ``warn_only`` when a run starts on CUDA; ``PortableDeterministicEngine`` switches it back.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
+class Scaler(torch.amp.GradScaler):
+    """GradScaler that keeps its initial state when the checkpoint holds none: a run saved in fp32 (a disabled
+    scaler saves ``{}``) may resume in fp16 (``checkpoint.allow_config_change``), where GradScaler would raise."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict or not self.is_enabled():
+            super().load_state_dict(state_dict)
 
 
 def _under_autocast(forward: Callable[..., Any], precision: str, device: torch.device) -> Callable[..., Any]:
@@ -56,7 +78,8 @@ def create_trainer(
 
     Args:
         precision: "fp32", "bf16" (autocast on CUDA and CPU) or "fp16" (CUDA only, with a GradScaler).
-        deterministic: use ignite's DeterministicEngine (seeded per iteration; exact mid-epoch resume).
+        deterministic: ignite's DeterministicEngine (seeded per iteration; exact mid-epoch resume) and PyTorch's
+            strict deterministic mode, with ``CUBLAS_WORKSPACE_CONFIG`` set unless you set it.
         check_every: iterations between the guard's collective checks; 0 (default): about once a second, an
             interval the ranks agree on from their measured step times. Rounded to ``grad_accum_steps``.
         checkpoint_every: the iteration interval of your checkpoint handler, if any: the guard checks on those
@@ -67,12 +90,20 @@ def create_trainer(
     if grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps={grad_accum_steps}: use 1 (no accumulation) or more.")
     device = torch.device(device) if device is not None else idist.device()
-    if precision == "fp16" and device.type != "cuda":
+    if precision == "fp16" and device.type not in FP16_DEVICE_TYPES:
         raise ValueError("precision='fp16' needs CUDA (a GradScaler); on the CPU use precision='bf16'.")
+    if deterministic:
+        use_deterministic_algorithms()
     fp16 = precision == "fp16"
-    scaler = torch.amp.GradScaler(device.type, enabled=fp16)
+    scaler = Scaler(device.type, enabled=fp16)
+    # GradScaler skips the optimizer step when the scaled gradients overflowed (normal in the first steps of fp16):
+    # the schedule must then not advance either. A post-step hook tells, without a host-device sync.
+    stepped = [True]
+    if fp16 and lr_scheduler is not None:
+        optimizer.register_step_post_hook(lambda *_: stepped.__setitem__(0, True))
     # DDP all-reduces gradients in every backward; on accumulation steps that traffic is wasted, so skip it.
-    no_sync = model.no_sync if isinstance(model, DistributedDataParallel) else contextlib.nullcontext
+    ddp = find_ddp(model)
+    no_sync = ddp.no_sync if ddp is not None else contextlib.nullcontext
     parameters = [p for p in model.parameters() if p.requires_grad]
     inner = unwrap(model)  # the evaluator switches the unwrapped module to eval mode
 
@@ -101,12 +132,13 @@ def create_trainer(
                 scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
             torch.nn.utils.clip_grad_norm_(parameters, clip_grad_norm)
         if fp16:
-            scaler.step(optimizer)  # skips the step when the scaled gradients overflowed
+            stepped[0] = False
+            scaler.step(optimizer)  # skips optimizer.step() when the scaled gradients overflowed
             scaler.update()
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if lr_scheduler is not None:
+        if lr_scheduler is not None and stepped[0]:
             lr_scheduler.step()
         return loss.detach()
 
@@ -143,7 +175,8 @@ def create_evaluator(
     hold different numbers of validation batches (the validation sampler does not pad).
     """
     device = torch.device(device) if device is not None else idist.device()
-    net = model.module if isinstance(model, DistributedDataParallel) else model
+    ddp = find_ddp(model)
+    net = ddp.module if ddp is not None else model
     forward = _under_autocast(
         lambda x: net(x), precision if precision != "fp16" or device.type == "cuda" else "fp32", device
     )
@@ -176,3 +209,13 @@ class PortableDeterministicEngine(DeterministicEngine):
         if state.get("rng_states") is not None:
             state["rng_states"] = native_rng_states(list(state["rng_states"]))
         super().load_state_dict(state)
+
+    def _init_run(self) -> None:
+        super()._init_run()  # on CUDA it sets torch.use_deterministic_algorithms(True, warn_only=True)
+        use_deterministic_algorithms()
+
+
+def classification_metrics(device: torch.device) -> dict[str, Metric]:
+    """Accuracy and cross-entropy loss, accumulated on ``device``: metrics kept on the CPU (ignite's default) copy
+    every batch's result to the host, a device-to-host sync per validation batch on a GPU."""
+    return {"accuracy": Accuracy(device=device), "loss": Loss(nn.CrossEntropyLoss(), device=device)}

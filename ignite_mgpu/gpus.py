@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass
 from ignite_mgpu.errors import ConfigError
 
 _QUERY_GPUS = "--query-gpu=index,pci.bus_id,name,memory.used,memory.total,utilization.gpu"
-_GPU_ARGV = ["nvidia-smi", _QUERY_GPUS, "--format=csv,noheader,nounits"]
+_GPU_ARGV = ["nvidia-smi", _QUERY_GPUS + ",mig.mode.current", "--format=csv,noheader,nounits"]
+_GPU_ARGV_NO_MIG = ["nvidia-smi", _QUERY_GPUS, "--format=csv,noheader,nounits"]  # drivers that predate MIG
 _APPS_ARGV = ["nvidia-smi", "--query-compute-apps=gpu_bus_id,pid", "--format=csv,noheader"]
 _GRAMMAR = "all, none, auto (1 GPU), auto:N (N >= 1), or comma-separated physical GPU ids as nvidia-smi shows them"
 # GeForce RTX 40xx cards advertise PCIe peer-to-peer that hangs or corrupts NCCL collectives.
@@ -43,6 +44,7 @@ class GpuInfo:
     memory_total_mb: int  # MiB on the card (-1 if unknown)
     utilization: int  # percent, -1 if unknown
     n_processes: int  # compute processes on it, -1 if unknown
+    mig: bool = False  # in MIG mode: CUDA sees its MIG instances (nvidia-smi -L), not the card
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ def _query_nvml() -> list[GpuInfo] | None:
     def text(value: str | bytes) -> str:  # older pynvml returns bytes
         return value.decode() if isinstance(value, bytes) else value
 
+    mig_mode = getattr(pynvml, "nvmlDeviceGetMigMode", None)  # absent from old pynvml releases
     try:
         gpus = []
         for i in range(pynvml.nvmlDeviceGetCount()):
@@ -93,7 +96,8 @@ def _query_nvml() -> list[GpuInfo] | None:
             n_proc = optional(lambda h: len(pynvml.nvmlDeviceGetComputeRunningProcesses(h)), handle)
             bus = _bus(text(pynvml.nvmlDeviceGetPciInfo(handle).busId))
             name = text(pynvml.nvmlDeviceGetName(handle))
-            gpus.append(GpuInfo(i, bus, name, mem.used // 2**20, mem.total // 2**20, util, n_proc))
+            mig = mig_mode is not None and optional(lambda h: mig_mode(h)[0], handle) == 1  # (current, pending)
+            gpus.append(GpuInfo(i, bus, name, mem.used // 2**20, mem.total // 2**20, util, n_proc, mig))
         return gpus
     except pynvml.NVMLError:
         return None
@@ -116,9 +120,12 @@ def query_gpus(run: Callable[[list[str]], str] | None = None) -> list[GpuInfo]:
             return gpus
         run = _run_nvidia_smi
     try:
-        gpu_text = run(_GPU_ARGV)
+        gpu_text, with_mig = run(_GPU_ARGV), True
     except (OSError, subprocess.SubprocessError):
-        return []
+        try:
+            gpu_text, with_mig = run(_GPU_ARGV_NO_MIG), False
+        except (OSError, subprocess.SubprocessError):
+            return []
     try:  # one line per compute process: "00000000:07:00.0, 23817"
         apps = run(_APPS_ARGV).splitlines()
         procs: Counter[str] | None = Counter(_bus(line.split(",")[0]) for line in apps if "," in line)
@@ -127,12 +134,13 @@ def query_gpus(run: Callable[[list[str]], str] | None = None) -> list[GpuInfo]:
     gpus = []
     for line in gpu_text.splitlines():
         parts = [p.strip() for p in line.split(",")]
+        mig = with_mig and len(parts) >= 7 and parts.pop().lower() == "enabled"
         if len(parts) < 6 or not parts[0].isdigit():
             continue  # e.g. "No devices were found"
         bus = _bus(parts[1])
         used, total, util = (int(p) if p.isdigit() else -1 for p in parts[-3:])  # "[N/A]" -> -1
         n_proc = -1 if procs is None else procs[bus]
-        gpus.append(GpuInfo(int(parts[0]), bus, ", ".join(parts[2:-3]), used, total, util, n_proc))
+        gpus.append(GpuInfo(int(parts[0]), bus, ", ".join(parts[2:-3]), used, total, util, n_proc, mig))
     return sorted(gpus, key=lambda g: g.index)
 
 
@@ -247,16 +255,22 @@ def plan_gpus(spec: str | None, gpus: list[GpuInfo], environ: Mapping[str, str],
                 "(physical ids as nvidia-smi shows them). Pick ids from `ignite-mgpu devices`."
             )
         selected = arg
+        _refuse_mig(spec, [g for g in gpus if g.index in selected])
     elif kind == "all":
         selected = [g.index for g in gpus]
+        _refuse_mig(spec, gpus)
     else:
-        count = arg if isinstance(arg, int) else min(nproc or 1, len(gpus))
-        if count > len(gpus):
+        whole = [g for g in gpus if not g.mig]  # a MIG card's memory and load are the whole card's, not a slice's
+        count = arg if isinstance(arg, int) else min(nproc or 1, len(whole))
+        if count > len(whole):
+            mig = [g.index for g in gpus if g.mig]
+            has = f"{len(whole)} it can choose from ({_ids(mig)} in MIG mode)" if mig else str(len(whole))
             raise ConfigError(
-                f"--gpus {spec} asks for {count} GPUs but this machine has {len(gpus)} "
-                f"(GPUs {_ids([g.index for g in gpus])}); ask for at most {len(gpus)} or use --gpus all."
+                f"--gpus {spec} asks for {count} GPUs but this machine has {has} "
+                f"(GPUs {_ids([g.index for g in gpus])}); ask for at most {len(whole)} or "
+                f"{'name the ids of cards not in MIG mode' if mig else 'use --gpus all'}."
             )
-        ranked = sorted(gpus, key=_rank)
+        ranked = sorted(whole, key=_rank)
         chosen, skipped = ranked[:count], ranked[count:]
         selected = sorted(g.index for g in chosen)
         line = f"--gpus {spec} chose {', '.join(_describe(g) for g in chosen)}"
@@ -287,6 +301,18 @@ def plan_gpus(spec: str | None, gpus: list[GpuInfo], environ: Mapping[str, str],
     env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": wanted}
     env.update(_nccl_env([g for g in gpus if g.index in selected], environ, messages))
     return GpuPlan(selected, env, messages)
+
+
+def _refuse_mig(spec: str, selected: list[GpuInfo]) -> None:
+    """A card in MIG mode is not one CUDA device: CUDA sees its MIG instances, named by UUID, and a plain index in
+    CUDA_VISIBLE_DEVICES does not select them."""
+    if mig := [g.index for g in selected if g.mig]:
+        raise ConfigError(
+            f"--gpus {spec}: GPU {_ids(mig)} is in MIG mode, so CUDA sees its MIG instances rather than the card, "
+            "and a physical id cannot select them. List the instances with `nvidia-smi -L` and export "
+            "CUDA_VISIBLE_DEVICES=MIG-<uuid>[,...] without --gpus (one process per instance), or disable MIG "
+            "(nvidia-smi -i N -mig 0)."
+        )
 
 
 def _nccl_env(selected: list[GpuInfo], environ: Mapping[str, str], messages: list[str]) -> dict[str, str]:
@@ -341,6 +367,10 @@ def format_devices(gpus: list[GpuInfo], environ: Mapping[str, str], as_json: boo
         lines.append("'?': CUDA_VISIBLE_DEVICES names GPUs by UUID/MIG id, which this report does not map.")
     if unordered:
         lines.append("*: assumes CUDA_DEVICE_ORDER=PCI_BUS_ID (unset here; CUDA then orders fastest-first).")
+    if mig := [g.index for g in gpus if g.mig]:
+        lines.append(
+            f"GPU {_ids(mig)}: MIG mode; CUDA sees its MIG instances (nvidia-smi -L), which --gpus cannot select."
+        )
     if cpu_only:
         lines.append("Every GPU is hidden, so training would use the CPU (backend gloo, 1 process by default).")
     return "\n".join(lines)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,8 @@ class LaunchPlan:
     strategy: str = "ddp"
     external: bool = False  # started by torchrun / SLURM: join, spawn nothing
     gpus: list[int] | None = None  # physical GPU ids in CUDA order (None: as the environment has them)
+    device: str = "cpu"  # what the workers train on: "cuda" or "cpu"
+    spawn_one: bool = False  # run even a single process in a spawned worker, whose CUDA starts fresh
     messages: list[str] = field(default_factory=list)
 
     @property
@@ -93,26 +95,21 @@ def make_plan(cfg: DistConfig) -> LaunchPlan:
             "--backend nccl needs CUDA, but no GPU is visible to PyTorch here. Use --backend gloo (CPU) or "
             "--backend auto, or check CUDA_VISIBLE_DEVICES and the driver (ignite-mgpu devices)."
         )
+    if gpu_plan is not None and gpu_plan.physical_ids and not n_cuda:
+        built = "without CUDA" if torch.version.cuda is None else f"for CUDA {torch.version.cuda}"
+        raise ConfigError(
+            f"--gpus {cfg.gpus} selects GPUs that nvidia-smi shows, but PyTorch sees no CUDA device (torch "
+            f"{torch.__version__}, built {built}); the job would silently train on the CPU. Install a CUDA build of "
+            "PyTorch that matches the driver, or pass --gpus none to train on the CPU."
+        )
     messages = list(gpu_plan.messages) if gpu_plan else []
     if cfg.strategy == "dp":
         if not n_cuda:
             raise ConfigError("--strategy dp (nn.DataParallel) needs GPUs; on the CPU use the default --strategy ddp.")
         if (cfg.nproc or 1) != 1 or cfg.nnodes != 1:
             raise ConfigError("--strategy dp runs ONE process that drives every selected GPU; drop --nproc/--nnodes.")
-    external = _started_externally(environ)
-    if external:
-        world = int(environ.get("WORLD_SIZE", environ.get("SLURM_NTASKS", "1")))
-        nproc = int(environ.get("LOCAL_WORLD_SIZE", environ.get("SLURM_NTASKS_PER_NODE", str(world))).split("(")[0])
-        return LaunchPlan(
-            backend,
-            nproc,
-            nnodes=max(1, world // nproc),
-            timeout=cfg.timeout,
-            stop_grace=cfg.stop_grace,
-            strategy=cfg.strategy,
-            external=True,
-            messages=messages,
-        )
+    if _started_externally(environ):
+        return _external_plan(cfg, backend, n_cuda, messages, environ)
     selected = len(gpu_plan.physical_ids) if gpu_plan and gpu_plan.physical_ids else n_cuda
     nproc = cfg.nproc if cfg.nproc is not None else (selected if selected and cfg.strategy == "ddp" else 1)
     if backend == "nccl" and nproc > n_cuda:
@@ -132,6 +129,11 @@ def make_plan(cfg: DistConfig) -> LaunchPlan:
         stop_grace=cfg.stop_grace,
         strategy=cfg.strategy,
         gpus=gpu_plan.physical_ids if gpu_plan else None,
+        device="cuda" if n_cuda else "cpu",
+        # CUDA reads CUDA_VISIBLE_DEVICES once, when this process first asks it anything (torch.cuda.is_available()
+        # included, without is_initialized() turning true), and this process may have asked before --gpus was
+        # applied: a job on chosen GPUs always runs in a spawned process, also a single one.
+        spawn_one=gpu_plan is not None and bool(gpu_plan.physical_ids),
         messages=messages,
     )
     if plan.backend is not None:
@@ -145,17 +147,51 @@ def make_plan(cfg: DistConfig) -> LaunchPlan:
         if backend == "gloo" and 0 < n_cuda < nproc and gpu_plan is None:
             # ignite puts rank k on cuda:k whenever CUDA is visible; with more ranks than GPUs, train on the CPU.
             plan.env["CUDA_VISIBLE_DEVICES"] = ""
+            plan.device = "cpu"
             plan.messages.append(f"--backend gloo with {nproc} processes and {n_cuda} GPU(s): training on the CPU.")
         if backend == "gloo" and "OMP_NUM_THREADS" not in environ:
             plan.env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))  # no oversubscription
     return plan
 
 
+def _external_plan(
+    cfg: DistConfig, backend: str, n_cuda: int, messages: list[str], environ: Mapping[str, str]
+) -> LaunchPlan:
+    """The plan of a process that torchrun or SLURM started: it joins their group; the GPU checks still apply."""
+    world = int(environ.get("WORLD_SIZE", environ.get("SLURM_NTASKS", "1")))
+    nproc = int(environ.get("LOCAL_WORLD_SIZE", environ.get("SLURM_NTASKS_PER_NODE", str(world))).split("(")[0])
+    if cfg.strategy == "dp" and world > 1:
+        raise ConfigError(
+            f"--strategy dp under torchrun/SLURM with {world} processes: every process would build a DataParallel "
+            "over every GPU it sees and hold memory on all of them. DataParallel is one process driving several "
+            "GPUs: start one process (--nproc_per_node 1 / --ntasks 1), or drop --strategy dp for DDP."
+        )
+    if n_cuda and nproc > n_cuda:
+        raise ConfigError(
+            f"{nproc} processes on this node (LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE) but this process sees "
+            f"{n_cuda} GPU(s): each process trains on cuda:LOCAL_RANK, so every process must see every GPU of the "
+            "node. Start as many processes as GPUs, make all of the node's GPUs visible to each process (SLURM: "
+            "--gpus-per-node rather than --gpus-per-task, or --gpu-bind=none), or hide them all "
+            "(CUDA_VISIBLE_DEVICES=) to train on the CPU with gloo."
+        )
+    return LaunchPlan(
+        backend,
+        nproc,
+        nnodes=max(1, world // nproc),
+        timeout=cfg.timeout,
+        stop_grace=cfg.stop_grace,
+        strategy=cfg.strategy,
+        external=True,
+        device="cuda" if n_cuda else "cpu",
+        messages=messages,
+    )
+
+
 def run_plan(plan: LaunchPlan, fn: Callable[..., Any], *args: Any) -> int:
     """Run ``fn(local_rank, *args)`` as the plan says; returns the job's exit code (errors.EXIT_CODES)."""
     for line in plan.messages:
         print(f"ignite-mgpu: {line}", file=sys.stderr)
-    if plan.external or plan.backend is None:
+    if plan.external or (plan.backend is None and not plan.spawn_one):
         with in_process_signals():
             try:
                 run_in_group(plan, fn, args)

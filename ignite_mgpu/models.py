@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ignite_mgpu.errors import ConfigError
@@ -26,12 +27,23 @@ class SimpleCNN(nn.Module):
             nn.MaxPool2d(2),
             nn.Conv2d(16, 32, 3, padding=1),
             nn.ReLU(inplace=True),
-            nn.AdaptiveAvgPool2d(4),
         )
-        self.classifier = nn.Linear(32 * 4 * 4, num_classes)
+        self.classifier = nn.Linear(32 * POOLED * POOLED, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(torch.flatten(self.features(x), 1))
+        return self.classifier(torch.flatten(pool_to(self.features(x), POOLED), 1))
+
+
+POOLED = 4  # SimpleCNN pools its features to 4x4, whatever the image size
+
+
+def pool_to(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``adaptive_avg_pool2d(x, size)``, as a plain average pool when the sides divide by ``size``: the same numbers,
+    and unlike adaptive pooling its CUDA backward is deterministic (``train.deterministic`` runs it)."""
+    h, w = x.shape[-2:]
+    if h % size == 0 and w % size == 0:
+        return F.avg_pool2d(x, (h // size, w // size))
+    return F.adaptive_avg_pool2d(x, size)
 
 
 def _mlp(num_classes: int) -> nn.Module:

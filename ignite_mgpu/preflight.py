@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import sys
 from collections.abc import Iterator, Mapping
@@ -40,6 +41,25 @@ def check_job(cfg: Config) -> None:
                 "train.tensorboard=true needs the tensorboard package: "
                 "pip install tensorboard (or pip install -e '.[tensorboard]')."
             ) from None
+
+
+def check_model_options(cfg: Config, plan: LaunchPlan) -> None:
+    """Model options that need what the plan's device lacks: SyncBatchNorm needs CUDA, and torch.compile on the
+    CPU a C++ compiler (its inductor backend builds C++ kernels)."""
+    if cfg.model.sync_batchnorm and plan.device == "cpu" and plan.world_size > 1:
+        raise ConfigError(
+            "model.sync_batchnorm=true: PyTorch's SyncBatchNorm only works on CUDA GPUs, and this job trains on "
+            "the CPU. Set model.sync_batchnorm=false (each process then normalises over its own share of the "
+            "batch), or train on GPUs."
+        )
+    if cfg.model.compile and plan.device == "cpu":
+        names = [os.environ.get("CXX", ""), "g++", "clang++", "c++"]
+        if not any(name and shutil.which(name) for name in names):
+            raise ConfigError(
+                "model.compile=true on the CPU needs a C++ compiler (torch.compile builds C++ kernels), and none "
+                "was found (CXX, g++, clang++ or c++ on PATH). Install one (e.g. apt install g++), point CXX at it, "
+                "or set model.compile=false."
+            )
 
 
 def check_datasets(cfg: Config, world_size: int) -> None:
@@ -107,6 +127,7 @@ def prepared(cfg: Config) -> Iterator[LaunchPlan]:
     if leader:
         check_output_dir(cfg)
     plan = make_plan(cfg.dist)
+    check_model_options(cfg, plan)
     check_datasets(cfg, plan.world_size)
     if not leader:
         yield plan

@@ -8,6 +8,7 @@ from typing import Any
 import ignite.distributed as idist
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 STRATEGIES = ("ddp", "dp")
 
@@ -18,30 +19,44 @@ def prepare_model(
     """Place and wrap a model for this process: DDP through ``idist.auto_model``, or DataParallel.
 
     ``strategy="dp"`` gives a ``LossDataParallel``: plain DataParallel, except that a forward returning its own
-    loss does not trigger the "all input tensors were scalars" warning. With "ddp" and a single process the model
-    is only moved to ``idist.device()`` (``auto_model`` would silently pick DataParallel when one process sees
-    several GPUs). ``compile`` applies ``torch.compile`` first.
+    loss does not trigger the "all input tensors were scalars" warning, and each replica runs under the caller's
+    autocast dtype. With "ddp" and a single process the model is only moved to ``idist.device()`` (``auto_model``
+    would silently pick DataParallel when one process sees several GPUs). ``compile`` applies ``torch.compile`` to
+    the DDP-wrapped model, as PyTorch recommends (its DDP optimizer keeps communication overlapping compute); under
+    DataParallel, which replicates the module every step, the inner module is compiled.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: use 'ddp' (a process per GPU) or 'dp' (nn.DataParallel).")
-    if compile:
-        model = torch.compile(model)  # type: ignore[assignment]  # an OptimizedModule is an nn.Module
     if strategy == "dp":
         if not torch.cuda.is_available():
             raise ValueError("strategy='dp' (nn.DataParallel) needs CUDA GPUs; on the CPU use strategy='ddp'.")
-        return LossDataParallel(model.to(torch.device("cuda", 0)))
+        model = model.to(torch.device("cuda", 0))
+        return LossDataParallel(torch.compile(model) if compile else model)
     if idist.get_world_size() == 1:
-        return model.to(idist.device())
-    return idist.auto_model(model, sync_bn=sync_batchnorm)
+        model = model.to(idist.device())
+    else:
+        model = idist.auto_model(model, sync_bn=sync_batchnorm)
+    return torch.compile(model) if compile else model  # type: ignore[return-value]  # an OptimizedModule
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside DataParallel / DistributedDataParallel / torch.compile wrappers."""
     while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        # `is not None`, never `or`: the truth value of a module with __len__ (Sequential, a compiled one) calls len().
+        inner = getattr(model, "module", None)
+        if inner is None:
+            inner = getattr(model, "_orig_mod", None)
         if not isinstance(inner, nn.Module):
             return model
         model = inner
+
+
+def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
+    """The DistributedDataParallel wrapper of a prepared model (also inside torch.compile), or None."""
+    for candidate in (model, getattr(model, "_orig_mod", None)):
+        if isinstance(candidate, DistributedDataParallel):
+            return candidate
+    return None
 
 
 def model_devices(model: nn.Module) -> list[torch.device]:
@@ -52,16 +67,37 @@ def model_devices(model: nn.Module) -> list[torch.device]:
 
 
 class LossDataParallel(nn.DataParallel):
-    """``nn.DataParallel`` whose replicas may return their own 0-dim loss.
+    """``nn.DataParallel`` whose replicas may return their own 0-dim loss, and run under the caller's autocast dtype.
 
     Plain DataParallel gathers 0-dim outputs with the warning "Was asked to gather along dimension 0, but all
     input tensors were scalars"; here they become a vector quietly, and ``reduce_replica_losses`` weights them.
+    Plain DataParallel also runs each replica in a thread of its own under ``autocast(enabled=...)`` without a dtype;
+    the autocast dtype is per thread and CUDA's default is float16, so a bf16 forward would silently run in fp16
+    (without the GradScaler fp16 needs). Here each replica enters the caller's dtype itself.
     """
+
+    def parallel_apply(self, replicas: Any, inputs: Any, kwargs: Any) -> Any:
+        device_type = self.src_device_obj.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            replicas = [_UnderAutocast(r, device_type, dtype) for r in replicas]
+        return super().parallel_apply(replicas, inputs, kwargs)
 
     def gather(self, outputs: Any, output_device: Any) -> Any:
         if all(isinstance(o, torch.Tensor) and o.dim() == 0 for o in outputs):
             outputs = [o.unsqueeze(0) for o in outputs]
         return super().gather(outputs, output_device)
+
+
+class _UnderAutocast:
+    """A replica called under a given autocast dtype (``parallel_apply`` only calls it)."""
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+        self.module, self.device_type, self.dtype = module, device_type, dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
 
 
 def reduce_replica_losses(out: torch.Tensor, model: nn.Module, batch_size: int) -> torch.Tensor:

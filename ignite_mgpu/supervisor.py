@@ -58,6 +58,17 @@ def summarize(
     diverged = [r for r in reports if r["code"] == DIVERGED]
     if diverged:
         return DIVERGED, f"training diverged: {diverged[0]['message']}"
+    if first_failure and first_failure[1] == -signal.SIGABRT and not reports:
+        # NCCL's watchdog aborts a process whose collective outlived the timeout (no error file is written): the
+        # ranks that aborted were waiting; the silent ones, those that did not abort, are what to look at.
+        aborted = [rank_offset + i for i, c in enumerate(exit_codes) if c == -signal.SIGABRT]
+        silent = [rank_offset + i for i, c in enumerate(exit_codes) if c != -signal.SIGABRT]
+        return FAILED, (
+            f"rank(s) {', '.join(map(str, aborted))} aborted (SIGABRT), which is how NCCL's watchdog ends a "
+            f"process whose collective waited longer than dist.timeout ({timeout:.0f} s); rank(s) "
+            f"{', '.join(map(str, silent)) or '?'} never arrived (stuck or hung). Find what they were doing (data "
+            "loader, I/O, a rank-dependent branch); --resume auto continues from the last checkpoint."
+        )
     if first_failure and first_failure[1] < 0:  # killed (OOM killer, kill -9): no error file of its own
         local_rank, code = first_failure
         hint = " (the kernel's OOM killer sends SIGKILL when memory runs out)" if code == -signal.SIGKILL else ""

@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 from pathlib import Path
 
 import ignite.distributed as idist
 import torch
 from ignite.engine import Events
-from ignite.metrics import Accuracy, Loss
 from ignite.utils import manual_seed
 from torch import nn
 
@@ -24,7 +22,7 @@ from ignite_mgpu.checkpoint.resume import resume, run_signature
 from ignite_mgpu.checkpoint.save import RunInfo, adopt_existing, attach_checkpoints
 from ignite_mgpu.config import Config, dump_config
 from ignite_mgpu.data import attach_skip_counter, create_dataloaders
-from ignite_mgpu.engine import create_evaluator, create_trainer
+from ignite_mgpu.engine import classification_metrics, create_evaluator, create_trainer, use_deterministic_algorithms
 from ignite_mgpu.models import create_model
 from ignite_mgpu.optim import create_lr_scheduler, create_optimizer
 from ignite_mgpu.report import EpochReport, attach_tensorboard
@@ -52,8 +50,9 @@ def training(local_rank: int, cfg: Config) -> None:
     setup_cpu_memory(cfg.train.keep_cpu_memory, idist.device().type)
     manual_seed(cfg.seed)
     if cfg.train.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts, at the first matmul
-        torch.use_deterministic_algorithms(True)
+        use_deterministic_algorithms()  # before anything runs on the GPU: cuBLAS reads its setting when it starts
+    elif idist.device().type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN picks its fastest kernels once
     out = Path(cfg.output_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -81,9 +80,7 @@ def training(local_rank: int, cfg: Config) -> None:
         check_every=t.check_every,
         checkpoint_every=cfg.checkpoint.every_iters,
     )
-    evaluator = create_evaluator(
-        model, {"accuracy": Accuracy(), "loss": Loss(nn.CrossEntropyLoss())}, precision=t.precision
-    )
+    evaluator = create_evaluator(model, classification_metrics(idist.device()), precision=t.precision)
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(val_loader))
 
     to_save = {
@@ -126,7 +123,7 @@ def evaluation(local_rank: int, cfg: Config, checkpoint_path: str, as_json: bool
     model = create_model(cfg.model, val_loader.dataset[0][0].unsqueeze(0))  # map-style
     load_checkpoint(checkpoint_path, {"model": model}, map_location="cpu")
     model = prepare_model(model, cfg.dist.strategy)  # as training places it: never a silent DataParallel
-    metrics = {"accuracy": Accuracy(), "loss": Loss(nn.CrossEntropyLoss())}
+    metrics = classification_metrics(idist.device())
     state = create_evaluator(model, metrics, precision=cfg.train.precision).run(val_loader)
     result = {"checkpoint": checkpoint_path, "samples": len(val_loader.dataset), **state.metrics}  # type: ignore[arg-type]  # sized
     if rank == 0:

@@ -5,6 +5,7 @@ Run everything with `python -m pytest -q`; `-m "not distributed"` keeps to the i
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -70,19 +71,27 @@ def _no_nvidia_smi(argv):
     raise FileNotFoundError("nvidia-smi (hidden from the CPU tests)")
 
 
-def _cuda_present() -> bool:
-    """Whether this machine has a usable GPU, asked in a child process: querying CUDA here would fix this process's
-    device count before a test could set CUDA_VISIBLE_DEVICES."""
+@functools.cache
+def cuda_device_count() -> int:
+    """The GPUs PyTorch sees on this machine, asked in a child process: querying CUDA here would fix this process's
+    view of the GPUs before a test could set CUDA_VISIBLE_DEVICES."""
     probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES" or v}  # the machine's own view
     try:
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
     except (OSError, subprocess.SubprocessError):
-        return False
-    return out.returncode == 0 and out.stdout.strip() not in ("", "0")
+        return 0
+    return int(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip().isdigit() else 0
+
+
+def needs_gpus(n: int) -> None:
+    """Skip the calling gpu test unless at least ``n`` GPUs exist."""
+    if cuda_device_count() < n:
+        pytest.skip(f"needs {n} GPUs, {cuda_device_count()} visible")
 
 
 def pytest_collection_modifyitems(config, items):
-    if not any("gpu" in item.keywords for item in items) or _cuda_present():
+    if not any("gpu" in item.keywords for item in items) or cuda_device_count():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -163,3 +163,77 @@ def test_training_mode_is_restored_after_evaluation():
     trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda: modes.append(model[1].training))
     trainer.run(data(), max_epochs=2)
     assert all(modes) and len(modes) == 8
+
+
+@pytest.fixture
+def fp16_on_cpu(monkeypatch):
+    """PyTorch's GradScaler works on the CPU too; create_trainer allows fp16 only on CUDA, where it is useful."""
+    from ignite_mgpu import engine
+
+    monkeypatch.setattr(engine, "FP16_DEVICE_TYPES", ("cuda", "cpu"))
+
+
+def test_fp16_a_skipped_optimizer_step_does_not_advance_the_schedule(fp16_on_cpu, recwarn):
+    model = linear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = create_lr_scheduler(opt, total_steps=8, warmup_steps=2)
+    trainer = create_trainer(
+        model, opt, nn.CrossEntropyLoss(), device="cpu", precision="fp16", lr_scheduler=sched, check_every=1
+    )
+    overflow = [1, 2]  # the first two steps overflow, as fp16's first steps with a large initial scale do
+    # Infinite gradients on those steps: GradScaler finds them and skips optimizer.step().
+    model.weight.register_hook(lambda g: g * float("inf") if trainer.state.iteration in overflow else g)
+
+    trainer.run(data(n=32), max_epochs=1)
+    assert sched.last_epoch == 4 - len(overflow)  # 4 iterations, 2 optimizer steps taken
+    assert not [w for w in recwarn if "lr_scheduler.step()` before `optimizer.step()" in str(w.message)]
+
+
+def test_an_fp32_checkpoint_resumes_in_fp16(fp16_on_cpu):
+    fp32 = create_trainer(linear(), torch.optim.SGD(linear().parameters(), lr=0.1), nn.MSELoss(), device="cpu")
+    saved = fp32.scaler.state_dict()
+    assert saved == {}  # a disabled GradScaler saves nothing
+    fp16 = create_trainer(
+        linear(), torch.optim.SGD(linear().parameters(), lr=0.1), nn.MSELoss(), device="cpu", precision="fp16"
+    )
+    fp16.scaler.load_state_dict(saved)  # plain GradScaler raises: "The source state dict is empty"
+    assert fp16.scaler.get_scale() == 65536.0  # its initial scale, kept
+
+
+@pytest.fixture
+def deterministic_mode_restored():
+    import os
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    if cublas is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+def test_deterministic_mode_stays_strict_when_ignite_relaxes_it_on_cuda(deterministic_mode_restored, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # ignite's DeterministicEngine then sets warn_only
+    model = linear()
+    trainer = create_trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), device="cpu", deterministic=True
+    )
+    modes = []
+    trainer.add_event_handler(
+        Events.ITERATION_COMPLETED,
+        lambda: modes.append(
+            (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+        ),
+    )
+    trainer.run(data(), max_epochs=1)
+    assert set(modes) == {(True, False)}  # strict: an op without a deterministic kernel raises
+    import os
+
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_validation_metrics_accumulate_on_the_training_device():
+    from ignite_mgpu.engine import classification_metrics
+
+    metrics = classification_metrics(torch.device("cpu"))
+    assert set(metrics) == {"accuracy", "loss"} and {m._device for m in metrics.values()} == {torch.device("cpu")}

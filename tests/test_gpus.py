@@ -353,6 +353,7 @@ def test_format_devices_json_round_trip(a100):
         "memory_total_mb": 81920,
         "utilization": 0,
         "n_processes": 0,
+        "mig": False,
         "cuda_index": 0,
     }
     assert [g["cuda_index"] for g in data["gpus"]] == [None, None, None, 0]
@@ -408,3 +409,57 @@ def test_check_cuda_initialized_too_early(monkeypatch, count, ids, environ):
 def test_module_does_not_import_torch():
     code = "import sys, ignite_mgpu.gpus; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
+# --- MIG ----------------------------------------------------------------------------------------------------
+
+# An 8-GPU H100 box whose GPU 1 is split into MIG instances (the query then has a 7th column, mig.mode.current).
+H100_MIG = "".join(
+    f"{i}, 00000000:{0x18 + i:02X}:00.0, NVIDIA H100 80GB HBM3, 4, 81559, 0, {'Enabled' if i == 1 else 'Disabled'}\n"
+    for i in range(4)
+)
+
+
+def test_query_reads_the_mig_mode_and_falls_back_on_drivers_without_it():
+    gpus = query_gpus(recorded(H100_MIG))
+    assert [g.mig for g in gpus] == [False, True, False, False] and gpus[1].utilization == 0
+    calls = []
+
+    def old_driver(argv):
+        calls.append(argv[1])
+        if "mig.mode.current" in argv[1]:
+            raise subprocess.CalledProcessError(2, argv, 'Field "mig.mode.current" is not a valid field to query.')
+        return A100_GPUS if argv[1].startswith("--query-gpu=") else ""
+
+    assert [g.index for g in query_gpus(old_driver)] == [0, 1, 2, 3] and len(calls) == 3
+
+
+def test_mig_cards_are_refused_by_id_and_skipped_by_auto():
+    gpus = query_gpus(recorded(H100_MIG))
+    for spec in ("1", "0,1", "all"):
+        with pytest.raises(ConfigError, match=r"GPU 1 is in MIG mode.*nvidia-smi -L.*CUDA_VISIBLE_DEVICES=MIG-<uuid>"):
+            plan_gpus(spec, gpus, {})
+    assert plan_gpus("auto:3", gpus, {}).physical_ids == [0, 2, 3]
+    with pytest.raises(
+        ConfigError, match=r"asks for 4 GPUs but this machine has 3 it can choose from \(1 in MIG mode\) \(GPUs 0-3\)"
+    ):
+        plan_gpus("auto:4", gpus, {})
+    assert "GPU 1: MIG mode" in format_devices(gpus, {})
+
+
+def test_query_reads_the_mig_mode_from_nvml(monkeypatch):
+    fake = types.SimpleNamespace(
+        NVMLError=RuntimeError,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetName=lambda h: "NVIDIA A100-SXM4-40GB",
+        nvmlDeviceGetPciInfo=lambda h: types.SimpleNamespace(busId=f"0000:0{h}:00.0"),
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=0, total=40960 * 2**20),
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=0),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [],
+        nvmlDeviceGetMigMode=lambda h: (h, h),  # GPU 1 in MIG mode
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert [g.mig for g in query_gpus()] == [False, True]

@@ -46,3 +46,72 @@ def test_checkpoints_must_fall_on_optimizer_steps():
     with pytest.raises(ConfigError, match=r"checkpoint.every_iters.*multiple of train.grad_accum_steps=4"):
         load_config(overrides=["train.grad_accum_steps=4", "checkpoint.every_iters=6"])
     assert load_config(overrides=["train.grad_accum_steps=4", "checkpoint.every_iters=8"]).checkpoint.every_iters == 8
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    """Make this process's torch report ``n`` GPUs (the suite hides CUDA; the plan only asks torch.cuda)."""
+    import torch
+
+    def visible(n):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    return visible
+
+
+@pytest.fixture
+def torchrun(monkeypatch):
+    def started(local_world, world):
+        for key, value in {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": world,
+            "LOCAL_WORLD_SIZE": local_world,
+        }.items():
+            monkeypatch.setenv(key, str(value))
+
+    return started
+
+
+def test_under_torchrun_each_process_needs_every_gpu_of_the_node(cuda, torchrun):
+    torchrun(local_world=4, world=8)
+    cuda(1)  # e.g. SLURM --gpus-per-task=1: every process sees only its own GPU, ignite wants cuda:LOCAL_RANK
+    with pytest.raises(ConfigError, match=r"4 processes on this node .* sees 1 GPU\(s\).*--gpus-per-node"):
+        make_plan(DistConfig())
+    cuda(4)
+    plan = make_plan(DistConfig())
+    assert plan.external and plan.backend == "nccl" and plan.device == "cuda" and plan.world_size == 8
+
+
+def test_dataparallel_under_torchrun_with_several_processes_is_refused(cuda, torchrun):
+    cuda(2)
+    torchrun(local_world=2, world=2)
+    with pytest.raises(ConfigError, match=r"--strategy dp under torchrun/SLURM with 2 processes"):
+        make_plan(DistConfig(strategy="dp"))
+    torchrun(local_world=1, world=1)
+    assert make_plan(DistConfig(strategy="dp")).external
+
+
+def test_gpus_that_pytorch_cannot_see_are_an_error(monkeypatch):
+    from ignite_mgpu import gpus
+    from tests.distributed.test_gpu_selection import FOUR_A100
+
+    monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    with pytest.raises(ConfigError, match=r"--gpus 2,3 selects GPUs that nvidia-smi shows, but PyTorch sees no CUDA"):
+        make_plan(DistConfig(gpus="2,3"))
+
+
+def test_a_job_on_chosen_gpus_runs_in_a_fresh_process_even_alone(cuda, monkeypatch):
+    from ignite_mgpu import gpus
+    from tests.distributed.test_gpu_selection import FOUR_A100
+
+    monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    cuda(1)  # what torch reports after CUDA_VISIBLE_DEVICES=2 (counted afresh)
+    plan = make_plan(DistConfig(gpus="2"))
+    assert (plan.nproc, plan.backend, plan.spawn_one, plan.device) == (1, None, True, "cuda")
+    assert not make_plan(DistConfig()).spawn_one  # without --gpus the one process runs here, as before

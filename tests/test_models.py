@@ -20,3 +20,23 @@ def test_names():
 def test_unknown_names(name, match):
     with pytest.raises(ConfigError, match=match):
         create_model(ModelConfig(name=name))
+
+
+@pytest.mark.parametrize("side", [8, 16, 9, 12])
+def test_simple_cnn_pools_like_adaptive_pooling_without_its_nondeterministic_cuda_backward(side):
+    import torch.nn.functional as F
+
+    from ignite_mgpu.models import pool_to
+
+    x = torch.randn(2, 32, side, side)
+    torch.testing.assert_close(pool_to(x, 4), F.adaptive_avg_pool2d(x, 4))  # bitwise when the sides divide by 4
+    model = SimpleCNN()
+    assert not any(isinstance(m, torch.nn.AdaptiveAvgPool2d) for m in model.modules())
+    assert list(model.state_dict()) == [
+        "features.0.weight",
+        "features.0.bias",
+        "features.3.weight",
+        "features.3.bias",
+        "classifier.weight",
+        "classifier.bias",
+    ]  # old files load

@@ -93,3 +93,17 @@ def test_only_the_jobs_first_process_checks_and_locks(launched, tmp_path, monkey
     assert not preflight.is_leader(config(tmp_path))
     assert fit(config(tmp_path)) == 0 and launched[0][0].external
     assert not (out / ".lock").exists()
+
+
+def test_syncbatchnorm_on_the_cpu_is_refused_before_anything_starts(launched, tmp_path, capsys):
+    assert fit(config(tmp_path, "model.sync_batchnorm=true", "dist.nproc=2")) == 2
+    err = capsys.readouterr().err
+    assert "model.sync_batchnorm=true: PyTorch's SyncBatchNorm only works on CUDA GPUs" in err and not launched
+    assert fit(config(tmp_path, "model.sync_batchnorm=true")) == 0  # one process: nothing to synchronise
+
+
+def test_compile_on_the_cpu_without_a_compiler_is_refused(launched, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(preflight.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    assert fit(config(tmp_path, "model.compile=true")) == 2
+    assert "model.compile=true on the CPU needs a C++ compiler" in capsys.readouterr().err and not launched

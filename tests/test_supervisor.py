@@ -87,3 +87,11 @@ def test_error_report_of_a_deliberate_stop_has_its_code_and_no_traceback():
     except ConfigError as caught:
         rep = error_report(1, caught)
     assert rep["code"] == 1 and rep["traceback"] == ""  # a user error inside a running job: exit 1, no traceback
+
+
+def test_an_nccl_watchdog_abort_names_the_ranks_that_never_arrived():
+    # NCCL's watchdog aborts the waiting ranks (SIGABRT, no error file); the stuck one is killed after the grace.
+    code, message = summarize([], [-signal.SIGABRT, -signal.SIGKILL, -signal.SIGABRT], (0, -signal.SIGABRT), timeout=60)
+    assert code == 1
+    assert message.startswith("rank(s) 0, 2 aborted (SIGABRT), which is how NCCL's watchdog ends a process whose ")
+    assert "dist.timeout (60 s); rank(s) 1 never arrived (stuck or hung)" in message

@@ -27,7 +27,12 @@ def report_environment(local_rank: int, out: str) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("spec, expected", [("2,3", "2,3"), ("auto:2", "2,3"), ("3,1", "3,1")])
 def test_workers_see_the_selected_gpus(tmp_path, monkeypatch, spec, expected):
+    import torch
+
     monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
+    # The launcher's torch sees the 2 selected GPUs (the workers, on this CPU machine, see none and train on the CPU).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # launch() exports both into this process: restored after
     launch(report_environment, str(tmp_path), gpus=spec, backend="gloo")  # nproc defaults to the 2 GPUs chosen
@@ -52,18 +57,21 @@ def test_bad_gpu_requests_fail_before_spawning(monkeypatch):
 def report_device(local_rank: int, out: str) -> None:
     import torch
 
-    seen = {"device": str(idist.device()), "name": torch.cuda.get_device_name(0)}
+    device = idist.device()  # one process: ignite's serial model says "cuda", without an index
+    seen = {"type": device.type, "index": torch.cuda.current_device(), "count": torch.cuda.device_count(),
+            "name": torch.cuda.get_device_name(torch.cuda.current_device())}  # fmt: skip
     Path(out, f"rank{local_rank}.json").write_text(json.dumps(seen))
 
 
 @pytest.mark.gpu
 @pytest.mark.timeout(120)
-def test_real_gpu_selection(tmp_path):
+def test_real_gpu_selection(tmp_path, monkeypatch):
     snapshot = gpus.query_gpus()
     if not snapshot:
         pytest.skip("nvidia-smi shows no GPU")
-    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # launch() exports both: restored after the test
     last = snapshot[-1]
-    launch(report_device, str(tmp_path), gpus=str(last.index))  # one GPU: in-process, cuda:0 is that GPU
+    launch(report_device, str(tmp_path), gpus=str(last.index))  # one GPU: a fresh spawned process sees only it
     seen = json.loads((tmp_path / "rank0.json").read_text())
-    assert seen["device"] == "cuda:0" and seen["name"] == last.name
+    assert seen == {"type": "cuda", "index": 0, "count": 1, "name": last.name}

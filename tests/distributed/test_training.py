@@ -159,6 +159,33 @@ def test_cli_train_resume_evaluate(tmp_path):
     assert scored["accuracy"] == pytest.approx(max(r["val_accuracy"] for r in metrics(out)))
 
 
+@pytest.mark.timeout(300)
+def test_compiled_model_trains_resumes_and_evaluates_with_plain_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    tiny = [
+        *TINY,
+        "model.name=mlp",
+        "data.image_size=8",
+        "model.compile=true",
+        "--nproc",
+        "2",
+        "--output-dir",
+        str(out),
+    ]
+    result = run_cli(["train", *tiny], tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = run_cli(["train", *tiny, "--resume", "auto", "train.epochs=3"], tmp_path, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]
+    state = final_model(out)
+    assert list(state) == ["1.weight", "1.bias", "3.weight", "3.bias"]  # no _orig_mod. / module. prefix
+    (best,) = out.glob("best_model_*.pt")
+    ev = run_cli(
+        ["evaluate", *TINY, "model.name=mlp", "data.image_size=8", "--checkpoint", str(best), "--json"], tmp_path
+    )
+    assert ev.returncode == 0 and json.loads(ev.stdout.strip().splitlines()[-1])["samples"] == 101, ev.stderr[-3000:]
+
+
 @pytest.mark.timeout(180)
 def test_torchrun_starts_the_same_job(tmp_path):
     out = tmp_path / "run"
