@@ -91,6 +91,7 @@ def main() -> None:
       ignite-mgpu train --nproc 2                      # default job: small CNN on synthetic data
       ignite-mgpu train configs/cifar10_resnet18.yaml --gpus 2,3 optim.lr=0.1
       ignite-mgpu devices                              # which GPUs exist and which are busy
+      ignite-mgpu report runs/dp runs/ddp              # their curves and per-GPU memory in ./report.png
     """
 
 
@@ -147,6 +148,32 @@ def devices(as_json: bool) -> None:
     from ignite_mgpu import gpus
 
     click.echo(gpus.format_devices(gpus.query_gpus(), os.environ, as_json=as_json))
+
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False), metavar="RUN_DIR...")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    help="Image file [default: RUN_DIR/report.png for one run, ./report.png for several].",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of the table.")
+def report(run_dirs: tuple[str, ...], out: str | None, as_json: bool) -> None:
+    """Draw runs (their metrics.jsonl and config.yaml) into one PNG and print their figures as a table.
+
+    \b
+    Panels: training and validation loss, validation accuracy, samples/s and data-wait share per epoch, and
+    the peak memory of each GPU (dp) or process (ddp) in the last epoch with its max/min ratio. Several
+    RUN_DIRs are overlaid, each named by its folder, strategy and process count. Without matplotlib
+    (pip install -e ".[plot]") only the table is printed. Reads files only: safe while a run is going.
+    """
+    with _errors_to_exit():
+        from ignite_mgpu import runs
+
+        found = runs.read_runs(run_dirs)
+        image, note = runs.write_image(found, out)
+    click.echo(runs.to_json(found, image) if as_json else runs.format_table(found))
+    click.echo(note, err=True)
 
 
 @main.group()

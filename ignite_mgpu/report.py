@@ -32,7 +32,8 @@ class EpochReport:
 
     Fields: epoch, iteration, train_loss (mean over ranks), val_loss, val_accuracy, samples_per_s (global),
     time_per_iter_ms, data_wait_share (time waiting for the data loader / training time, worst rank),
-    peak_memory_mb (one entry per GPU, or per process on the CPU) and memory_imbalance (max/min).
+    peak_memory_mb (one entry per GPU, or per process on the CPU), peak_memory_per ("gpu": CUDA's peak allocated
+    memory of each GPU; "process": each process's peak RSS) and memory_imbalance (max/min).
     """
 
     def __init__(self, path: str | Path, global_batch: int, evaluator: Engine, devices: list[torch.device]) -> None:
@@ -40,6 +41,14 @@ class EpochReport:
         self.last: dict[str, Any] = {}
         self._wait = 0.0
         self._fetch_start = 0.0
+
+    def memory_tags(self) -> list[str]:
+        """TensorBoard tags of the same entries: ``memory/rank<k>`` for processes, ``memory/gpu<k>`` for the GPUs
+        of one process (k: its CUDA index in the job)."""
+        world, cuda = idist.get_world_size(), [d for d in self.devices if d.type == "cuda"]
+        if world == 1 and cuda:
+            return [f"memory/gpu{k}" for k in range(len(cuda))]
+        return [f"memory/rank{k}" for k in range(world)]
 
     def attach(self, trainer: Engine) -> None:
         trainer.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
@@ -80,6 +89,7 @@ class EpochReport:
             "time_per_iter_ms": round(1000 * seconds / max(1, iterations), 3),
             "data_wait_share": round(float(rows[:, 0].max()), 4),
             "peak_memory_mb": memory,
+            "peak_memory_per": "gpu" if self.devices[0].type == "cuda" else "process",
             "memory_imbalance": round(max(memory) / max(min(memory), 1e-9), 3),
             "epoch_time_s": round(seconds, 3),
         }
@@ -101,7 +111,8 @@ class EpochReport:
 
 
 def attach_tensorboard(trainer: Engine, report: EpochReport, logdir: Path) -> None:
-    """Every number of the epoch report as a TensorBoard scalar (rank 0; needs the tensorboard package)."""
+    """Every number of the epoch report as a TensorBoard scalar, and the peak memory of each rank (or GPU) as one
+    scalar each (rank 0; needs the tensorboard package)."""
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(logdir))
@@ -110,6 +121,8 @@ def attach_tensorboard(trainer: Engine, report: EpochReport, logdir: Path) -> No
         for key, value in report.last.items():
             if isinstance(value, (int, float)) and key not in ("epoch", "iteration"):
                 writer.add_scalar(key, value, engine.state.epoch)
+        for tag, mb in zip(report.memory_tags(), report.last["peak_memory_mb"], strict=False):
+            writer.add_scalar(tag, mb, engine.state.epoch)
         writer.flush()
 
     trainer.add_event_handler(Events.EPOCH_COMPLETED, write)

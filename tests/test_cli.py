@@ -158,7 +158,7 @@ def test_help_is_fast_and_lists_commands():
     start = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "ignite_mgpu", "--help"], capture_output=True, text=True, check=True)
     assert time.monotonic() - start < 5  # the real bound (0.3 s) is measured by benchmarks/, not asserted here
-    for command in ("train", "evaluate", "devices", "checkpoint"):
+    for command in ("train", "evaluate", "devices", "checkpoint", "report"):
         assert command in out.stdout
     check = "import sys, ignite_mgpu.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", check]).returncode == 0  # torch is imported lazily

@@ -5,6 +5,7 @@ and the data-wait share that tells a slow loader. The 2-rank version is in tests
 import json
 import time
 
+import ignite.distributed as idist
 import pytest
 import torch
 from ignite.engine import Events
@@ -51,6 +52,14 @@ def test_one_line_per_epoch_agreeing_with_the_engines(tmp_path):
     assert last["time_per_iter_ms"] == pytest.approx(1000 * last["epoch_time_s"] / 2, rel=0.01)
     assert len(last["peak_memory_mb"]) == 1 and last["peak_memory_mb"][0] > 50  # this process's RSS
     assert last["memory_imbalance"] == 1.0 and 0 <= last["data_wait_share"] <= 1
+    assert last["peak_memory_per"] == "process" and report.memory_tags() == ["memory/rank0"]
+
+
+def test_tensorboard_tags_name_each_gpu_of_one_process_or_each_rank(monkeypatch):
+    gpus = [torch.device("cuda", k) for k in range(3)]  # device objects only: no CUDA needed
+    assert EpochReport("unused", 8, None, gpus).memory_tags() == ["memory/gpu0", "memory/gpu1", "memory/gpu2"]  # dp
+    monkeypatch.setattr(idist, "get_world_size", lambda: 2)
+    assert EpochReport("unused", 8, None, gpus[1:2]).memory_tags() == ["memory/rank0", "memory/rank1"]
 
 
 def test_a_slow_loader_shows_in_the_data_wait_share(tmp_path):

@@ -12,14 +12,19 @@ from pathlib import Path
 import ignite.distributed as idist
 import pytest
 import torch
+from click.testing import CliRunner
 from ignite.engine import Events
 from torch import nn
 
 from ignite_mgpu import launch
 from ignite_mgpu.checkpoint.files import list_checkpoints, read_checkpoint
+from ignite_mgpu.cli import main
 from ignite_mgpu.config import load_config
+from ignite_mgpu.plot import draw_report
+from ignite_mgpu.runs import read_runs
 from ignite_mgpu.train import training
 from tests.conftest import REPO, TINY, make_image_folder, run_cli
+from tests.test_runs import assert_table_equals_metrics
 
 pytestmark = [pytest.mark.distributed]
 
@@ -157,6 +162,24 @@ def test_cli_train_resume_evaluate(tmp_path):
     scored = json.loads(ev.stdout.strip().splitlines()[-1])
     assert scored["samples"] == 101
     assert scored["accuracy"] == pytest.approx(max(r["val_accuracy"] for r in metrics(out)))
+
+    # ignite-mgpu report on this real 2-process run (3 epochs over a resume): the PNG, the panels, the table.
+    report = CliRunner().invoke(main, ["report", str(out)])
+    assert report.exit_code == 0, report.output
+    assert (out / "report.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert_table_equals_metrics(report.stdout, out / "metrics.jsonl")
+    fig = draw_report(read_runs([out]))
+    assert [t.get_text() for t in fig.legends[0].texts] == ["run (ddp, 2 processes, CPU)"]
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles[:4] == [
+        "Loss (train: solid, validation: dashed)",
+        "Validation accuracy",
+        "Throughput",
+        "Data-loader wait",
+    ]
+    assert titles[4].startswith("Peak memory per process, epoch 3 (max/min ")
+    assert [len(ax.lines) for ax in fig.axes[:4]] == [2, 1, 1, 1]
+    assert [bar.get_height() for bar in fig.axes[4].patches] == metrics(out)[-1]["peak_memory_mb"]
 
 
 @pytest.mark.timeout(300)
@@ -321,7 +344,9 @@ def test_tensorboard_scalars(tmp_path):
 
     acc = EventAccumulator(str(events.parent))
     acc.Reload()
-    assert {"train_loss", "val_accuracy", "samples_per_s"} <= set(acc.Tags()["scalars"])
+    assert {"train_loss", "val_accuracy", "samples_per_s", "memory/rank0"} <= set(acc.Tags()["scalars"])
+    (memory,) = acc.Scalars("memory/rank0")  # one process on the CPU: one entry, its peak RSS
+    assert memory.value == pytest.approx(metrics(out)[0]["peak_memory_mb"][0])
 
 
 @pytest.mark.timeout(120)
