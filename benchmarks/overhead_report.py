@@ -13,7 +13,9 @@ from typing import Any
 from overhead_loops import LOOPS, REFERENCE, WORKLOADS
 
 BOOTSTRAP = 2000  # resamples for each 95 % interval
-TARGETS = {"mlp": 1.03, "cnn": 1.01, "scaling": 0.02, "startup": 1.15, "help_s": 0.3, "calls": 100}
+# Per iteration (issue #17): ignite-mgpu over ignite's bare Engine running the same step, on 2 processes; the
+# hand-written loop stays in the tables as the reference.
+TARGETS = {"mlp": 1.01, "cnn": 1.01, "scaling": 0.02, "startup": 1.15, "help_s": 0.3, "calls": 100}
 
 
 def machine() -> str:
@@ -88,8 +90,8 @@ def interval_cell(value: float, low: float, high: float, scale: float = 1.0, dig
 
 TIME_TABLE = [
     "| workload | procs | loop | ms / iteration, median of rounds (min–max) | ratio over hand-written, all turns "
-    "[95 % interval] | median of rounds (min–max) | target | met |",
-    "|---|---|---|---|---|---|---|---|",
+    "[95 % interval] | median of rounds (min–max) |",
+    "|---|---|---|---|---|---|",
 ]
 CPU_TABLE = [
     "",
@@ -100,8 +102,8 @@ CPU_TABLE = [
 OVER_REFERENCE_TABLE = [
     "",
     "| workload | procs | ignite-mgpu / ignite's bare Engine, all turns [95 % interval] | "
-    "extra CPU µs / iteration over it, rank 0 [95 % interval] |",
-    "|---|---|---|---|",
+    "extra CPU µs / iteration over it, rank 0 [95 % interval] | target | met |",
+    "|---|---|---|---|---|---|",
 ]
 MEASUREMENT_TABLE = [
     "",
@@ -137,7 +139,6 @@ def loop_rows(runs: list[dict], workload: str, nproc: int, refused: list[str]) -
     A weight mismatch withholds every ratio and is appended to ``refused``."""
     bad = [run["difference"] for run in runs if run["difference"]]
     title = WORKLOADS[workload][0]
-    target = TARGETS[workload] if nproc == 2 else None
     names = [name for name in (*LOOPS, REFERENCE) if name in runs[0]["turns"]]
     entry: dict[str, Any] = {"identical": f"{len(runs) - len(bad)}/{len(runs)}", "loops": {}}
     time_rows, cpu_rows = [], []
@@ -145,7 +146,7 @@ def loop_rows(runs: list[dict], workload: str, nproc: int, refused: list[str]) -
         ms, cpu_ms = per_round_ms(runs, name), per_round_ms(runs, name, clock=1)
         entry["loops"][name] = {"ms_per_round": ms, "cpu_ms_per_round": cpu_ms}
         label = name if name != REFERENCE else f"{REFERENCE} (reference)"
-        cells = ["", "", "", ""]
+        cells = ["", ""]
         cpu_cell = ""
         if name != "hand-written" and bad:
             cells[0] = f"refused: final weights differ in {len(bad)}/{len(runs)} runs ({bad[0]})"
@@ -158,25 +159,26 @@ def loop_rows(runs: list[dict], workload: str, nproc: int, refused: list[str]) -
             cells[0], cells[1] = interval_cell(ratio, low, high), spread(rounds)
             cpu_cell = interval_cell(*extra_cpu_over(runs, name, "hand-written"), scale=1e6, digits=0)
             entry["loops"][name] |= {"ratio": ratio, "interval": [low, high], "ratio_per_round": rounds}
-            if name == "ignite-mgpu" and target:
-                entry["met"] = verdict(low, high, 0.0, target)
-                cells[2], cells[3] = f"≤ {target}", entry["met"]
         time_rows.append(f"| {title} | {nproc} | {label} | {spread(ms)} | {' | '.join(cells)} |")
         cpu_rows.append(f"| {title} | {nproc} | {label} | {spread(cpu_ms)} | {cpu_cell} |")
     return entry, time_rows, cpu_rows
 
 
 def over_reference_rows(runs: list[dict], workload: str, nproc: int, entry: dict[str, Any]) -> list[str]:
-    """What ignite-mgpu's step and handlers add to ignite's own loop: none when the reference did not run or the
-    weights differ; else one row, also stored in ``entry``."""
+    """What ignite-mgpu's step and handlers add to ignite's own loop, against the per-iteration target (2 processes):
+    none when the reference did not run or the weights differ; else one row, also stored in ``entry``."""
     if REFERENCE not in runs[0]["turns"] or any(run["difference"] for run in runs):
         return []
     ratio, low, high = ratio_over(runs, "ignite-mgpu", REFERENCE)
     extra = extra_cpu_over(runs, "ignite-mgpu", REFERENCE)
     entry["over_reference"] = {"ratio": ratio, "interval": [low, high], "extra_cpu_s": extra[0]}
+    target, met = "", ""
+    if nproc == 2:
+        entry["met"] = met = verdict(low, high, 0.0, TARGETS[workload])
+        target = f"≤ {TARGETS[workload]}"
     return [
         f"| {WORKLOADS[workload][0]} | {nproc} | {interval_cell(ratio, low, high)} | "
-        f"{interval_cell(*extra, scale=1e6, digits=0)} |"
+        f"{interval_cell(*extra, scale=1e6, digits=0)} | {target} | {met} |"
     ]
 
 

@@ -137,9 +137,18 @@ def session_worker(local_rank: int, spec: dict[str, Any]) -> None:
 
 
 def run_session(
-    tmp: Path, nproc: int, workloads: list[str], rounds: int, iters: dict, epochs: int, profile: list[str], pin: bool
+    tmp: Path,
+    nproc: int,
+    workloads: list[str],
+    rounds: int,
+    iters: dict,
+    epochs: int,
+    profile: list[str],
+    pin: bool,
+    cpu_binding: str = "none",
 ) -> dict:
-    """One ``launch`` of ``nproc`` gloo processes in a fresh interpreter; returns rank 0's results."""
+    """One ``launch`` of ``nproc`` gloo processes in a fresh interpreter, with ignite-mgpu's ``cpu_binding``;
+    returns rank 0's results."""
     spec = {
         "dir": str(tmp / f"session-{nproc}"),
         "nproc": nproc,
@@ -149,6 +158,7 @@ def run_session(
         "measured_epochs": epochs,
         "profile": profile,
         "pin": pin,
+        "cpu_binding": cpu_binding,
     }
     Path(spec["dir"]).mkdir(parents=True)
     log = Path(spec["dir"], "session.log")
@@ -165,4 +175,4 @@ def session_main(spec_json: str) -> None:
     from ignite_mgpu import launch
 
     spec = json.loads(spec_json)
-    launch(session_worker, spec, nproc=spec["nproc"], backend="gloo")
+    launch(session_worker, spec, nproc=spec["nproc"], backend="gloo", cpu_binding=spec.get("cpu_binding", "none"))

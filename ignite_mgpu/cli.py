@@ -24,6 +24,7 @@ FLAGS = {
     "master_addr": "dist.master_addr",
     "master_port": "dist.master_port",
     "timeout": "dist.timeout",
+    "cpu_binding": "dist.cpu_binding",
     "output_dir": "output_dir",
     "resume": "resume",
     "seed": "seed",
@@ -55,6 +56,11 @@ def dist_options(fn: Any) -> Any:
             "--master-port", type=int, help="TCP port on node 0 (one node without it: private file rendezvous)."
         ),
         click.option("--timeout", type=float, help="Seconds a collective may wait after the first iteration [300]."),
+        click.option(
+            "--cpu-binding",
+            type=click.Choice(["auto", "none", "cores", "numa"]),
+            help="Bind each process to its CPUs: cores (its own share), numa (its GPU's node), auto [none].",
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)

@@ -35,7 +35,7 @@ class DataConfig:
     root: str | None = None  # dataset folder; required for all but synthetic/fake (imagefolder: root/train, root/val)
     download: bool = False  # let torchvision download mnist/fashion_mnist/cifar10 into root
     batch_size: int = 128  # GLOBAL batch: split evenly across all processes
-    num_workers: int = 0  # data-loader workers per node, split over its processes (as idist.auto_dataloader does)
+    num_workers: int | Literal["auto"] = 0  # loader workers per node, split over its processes; auto: see data.py
     shuffle: bool = True  # shuffle the training set every epoch (seeded)
     image_size: int = 32  # side of the images; every dataset is resized to it
     train_size: int = 4096  # samples in the synthetic/fake training split
@@ -97,6 +97,7 @@ class DistConfig:
     master_port: int | None = None  # TCP port on node 0 (None on one node = a private file rendezvous, no port)
     timeout: float = 300.0  # seconds any collective may wait after the first iteration
     stop_grace: float = 60.0  # seconds workers get to checkpoint and exit after SIGTERM/Ctrl-C
+    cpu_binding: Literal["auto", "none", "cores", "numa"] = "none"  # CPUs and threads of each process (binding.py)
 
 
 @dataclass
@@ -169,7 +170,9 @@ def validate(cfg: Config) -> None:
     """Check value ranges and paths that the types alone cannot express. Runs in the parent, before spawning."""
     d, t, o, c, dist = cfg.data, cfg.train, cfg.optim, cfg.checkpoint, cfg.dist
     _check(d.batch_size >= 1, "data.batch_size", d.batch_size, "the global batch must be at least 1")
-    _check(d.num_workers >= 0, "data.num_workers", d.num_workers, "use 0 (load in the training process) or more")
+    workers = d.num_workers
+    workers_ok = workers == "auto" or (type(workers) is int and workers >= 0)
+    _check(workers_ok, "data.num_workers", workers, "use 0 (load in the training process), more, or auto")
     _check(d.image_size >= 8, "data.image_size", d.image_size, "use at least 8 pixels")
     _check(d.train_size >= 1 and d.val_size >= 1, "data.train_size/val_size", (d.train_size, d.val_size), "use >= 1")
     _check(cfg.model.num_classes >= 2, "model.num_classes", cfg.model.num_classes, "a classifier needs >= 2 classes")

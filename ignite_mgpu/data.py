@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.dataloader import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
+from ignite_mgpu.binding import cpu_share
 from ignite_mgpu.config import DataConfig
 from ignite_mgpu.errors import ConfigError
 
@@ -153,6 +154,19 @@ def check_sizes(train: Dataset, val: Dataset, batch_size: int, world_size: int) 
         )
 
 
+def auto_num_workers(name: str, share: int, threads: int, cuda: bool) -> int:
+    """``data.num_workers=auto`` for one process: the CPUs of its share that its training leaves to loader workers.
+
+    On CUDA the training process needs about one CPU (it mostly waits for the GPU), so the loaders get the rest of
+    the share; on the CPU its ``threads`` intra-op threads compute on the share, so the loaders get only what they
+    leave (0 when binding gave the process one thread per CPU; with SMT, the sibling hyper-threads). Synthetic
+    data is already in memory: no worker.
+    """
+    if name == "synthetic":
+        return 0
+    return max(0, share - (1 if cuda else threads))
+
+
 def create_dataloaders(cfg: DataConfig, num_classes: int, seed: int) -> tuple[DataLoader, DataLoader]:
     """Train and validation loaders for this rank; ``cfg.batch_size`` is the global batch.
 
@@ -168,11 +182,26 @@ def create_dataloaders(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Da
     with first:
         train_ds, val_ds = build_datasets(cfg, num_classes, seed)
     check_sizes(train_ds, val_ds, cfg.batch_size, world_size)
+    cuda = "cuda" in idist.device().type
+    if isinstance(cfg.num_workers, int):
+        workers = cfg.num_workers
+    else:  # auto: per process; loader workers inherit the process's CPU binding (fork keeps the affinity mask)
+        local = idist.get_nproc_per_node()
+        share, threads = cpu_share(local), torch.get_num_threads()
+        mine = auto_num_workers(cfg.name, share, threads, cuda)
+        logger.info(
+            "data.num_workers=auto: %d loader worker(s) per process (%d CPU(s) of its own, %d intra-op thread(s)%s)",
+            mine,
+            share,
+            threads,
+            ", CUDA" if cuda else ", synthetic data in memory" if cfg.name == "synthetic" else "",
+        )
+        workers = mine * local  # per node: idist.auto_dataloader divides by the local processes again
     common: dict[str, Any] = {
         "batch_size": cfg.batch_size,
-        "num_workers": cfg.num_workers,
-        "pin_memory": "cuda" in idist.device().type,
-        "persistent_workers": cfg.num_workers > 0,
+        "num_workers": workers,
+        "pin_memory": cuda,
+        "persistent_workers": workers > 0,
     }
     if cfg.skip_bad_samples:
         common["collate_fn"] = _collate_skipping_none

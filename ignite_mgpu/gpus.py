@@ -400,3 +400,30 @@ def check_cuda_not_initialized(physical_ids: list[int] | None, environ: Mapping[
             f"{torch.cuda.device_count()} GPUs; the plan wants {','.join(wanted) or 'none'}). Pass --gpus / "
             "launch(gpus=...) before anything touches CUDA, or set CUDA_VISIBLE_DEVICES in the shell."
         )
+
+
+def query_numa_affinity(run: Callable[[list[str]], str] | None = None) -> dict[int, int | None]:
+    """Each GPU's NUMA node from the "NUMA Affinity" column of ``nvidia-smi topo -m`` (None where it says N/A or a
+    range); {} when nvidia-smi is missing, fails or prints no such column (older drivers).
+
+    Args:
+        run: takes an argv and returns its stdout; tests pass a recorded answer.
+    """
+    try:
+        text = (run or _run_nvidia_smi)(["nvidia-smi", "topo", "-m"])
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # underlined headers when it believes it writes to a terminal
+    lines = text.splitlines()
+    header = next((ln for ln in lines if "NUMA Affinity" in ln), None)
+    if header is None:
+        return {}
+    # Cells are tab-separated, padded with extra tabs; the row label (GPU0) has no header cell.
+    column = [c.strip() for c in header.split("\t") if c.strip()].index("NUMA Affinity")
+    found: dict[int, int | None] = {}
+    for line in lines:
+        cells = [c.strip() for c in line.split("\t") if c.strip()]
+        if cells and (m := re.fullmatch(r"GPU(\d+)", cells[0])) and len(cells) > column + 1:
+            value = cells[column + 1]
+            found[int(m[1])] = int(value) if value.isdigit() else None
+    return found

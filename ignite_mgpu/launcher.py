@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ignite_mgpu.binding import BindingPlan, apply_binding, plan_for_job
 from ignite_mgpu.config import DistConfig
 from ignite_mgpu.errors import FAILED, SUCCESS, ConfigError, TrainingStopped, is_user_error
 from ignite_mgpu.supervisor import Supervisor
@@ -39,6 +40,7 @@ class LaunchPlan:
     device: str = "cpu"  # what the workers train on: "cuda" or "cpu"
     spawn_one: bool = False  # run even a single process in a spawned worker, whose CUDA starts fresh
     messages: list[str] = field(default_factory=list)
+    binding: BindingPlan = field(default_factory=BindingPlan)  # CPUs and threads of each local rank
 
     @property
     def world_size(self) -> int:
@@ -151,6 +153,8 @@ def make_plan(cfg: DistConfig) -> LaunchPlan:
             plan.messages.append(f"--backend gloo with {nproc} processes and {n_cuda} GPU(s): training on the CPU.")
         if backend == "gloo" and "OMP_NUM_THREADS" not in environ:
             plan.env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))  # no oversubscription
+    on_gpu = bool(n_cuda) and plan.env.get("CUDA_VISIBLE_DEVICES") != ""
+    plan.binding = plan_for_job(cfg.cpu_binding, nproc, plan.gpus, on_gpu, cfg.strategy, environ)
     return plan
 
 
@@ -184,6 +188,7 @@ def _external_plan(
         external=True,
         device="cuda" if n_cuda else "cpu",
         messages=messages,
+        binding=plan_for_job(cfg.cpu_binding, nproc, None, False, cfg.strategy, environ, external=True),
     )
 
 
@@ -191,7 +196,10 @@ def run_plan(plan: LaunchPlan, fn: Callable[..., Any], *args: Any) -> int:
     """Run ``fn(local_rank, *args)`` as the plan says; returns the job's exit code (errors.EXIT_CODES)."""
     for line in plan.messages:
         print(f"ignite-mgpu: {line}", file=sys.stderr)
+    if plan.binding.reason and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # once per job
+        print(f"ignite-mgpu: {plan.binding.reason}", file=sys.stderr)
     if plan.external or (plan.backend is None and not plan.spawn_one):
+        unbind = apply_binding(plan.binding.rank(int(os.environ.get("LOCAL_RANK", "0"))))  # restored after the job
         with in_process_signals():
             try:
                 run_in_group(plan, fn, args)
@@ -203,6 +211,8 @@ def run_plan(plan: LaunchPlan, fn: Callable[..., Any], *args: Any) -> int:
                     raise
                 print(f"ignite-mgpu: {type(err).__name__}: {err}", file=sys.stderr)
                 return FAILED
+            finally:
+                unbind()
         return SUCCESS
     return Supervisor(plan, fn, args).run()
 
@@ -228,13 +238,15 @@ def launch(
     gpus: str | None = None,
     strategy: str = "ddp",
     timeout: float = 300.0,
+    cpu_binding: str = "none",
 ) -> None:
     """Run ``fn(local_rank, *args)`` in ``nproc`` processes per node inside ``ignite.distributed.Parallel``.
 
     ``backend="auto"`` is nccl with CUDA, else gloo; ``nproc`` defaults to the selected GPUs, or 1 on the CPU.
     Under torchrun / SLURM it spawns nothing and joins the group. On one node without ``master_port`` the
     rendezvous is a private file store (no TCP port, so two jobs never collide). ``gpus`` takes physical ids
-    ("2,3"), "all", "none", "auto" or "auto:N".
+    ("2,3"), "all", "none", "auto" or "auto:N". ``cpu_binding`` (auto, none, cores, numa) binds each process to its
+    CPUs and sets its intra-op threads (README: the --cpu-binding flag).
 
     Raises:
         ConfigError: an impossible request (bad nproc, nccl without GPUs, busy master_port), before spawning.
@@ -245,6 +257,8 @@ def launch(
 
     if backend not in ("auto", "nccl", "gloo") or strategy not in ("ddp", "dp"):
         raise ConfigError(f"backend={backend!r} / strategy={strategy!r}: use auto|nccl|gloo and ddp|dp.")
+    if cpu_binding not in ("auto", "none", "cores", "numa"):
+        raise ConfigError(f"cpu_binding={cpu_binding!r}: use auto, none, cores or numa.")
     dist_cfg = DistConfig(
         nproc=nproc,
         backend=backend,  # type: ignore[arg-type]  # checked against the Literal just above
@@ -255,6 +269,7 @@ def launch(
         master_addr=master_addr,
         master_port=master_port,
         timeout=timeout,
+        cpu_binding=cpu_binding,  # type: ignore[arg-type]  # checked against the Literal just above
     )
     validate(Config(dist=dist_cfg))
     code = run_plan(make_plan(dist_cfg), fn, *args)

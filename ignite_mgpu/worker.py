@@ -1,5 +1,5 @@
-"""Inside one worker process: its process group and death signal, its signal handlers, joining the job's process
-group through ``idist.Parallel``, and the error file the supervisor reads when the worker fails.
+"""Inside one worker process: its process group and death signal, its CPU binding, its signal handlers, joining the
+job's process group through ``idist.Parallel``, and the error file the supervisor reads when the worker fails.
 
 Torch-free at import (ignite is imported once the worker runs), like the rest of the process layer.
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ignite_mgpu import stop
+from ignite_mgpu.binding import apply_binding, current
 from ignite_mgpu.errors import FAILED, TrainingStopped, is_user_error
 
 if TYPE_CHECKING:
@@ -34,16 +35,15 @@ def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> None:
     for name in ("launcher.Parallel", "auto.auto_dataloader", "auto.auto_model", "auto.auto_optim"):
         logging.getLogger(f"ignite.distributed.{name}").setLevel(logging.WARNING)  # ignite keeps existing loggers
     with idist.Parallel(backend=plan.backend, init_method=plan.init_method) as parallel:
+        bound = current()
+        first_line = [bound.describe() if bound is not None else ""]
         if plan.gpus is not None and idist.device().type == "cuda":
             import torch
 
             index = idist.device().index or 0
-            print(
-                f"rank {idist.get_rank()}: cuda:{index} is physical GPU {plan.gpus[index]} "
-                f"({torch.cuda.get_device_name(index)})",
-                file=sys.stderr,
-                flush=True,
-            )
+            first_line.append(f"cuda:{index} is physical GPU {plan.gpus[index]} ({torch.cuda.get_device_name(index)})")
+        if any(first_line):  # each rank says once where it runs
+            print(f"rank {idist.get_rank()}: {'; '.join(p for p in first_line if p)}", file=sys.stderr, flush=True)
         parallel.run(fn, *args)
 
 
@@ -90,6 +90,8 @@ def worker_main(local_rank: int, plan: LaunchPlan, fn: Callable[..., Any], args:
         del os.environ[var]  # inside an allocation ignite would read the launcher's SLURM task, not this rank
     rank = plan.node_rank * plan.nproc + local_rank
     os.environ.update(plan.env)
+    # Before anything imports torch here (unless unpickling the job function already did: then it resizes the pool).
+    apply_binding(plan.binding.rank(local_rank))
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(local_rank),

@@ -1,7 +1,8 @@
-"""benchmarks/bench_overhead.py still runs and still refuses ratios for runs that did different work.
+"""benchmarks/bench_overhead.py still runs and still refuses ratios for runs that did different work; bench_binding.py
+still runs all its parts.
 
-Timings are never asserted here (see benchmarks/README.md): only that the quick run finishes, prints both loops and
-passes its bitwise check, and that a weight mismatch withholds the ratio.
+Timings are never asserted here (see benchmarks/README.md): only that the quick runs finish, print every loop and
+pass their bitwise checks, and that a weight mismatch withholds the ratio.
 Run: python -m pytest tests/test_benchmark_smoke.py -q
 """
 
@@ -56,11 +57,12 @@ def test_quick_run_prints_both_loops_and_identical_weights(tmp_path):
         pytest.fail(f"bench_overhead.py --quick did not finish in 60 s\n{stdout}\n{stderr[-3000:]}")
     assert proc.returncode == 0, stdout + stderr
     mlp = [line.split("|") for line in stdout.splitlines() if line.startswith("| tiny MLP | 2 |")]
-    rows, over_engine = [row for row in mlp if len(row) > 6], [row for row in mlp if len(row) == 6]
-    loops = [row[3].strip() for row in rows]
-    assert loops == ["hand-written", "ignite-mgpu", "ignite Engine (reference)"] * 2, stdout  # time, CPU time
+    names = ["hand-written", "ignite-mgpu", "ignite Engine (reference)"]
+    rows, over_engine = [row for row in mlp if row[3].strip() in names], [r for r in mlp if r[3].strip() not in names]
+    assert [row[3].strip() for row in rows] == names * 2, stdout  # time, CPU time
     assert all(float(row[4].split()[0]) > 0 for row in rows), stdout
     assert len(over_engine) == 1 and float(over_engine[0][3].split()[0]) > 0, stdout  # ignite-mgpu / bare Engine
+    assert over_engine[0][5].strip() == "≤ 1.01", stdout  # the per-iteration target: over the bare Engine
     assert "Bitwise check passed" in stdout, stdout
     summary = json.loads(out.read_text())
     assert summary["refused"] == []
@@ -90,19 +92,21 @@ def test_report_refuses_a_ratio_when_weights_differ(load_bench):
         record("cnn", None, {"hand-written": [2.0, 4.0], "ignite-mgpu": [2.0, 4.0], "ignite Engine": [1.0, 3.0]}),
     ]
     table, summary = bench.report({2: {"runs": runs, "calls": {}}}, None, [0.1, 0.1, 0.1], quick=True)
-    timed = [line.split("|") for line in table.splitlines() if line.count("|") == 9]  # the ms / iteration table
+    sections = table.split("\n\n")[:3]  # ms / iteration, CPU time, over the bare Engine
+    timed, cpu, over = ([line.split("|") for line in part.splitlines()[2:]] for part in sections)
     rows = {tuple(c.strip() for c in row[1:4]): row for row in timed}
     mlp_row = rows["tiny MLP", "2", "ignite-mgpu"]
     assert mlp_row[5].strip() == "refused: final weights differ in 1/1 runs (0.weight differs)"
     assert summary["refused"] == ["tiny MLP, 2 procs: 0.weight differs"]
     cnn_row = rows["small CNN", "2", "ignite-mgpu"]
-    assert cnn_row[5].strip() == "1.000 [1.000–1.000]"
-    assert cnn_row[8].strip() == "yes"  # the whole interval lies under the target
+    assert cnn_row[5].strip() == "1.000 [1.000–1.000]" and len(cnn_row) == 8  # the reference: no target here
     assert summary["per_iteration"]["cnn/2"]["loops"]["ignite-mgpu"]["ms_per_round"] == [1500.0]  # 6 s / 4 iterations
-    cpu_rows = [line.split("|") for line in table.splitlines() if line.count("|") == 6 and "CNN" in line]
+    cpu_rows = [row for row in cpu if "CNN" in row[1]]
     assert [row[3].strip() for row in cpu_rows] == ["hand-written", "ignite-mgpu", "ignite Engine (reference)"]
-    over_engine = [line.split("|") for line in table.splitlines() if line.count("|") == 5 and "CNN" in line]
+    over_engine = [row for row in over if "CNN" in row[1]]
     assert [row[3].strip() for row in over_engine] == ["1.500 [1.333–2.000]"]  # 6 s / 4 s over both turns
+    assert [c.strip() for c in over_engine[0][5:7]] == ["≤ 1.01", "**no**"]  # the whole interval lies above it
+    assert summary["per_iteration"]["cnn/2"]["met"] == "**no**"
     assert summary["per_iteration"]["cnn/2"]["over_reference"]["extra_cpu_s"] == 0.25  # CPU is half the wall
     assert "mlp/2" not in [k for k, v in summary["per_iteration"].items() if "over_reference" in v]  # refused
     assert cpu_rows[1][5].strip() == "0 [0–0]"  # the CPU clock ran half the wall time in both loops
@@ -162,3 +166,49 @@ def test_cpu_allocator_benchmark_prints_both_modes():
     rows = [line.split("|") for line in proc.stdout.splitlines() if line.startswith("| 8 |")]
     assert [row[2].strip() for row in rows] == ["glibc default", "keep_freed_memory"], proc.stdout
     assert all(float(row[3].split()[0]) > 0 for row in rows), proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_binding_quick_run_prints_every_part(tmp_path):
+    """bench_binding.py --quick (about a minute on 2 CPU cores): every row of its three parts, and the checks."""
+    out = tmp_path / "binding.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT.with_name("bench_binding.py")), "--quick", "--json", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"bench_binding.py --quick did not finish in 180 s\n{stdout}\n{stderr[-3000:]}")
+    assert proc.returncode == 0, stdout + stderr
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in stdout.splitlines() if line.startswith("| ")]
+    jobs = [row[0] for row in cells if row[0].startswith(("ignite-mgpu --cpu-binding", "DDP tutorial", "auto / none"))]
+    assert jobs[0] == "ignite-mgpu --cpu-binding auto" and jobs[2].startswith("DDP tutorial loop"), stdout
+    assert jobs[1] == "ignite-mgpu --cpu-binding none (the default as shipped)" and jobs[3] == "auto / none", stdout
+    per_loop = [
+        row[:3] for row in cells if len(row) == 5 and row[2] in ("hand-written", "ignite Engine", "ignite-mgpu")
+    ]
+    assert len(per_loop) == 12, stdout  # 2 workloads x 3 loops x (unpinned, cores)
+    over_engine = [row for row in cells if len(row) == 5 and row[3] == "≤ 1.01"]
+    assert [row[:2] for row in over_engine] == [[w, b] for w in ("tiny MLP", "small CNN") for b in ("none", "cores")]
+    assert (
+        "Final weights bit-identical over every loop and binding (1 thread each): tiny MLP: yes, small CNN: yes."
+        in (stdout)
+    )
+    assert [row[0] for row in cells if row[0].startswith("data.num_workers=")] == [
+        "data.num_workers=0",
+        "data.num_workers=auto",
+    ], stdout
+    summary = json.loads(out.read_text())
+    assert summary["job"]["auto_vs_none_identical"] in ("1/1", "not compared")  # 1/1 whenever the threads match
+    if summary["job"]["threads"]["auto"] == summary["job"]["threads"]["none"]:
+        assert summary["job"]["auto_vs_none_identical"] == "1/1", stdout
+    assert all(summary["overhead"]["identical"].values())
+    assert isinstance(summary["jpeg"]["runs"]["auto"][0]["auto_workers"], int)

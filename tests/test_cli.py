@@ -72,6 +72,14 @@ def test_yaml_as_first_argument_then_overrides_then_flags(captured, tmp_path):
     assert cfg.optim.lr == 0.3 and cfg.dist.nproc == 2
 
 
+def test_cpu_binding_flag_reaches_the_plan(captured, tmp_path):
+    result = invoke(["train", "--cpu-binding", "cores", "--nproc", "1"], tmp_path)
+    assert result.exit_code == 0, result.output
+    plan, _, (_, cfg) = captured[0]
+    assert cfg.dist.cpu_binding == "cores" and plan.binding.mode == "cores"
+    assert plan.binding.ranks[0].cpus == tuple(sorted(os.sched_getaffinity(0)))
+
+
 def test_one_process_runs_in_process_without_group(captured, tmp_path):
     assert invoke(["train"], tmp_path).exit_code == 0
     plan = captured[0][0]
@@ -94,6 +102,9 @@ def test_one_process_runs_in_process_without_group(captured, tmp_path):
         (["train", "--resume", "auto"], "no complete checkpoint"),
         (["train", "--fast"], "no such option: --fast"),
         (["train", "data.name=imagefolder", "data.root=/nope"], "does not exist"),
+        (["train", "--cpu-binding", "numa"], "numa binds each rank to the CPUs of its GPU's NUMA node, but this job"),
+        (["train", "--cpu-binding", "cores", "--nproc", "64", "data.batch_size=128"], "need a CPU each"),
+        (["train", "--cpu-binding", "socket"], "'socket' is not one of 'auto', 'none', 'cores', 'numa'"),
     ],
 )
 def test_bad_input_exits_2_before_spawning(captured, tmp_path, args, message):
@@ -176,6 +187,7 @@ def test_train_help_documents_every_flag():
         "--master-addr",
         "--master-port",
         "--timeout",
+        "--cpu-binding",
         "--config",
         "--output-dir",
         "--resume",

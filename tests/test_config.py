@@ -2,7 +2,7 @@
 
 import pytest
 
-from ignite_mgpu.config import Config, ConfigError, dump_config, load_config
+from ignite_mgpu.config import Config, ConfigError, DataConfig, dump_config, load_config, validate
 
 
 def test_defaults_need_no_file():
@@ -39,6 +39,12 @@ def test_dump_round_trips(tmp_path):
         ("optim.lr=nan", r"optim.lr.*finite"),
         ("dist.nproc=0", r"dist.nproc.*--nproc"),
         ("dist.backend=mpi", r"dist.backend"),
+        ("dist.cpu_binding=socket", r"config key 'dist.cpu_binding' \(from the command line\).*'socket'.*auto"),
+        ("data.num_workers=many", r"config key 'data.num_workers' .*'many'.*incompatible"),
+        (
+            "data.num_workers=-1",
+            r"data.num_workers' = -1 is invalid: use 0 \(load in the training process\), more, or auto",
+        ),
         ("dist.node_rank=2", r"dist.node_rank.*0..0"),
         ("train.clip_grad_norm=-1", r"train.clip_grad_norm"),
         ("lr", r"'lr' is not of the form key=value"),
@@ -47,6 +53,13 @@ def test_dump_round_trips(tmp_path):
 def test_bad_values_name_the_key(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(overrides=[override])
+
+
+def test_num_workers_takes_a_count_or_auto():
+    assert load_config(overrides=["data.num_workers=auto"]).data.num_workers == "auto"
+    assert load_config(overrides=["data.num_workers=3"]).data.num_workers == 3
+    with pytest.raises(ConfigError, match="data.num_workers' = 'x' is invalid"):
+        validate(Config(data=DataConfig(num_workers="x")))  # built in Python, without OmegaConf's type check
 
 
 def test_dataset_needing_root(tmp_path):

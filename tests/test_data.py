@@ -5,8 +5,9 @@ import pytest
 import torch
 from PIL import Image
 
+from ignite_mgpu import data
 from ignite_mgpu.config import ConfigError, DataConfig
-from ignite_mgpu.data import SyntheticImages, UnpaddedDistributedSampler, build_datasets, check_sizes
+from ignite_mgpu.data import SyntheticImages, UnpaddedDistributedSampler, auto_num_workers, build_datasets, check_sizes
 
 
 def test_synthetic_is_deterministic_and_class_dependent():
@@ -59,3 +60,31 @@ def test_imagefolder_names_a_corrupt_file_or_skips_it(tmp_path):
 def test_torchvision_dataset_missing_without_download(tmp_path):
     with pytest.raises(ConfigError, match="data.name=mnist.*looked in"):
         build_datasets(DataConfig(name="mnist", root=str(tmp_path)), 10, 0)
+
+
+@pytest.mark.parametrize(
+    "name, share, threads, cuda, expected",
+    [
+        ("synthetic", 8, 1, True, 0),  # already in memory: nothing to load
+        ("imagefolder", 8, 8, True, 7),  # CUDA: the training process counts as one CPU
+        ("imagefolder", 8, 8, False, 0),  # CPU: its threads use the whole share
+        ("imagefolder", 8, 4, False, 4),
+        ("fake", 1, 1, True, 0),
+    ],
+)
+def test_auto_num_workers_hands_out_the_cpus_training_leaves(name, share, threads, cuda, expected):
+    assert auto_num_workers(name, share, threads, cuda) == expected
+
+
+def test_auto_num_workers_reaches_the_loaders(monkeypatch, caplog):
+    monkeypatch.setattr(data, "cpu_share", lambda local: 3)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    cfg = DataConfig(name="fake", num_workers="auto", image_size=8, train_size=16, val_size=8, batch_size=8)
+    with caplog.at_level("INFO", logger="ignite_mgpu.data"):
+        train, val = data.create_dataloaders(cfg, 2, 0)
+    assert train.num_workers == val.num_workers == 2 and train.persistent_workers and not train.pin_memory
+    assert "data.num_workers=auto: 2 loader worker(s) per process (3 CPU(s) of its own, 1 intra-op thread(s))" in (
+        caplog.text
+    )
+    fixed = data.create_dataloaders(DataConfig(name="fake", image_size=8, train_size=16, batch_size=8), 2, 0)[0]
+    assert fixed.num_workers == 0 and not fixed.persistent_workers

@@ -47,7 +47,7 @@ def test_user_errors_are_reported_without_a_traceback():
 def test_the_process_layer_imports_neither_torch_nor_ignite():
     check = (
         "import sys, ignite_mgpu.errors, ignite_mgpu.launcher, ignite_mgpu.supervisor, ignite_mgpu.worker, "
-        "ignite_mgpu.config, ignite_mgpu.stop, ignite_mgpu.cli; "
+        "ignite_mgpu.binding, ignite_mgpu.config, ignite_mgpu.stop, ignite_mgpu.cli; "
         "loaded = sorted(m for m in ('torch', 'ignite') if m in sys.modules); "
         "training = sorted(m for m in sys.modules if m.startswith('ignite_mgpu.') and m.split('.')[1] in "
         "('train', 'engine', 'guard', 'report', 'strategy', 'data', 'checkpoint')); print(loaded, training)"
@@ -94,6 +94,6 @@ def test_no_import_cycle():
 def test_the_process_layer_never_imports_the_training_layer():
     graph = module_imports()
     training = {"train", "engine", "guard", "report", "strategy", "data", "models", "optim", "checkpoint"}
-    for module in ("launcher", "supervisor", "worker", "stop", "errors", "config", "cli", "gpus"):
+    for module in ("launcher", "supervisor", "worker", "binding", "stop", "errors", "config", "cli", "gpus"):
         deps = {d.split(".")[1] for d in graph[f"ignite_mgpu.{module}"] if d != "ignite_mgpu"}
         assert not deps & training, (module, deps & training)

@@ -22,6 +22,7 @@ from ignite_mgpu.gpus import (
     parse_gpus,
     plan_gpus,
     query_gpus,
+    query_numa_affinity,
 )
 
 # 4x A100 box: GPU 0 runs 2 jobs (70 GiB used), GPU 1 one job, GPUs 2 and 3 idle.
@@ -41,6 +42,16 @@ RTX_GPUS = """\
 0, 00000000:01:00.0, NVIDIA GeForce RTX 4090, 2, 24564, 0
 1, 00000000:41:00.0, NVIDIA GeForce RTX 4090, 2, 24564, 0
 """
+# nvidia-smi topo -m of a 4x A100 machine on 2 sockets: tab-separated, padded with extra tabs.
+TOPO = (
+    "\tGPU0\tGPU1\tGPU2\tGPU3\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\n"
+    "GPU0\t X \tNV12\tNV12\tNV12\tSYS\t0-7,16-23\t0\t\tN/A\n"
+    "GPU1\tNV12\t X \tNV12\tNV12\tSYS\t0-7,16-23\t0\t\tN/A\n"
+    "GPU2\tNV12\tNV12\t X \tNV12\tSYS\t8-15,24-31\t1\t\tN/A\n"
+    "GPU3\tNV12\tNV12\tNV12\t X \tSYS\t8-15,24-31\t1\t\tN/A\n"
+    "NIC0\tSYS\tSYS\tSYS\tSYS\t X \t\t\t\n\nLegend:\n\n  X    = Self\n  NV#  = Connection traversing a bonded set"
+    " of # NVLinks\n\nNIC Legend:\n\n  NIC0: mlx5_0\n"
+)
 # An H100 in MIG mode reports no utilization.
 MIG_GPUS = "0, 00000000:3B:00.0, NVIDIA H100 80GB HBM3, 11, 81559, [N/A]\n"
 
@@ -463,3 +474,8 @@ def test_query_reads_the_mig_mode_from_nvml(monkeypatch):
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     assert [g.mig for g in query_gpus()] == [False, True]
+
+
+def test_nvidia_smi_topo_gives_the_numa_affinity():
+    assert query_numa_affinity(lambda argv: TOPO) == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert query_numa_affinity(lambda argv: "\tGPU0\tCPU Affinity\nGPU0\t X \t0-7\n") == {}  # old driver
