@@ -63,7 +63,7 @@ def hand_built(cfg: Any) -> tuple[Any, ...]:
     distributed = dist.is_available() and dist.is_initialized()
     world_size, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
     torch.manual_seed(cfg.seed)  # the generator state training() has when it builds the model
-    train_ds, _ = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
+    train_ds = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed).train
     sampler = DistributedSampler(train_ds, world_size, rank, shuffle=cfg.data.shuffle, seed=cfg.seed)
     loader = DataLoader(train_ds, batch_size=cfg.data.batch_size // world_size, sampler=sampler)
     net = create_model(cfg.model, train_ds[0][0].unsqueeze(0))

@@ -11,6 +11,7 @@ _PUBLIC = {
     "fit": "ignite_mgpu.jobs",
     "create_trainer": "ignite_mgpu.engine",
     "create_evaluator": "ignite_mgpu.engine",
+    "validation_metrics": "ignite_mgpu.engine",
     "prepare_model": "ignite_mgpu.strategy",
     "load_checkpoint": "ignite_mgpu.checkpoint.load",
     "Config": "ignite_mgpu.config",

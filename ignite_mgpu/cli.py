@@ -85,6 +85,8 @@ def _errors_to_exit() -> Iterator[None]:
     try:
         yield
     except (ConfigError, CheckpointError) as err:
+        if detail := getattr(err, "detail", ""):
+            click.echo(detail.rstrip(), err=True)  # e.g. the traceback of the user's own factory
         _fail(str(err), err.exit_code)
 
 

@@ -22,7 +22,8 @@ class ModelConfig:
     """`model:` which network to build."""
 
     name: str = "simple_cnn"  # built-in name, any torchvision.models name (resnet18), or "package.module:factory"
-    num_classes: int = 10  # size of the classifier output
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the model's constructor
+    num_classes: int = 10  # size of the classifier output (passed to constructors that take num_classes)
     sync_batchnorm: bool = False  # convert BatchNorm to SyncBatchNorm (DDP only)
     compile: bool = False  # wrap the model with torch.compile
 
@@ -31,7 +32,8 @@ class ModelConfig:
 class DataConfig:
     """`data:` which dataset, and how it is batched and loaded."""
 
-    name: Literal["synthetic", "fake", "mnist", "fashion_mnist", "cifar10", "imagefolder"] = "synthetic"
+    name: str = "synthetic"  # synthetic, fake, mnist, fashion_mnist, cifar10, imagefolder, or "package.module:factory"
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of a dataset factory
     root: str | None = None  # dataset folder; required for all but synthetic/fake (imagefolder: root/train, root/val)
     download: bool = False  # let torchvision download mnist/fashion_mnist/cifar10 into root
     batch_size: int = 128  # GLOBAL batch: split evenly across all processes
@@ -60,6 +62,7 @@ class TrainConfig:
     """`train:` the training loop."""
 
     epochs: int = 2  # passes over the training set
+    loss: str = "cross_entropy"  # cross_entropy, model (the model returns its loss), or "package.module:factory"
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16 autocast; fp16 uses a GradScaler (CUDA only)
     grad_accum_steps: int = 1  # micro-batches per optimizer step; DDP all-reduces only on the last one
     clip_grad_norm: float | None = None  # max global gradient norm (None = no clipping)
@@ -78,7 +81,9 @@ class CheckpointConfig:
     every: int = 1  # save the full training state every N epochs (0 = never)
     every_iters: int = 0  # also save every N iterations (0 = off)
     n_saved: int = 2  # how many full checkpoints to keep
-    metric: Literal["accuracy", "loss"] = "accuracy"  # validation metric that picks best_model_*.pt
+    metric: Literal["accuracy", "loss"] | None = (
+        None  # picks best_model_*.pt; None: accuracy for cross_entropy, else loss
+    )
     save_on_stop: bool = True  # on SIGTERM/SIGINT write one checkpoint before exiting
     allow_config_change: bool = False  # let --resume continue a checkpoint written with other settings
 
@@ -105,7 +110,7 @@ class Config:
     """The whole run: one section per YAML top-level key, plus seed, output_dir and resume."""
 
     seed: int = 0  # seeds the data order, the model initialisation and the synthetic data
-    output_dir: str = "runs/default"  # config.yaml, metrics.jsonl and checkpoints go here
+    output_dir: str | None = None  # config.yaml, metrics.jsonl, checkpoints; None: a new folder under runs/
     resume: str | None = None  # checkpoint path, or "auto" for the newest loadable one in output_dir
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -204,6 +209,29 @@ def validate(cfg: Config) -> None:
     _check(dist.timeout > 0 and dist.stop_grace > 0, "dist.timeout/stop_grace", (dist.timeout, dist.stop_grace), "> 0")
     if dist.nnodes > 1 and port is None:
         raise ConfigError("--nnodes > 1 needs --master-port (and --master-addr, node 0's address) on every node.")
+    builtin = ("synthetic", "fake", "mnist", "fashion_mnist", "cifar10", "imagefolder")
+    _check(
+        d.name in builtin or ":" in d.name,
+        "data.name",
+        d.name,
+        f"use {', '.join(builtin)}, or 'package.module:factory' for a factory that returns the two datasets",
+    )
+    if d.args and ":" not in d.name:
+        raise ConfigError(
+            f"data.args is for a dataset factory (data.name=package.module:factory), not data.name={d.name}."
+        )
+    _check(
+        t.loss in ("cross_entropy", "model") or ":" in t.loss,
+        "train.loss",
+        t.loss,
+        "use cross_entropy, model (the model's forward returns its loss), or 'package.module:factory' for a factory "
+        "that returns a loss function",
+    )
+    if c.metric == "accuracy" and t.loss != "cross_entropy":
+        raise ConfigError(
+            f"checkpoint.metric=accuracy needs classification (train.loss=cross_entropy), but train.loss={t.loss} "
+            "reports only the validation loss. Use checkpoint.metric=loss, or leave it out (it follows train.loss)."
+        )
     if d.name in ("mnist", "fashion_mnist", "cifar10", "imagefolder"):
         if d.root is None:
             raise ConfigError(f"data.name={d.name} needs data.root: pass data.root=/path/to/{d.name}.")
@@ -218,6 +246,17 @@ def validate(cfg: Config) -> None:
                         f"data.name=imagefolder expects the ImageNet layout root/train/<class>/* and "
                         f"root/val/<class>/*, but {root / split} is missing."
                     )
+
+
+def run_dir(cfg: Config) -> Path:
+    """Where the run writes: ``output_dir``. ``fit`` and the CLI give a run without one a new folder under runs/
+    before it starts; ``training`` called directly (``launch(training, cfg)``) writes to runs/default."""
+    return Path(cfg.output_dir if cfg.output_dir is not None else "runs/default")
+
+
+def best_metric(cfg: Config) -> str:
+    """The validation metric that picks best_model_*.pt: checkpoint.metric, or what train.loss reports."""
+    return cfg.checkpoint.metric or ("accuracy" if cfg.train.loss == "cross_entropy" else "loss")
 
 
 def dump_config(cfg: Config) -> str:

@@ -1,4 +1,4 @@
-"""Datasets by name and the distributed data loaders built over ``idist.auto_dataloader``.
+"""Datasets by name or from the user's factory, and the distributed data loaders built over ``idist.auto_dataloader``.
 
 The launching process builds the datasets once to check their sizes, so ignite is imported only inside functions.
 """
@@ -8,16 +8,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import default_collate
 from torch.utils.data.distributed import DistributedSampler
 
+from ignite_mgpu import batches, plugins
 from ignite_mgpu.binding import cpu_share
 from ignite_mgpu.config import DataConfig
 from ignite_mgpu.errors import ConfigError
@@ -96,8 +97,63 @@ def _collate_skipping_none(batch: list[Any]) -> Any:
     return [*default_collate(kept), torch.tensor(len(batch) - len(kept))]
 
 
-def build_datasets(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Dataset, Dataset]:
-    """The (train, val) datasets. Downloads only with ``data.download=true``."""
+class Splits(NamedTuple):
+    """A job's datasets, and the collate function a dataset factory may give (None: PyTorch's default)."""
+
+    train: Dataset
+    val: Dataset
+    collate_fn: Callable[[list[Any]], Any] | None = None
+
+
+def build_datasets(cfg: DataConfig, num_classes: int, seed: int) -> Splits:
+    """The training and validation datasets: built in, or from a factory. Downloads only with ``data.download``."""
+    if plugins.is_factory(cfg.name):
+        return _from_factory(cfg)
+    return Splits(*_builtin(cfg, num_classes, seed))
+
+
+def _from_factory(cfg: DataConfig) -> Splits:
+    """``factory(**data.args)``, which returns ``(train, val)``, ``(train, val, collate_fn)`` or a mapping with
+    ``train``, ``val`` and optionally ``collate_fn``; both map-style datasets."""
+    key, name = "data.name", cfg.name
+    factory = plugins.resolve(name, key)
+    plugins.check_arguments(factory, cfg.args, f"{key}={name}", "data.args")
+    out = plugins.call(factory, cfg.args, name, key)
+    form = "(train, val), (train, val, collate_fn) or {'train': ..., 'val': ..., 'collate_fn': ...}"
+    if isinstance(out, Mapping) and {"train", "val"} <= set(out) <= {"train", "val", "collate_fn"}:
+        splits = Splits(out["train"], out["val"], out.get("collate_fn"))
+    elif isinstance(out, (tuple, list)) and len(out) in (2, 3) and not isinstance(out, Splits):
+        splits = Splits(*out)
+    else:
+        got = f"a mapping with keys {sorted(map(str, out))}" if isinstance(out, Mapping) else type(out).__name__
+        raise ConfigError(f"{key}={name} returned {got}; a dataset factory returns {form}.")
+    for split, ds in (("training", splits.train), ("validation", splits.val)):
+        if isinstance(ds, IterableDataset) or not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+            raise ConfigError(
+                f"{key}={name}: the {split} dataset is a {type(ds).__name__}, not a map-style dataset (__len__ and "
+                "__getitem__). ignite-mgpu samples map-style datasets, so that every rank gets its share of an "
+                "epoch and validation counts every sample once; wrap the data in a map-style Dataset."
+            )
+    if splits.collate_fn is not None and not callable(splits.collate_fn):
+        raise ConfigError(f"{key}={name} returned a collate_fn that is a {type(splits.collate_fn).__name__}.")
+    return splits
+
+
+def first_batch(dataset: Dataset, collate_fn: Callable[[list[Any]], Any] | None = None, n: int = 2) -> Any:
+    """The first ``n`` items collated as the loaders collate them: what a batch of the job looks like."""
+    items = [dataset[i] for i in range(min(n, len(dataset)))]  # type: ignore[arg-type]  # map-style
+    return (collate_fn or default_collate)(items)
+
+
+def example_inputs(dataset: Dataset, collate_fn: Callable[[list[Any]], Any] | None = None) -> Any:
+    """The model's inputs for one sample (a batch of one): materialises lazy layers before DDP wraps the model."""
+    batch = first_batch(dataset, collate_fn, 1)
+    if isinstance(batch, Mapping):
+        return {k: v for k, v in batch.items() if k not in batches.TARGET_KEYS}
+    return batch[0]
+
+
+def _builtin(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Dataset, Dataset]:
     size = cfg.image_size
     if cfg.name == "synthetic":
         return (
@@ -180,7 +236,7 @@ def create_dataloaders(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Da
     # torchvision datasets write caches on first use; generated data (synthetic, fake) is built in parallel.
     first = contextlib.nullcontext() if cfg.name in GENERATED else idist.one_rank_first(local=True)
     with first:
-        train_ds, val_ds = build_datasets(cfg, num_classes, seed)
+        train_ds, val_ds, collate_fn = build_datasets(cfg, num_classes, seed)
     check_sizes(train_ds, val_ds, cfg.batch_size, world_size)
     cuda = "cuda" in idist.device().type
     if isinstance(cfg.num_workers, int):
@@ -203,7 +259,9 @@ def create_dataloaders(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Da
         "pin_memory": cuda,
         "persistent_workers": workers > 0,
     }
-    if cfg.skip_bad_samples:
+    if collate_fn is not None:
+        common["collate_fn"] = collate_fn
+    elif cfg.skip_bad_samples:
         common["collate_fn"] = _collate_skipping_none
     train_sampler: DistributedSampler = DistributedSampler(train_ds, world_size, rank, shuffle=cfg.shuffle, seed=seed)
     val_sampler = UnpaddedDistributedSampler(val_ds, world_size, rank, shuffle=False)

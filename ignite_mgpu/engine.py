@@ -15,7 +15,9 @@ from ignite.engine import DeterministicEngine, Engine, Events
 from ignite.metrics import Accuracy, Loss, Metric
 from torch import nn
 
+from ignite_mgpu import batches, plugins
 from ignite_mgpu.checkpoint.files import native_rng_states, plain_rng_states
+from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.guard import TrainingGuard
 from ignite_mgpu.strategy import find_ddp, reduce_replica_losses, unwrap
 
@@ -56,7 +58,7 @@ def _under_autocast(forward: Callable[..., Any], precision: str, device: torch.d
 def create_trainer(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    loss_fn: Callable[..., torch.Tensor] | None,
     *,
     device: torch.device | str | None = None,
     precision: str = "fp32",
@@ -70,10 +72,14 @@ def create_trainer(
 ) -> Engine:
     """A trainer Engine for a model already placed by ``idist.auto_model`` (DDP, DataParallel or plain).
 
-    Each iteration: forward under autocast, ``loss / grad_accum_steps`` backward (inside DDP's ``no_sync`` on
-    accumulation steps), then on the last micro-batch unscale, clip, optimizer and scheduler step. With
-    ``loss_fn=None`` the model's ``forward(x, y)`` returns the loss itself (DataParallel's per-GPU loss vector
-    is reduced exactly). ``engine.state.output`` is the detached loss; a ``TrainingGuard`` stops every rank
+    Each iteration: the batch to the device (every tensor in it), forward under autocast, ``loss / grad_accum_steps``
+    backward (inside DDP's ``no_sync`` on accumulation steps), then on the last micro-batch unscale, clip, optimizer
+    and scheduler step. A batch is ``(inputs, targets, *extra)`` or a mapping (targets under "labels" or
+    "targets", the rest passed as the model's keyword arguments); ``loss_fn(predictions, targets)`` gets a tensor
+    output or its ``logits``. With ``loss_fn=None`` the model computes the loss itself: ``model(x, y)``, or
+    ``model(**batch)`` for a mapping, returning the loss, a mapping with "loss" or an object with ``.loss`` (as
+    Hugging Face models do); DataParallel's per-GPU loss vector is reduced exactly.
+    ``engine.state.output`` is the detached loss; a ``TrainingGuard`` stops every rank
     together on a non-finite loss or a stop signal, and the sampler's ``set_epoch`` is called every epoch.
 
     Args:
@@ -107,13 +113,20 @@ def create_trainer(
     parameters = [p for p in model.parameters() if p.requires_grad]
     inner = unwrap(model)  # the evaluator switches the unwrapped module to eval mode
 
-    def compute_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return reduce_replica_losses(model(x, y), model, len(x)) if loss_fn is None else loss_fn(model(x), y)
+    def compute_loss(batch: Batch) -> torch.Tensor:
+        if loss_fn is None:  # the model computes its own loss; DataParallel returns one per GPU: weigh them exactly
+            out = batches.loss_of(batches.model_loss(model, batch))
+            return reduce_replica_losses(out, model, batches.size(batch))
+        if isinstance(batch, Mapping):
+            inputs, targets = batches.split(batch)
+            return loss_fn(batches.logits(model(**inputs)), targets)
+        out = model(batch[0])
+        return loss_fn(out if isinstance(out, torch.Tensor) else batches.logits(out), batch[1])
 
     compute_loss = _under_autocast(compute_loss, precision, device)  # the backward runs outside autocast
 
-    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = compute_loss(x, y)
+    def forward_backward(batch: Batch) -> torch.Tensor:
+        loss = compute_loss(batch)
         scaled = loss / grad_accum_steps if grad_accum_steps > 1 else loss
         (scaler.scale(scaled) if fp16 else scaled).backward()
         return loss
@@ -122,11 +135,11 @@ def create_trainer(
     def train_step(engine: Engine, batch: Batch) -> torch.Tensor:
         if not inner.training:  # model.train() walks every submodule: only do it after an evaluation
             model.train()
-        x, y = batch[0].to(device, non_blocking=non_blocking), batch[1].to(device, non_blocking=non_blocking)
+        batch = batches.to_device(batch, device, non_blocking)
         if engine.state.iteration % grad_accum_steps:
             with no_sync():  # an accumulation step: gradients stay local until the last micro-batch
-                return forward_backward(x, y).detach()
-        loss = forward_backward(x, y)
+                return forward_backward(batch).detach()
+        loss = forward_backward(batch)
         if clip_grad_norm is not None:
             if fp16:
                 scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
@@ -165,26 +178,34 @@ def create_evaluator(
     model: nn.Module,
     metrics: Mapping[str, Metric],
     *,
+    model_loss: bool = False,
     device: torch.device | str | None = None,
     precision: str = "fp32",
     non_blocking: bool = True,
 ) -> Engine:
     """An evaluator Engine whose metrics are reduced over all ranks (ignite metrics all-reduce in ``compute``).
 
+    Each batch's output is ``(predictions, targets)`` for the metrics; with ``model_loss=True`` (the model computes
+    its own loss, as ``create_trainer(loss_fn=None)``) it is ``(loss, batch size)``, for ``validation_metrics(None)``.
     It runs the unwrapped module: DDP's forward may broadcast buffers, a collective that would hang when ranks
     hold different numbers of validation batches (the validation sampler does not pad).
     """
     device = torch.device(device) if device is not None else idist.device()
     ddp = find_ddp(model)
     net = ddp.module if ddp is not None else model
-    forward = _under_autocast(
-        lambda x: net(x), precision if precision != "fp16" or device.type == "cuda" else "fp32", device
-    )
+
+    def output(batch: Batch) -> tuple[torch.Tensor, Any]:
+        if model_loss:
+            n = batches.size(batch)
+            return reduce_replica_losses(batches.loss_of(batches.model_loss(net, batch)), net, n).float(), n
+        inputs, targets = batches.split(batch)
+        return batches.logits(batches.predict(net, inputs)).float(), targets
+
+    forward = _under_autocast(output, precision if precision != "fp16" or device.type == "cuda" else "fp32", device)
 
     @torch.no_grad()
-    def eval_step(engine: Engine, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = batch[0].to(device, non_blocking=non_blocking), batch[1].to(device, non_blocking=non_blocking)
-        return forward(x).float(), y
+    def eval_step(engine: Engine, batch: Batch) -> tuple[torch.Tensor, Any]:
+        return forward(batches.to_device(batch, device, non_blocking))
 
     evaluator = Engine(eval_step)
     evaluator.add_event_handler(Events.STARTED, lambda: net.eval())  # once per run: eval() visits every submodule
@@ -215,7 +236,27 @@ class PortableDeterministicEngine(DeterministicEngine):
         use_deterministic_algorithms()
 
 
-def classification_metrics(device: torch.device) -> dict[str, Metric]:
-    """Accuracy and cross-entropy loss, accumulated on ``device``: metrics kept on the CPU (ignite's default) copy
-    every batch's result to the host, a device-to-host sync per validation batch on a GPU."""
-    return {"accuracy": Accuracy(device=device), "loss": Loss(nn.CrossEntropyLoss(), device=device)}
+def validation_metrics(loss_fn: Callable[..., torch.Tensor] | None, device: torch.device) -> dict[str, Metric]:
+    """Metrics for ``create_evaluator``, accumulated on ``device`` (ignite keeps them on the CPU by default: a copy to
+    the host per validation batch on a GPU): accuracy and loss for cross-entropy; the loss, weighted by the samples
+    of every batch (exact over uneven shards), for any other loss function, or for a model that computes its own
+    (``loss_fn=None``; pair it with ``create_evaluator(model_loss=True)``)."""
+    if loss_fn is None:  # outputs are (mean loss of the batch, its size): the metric sums loss x size over ranks
+        return {"loss": Loss(lambda loss, n: loss, batch_size=lambda n: n, device=device)}
+    metrics: dict[str, Metric] = {"loss": Loss(loss_fn, device=device)}
+    if isinstance(loss_fn, nn.CrossEntropyLoss):
+        metrics["accuracy"] = Accuracy(device=device)
+    return metrics
+
+
+def create_loss(name: str) -> Callable[..., torch.Tensor] | None:
+    """``train.loss``: "cross_entropy", "model" (None: the model computes its own), or a factory of the user's
+    ("package.module:factory") that returns a loss function ``(predictions, targets) -> loss``."""
+    if name == "cross_entropy":
+        return nn.CrossEntropyLoss()
+    if name == "model":
+        return None
+    loss = plugins.call(plugins.resolve(name, "train.loss"), {}, name, "train.loss")
+    if not callable(loss):
+        raise ConfigError(f"train.loss={name} returned a {type(loss).__name__}; a loss factory returns a callable.")
+    return loss

@@ -28,9 +28,14 @@ def signal_exit_code(signum: int) -> int:
 
 
 class ConfigError(ValueError):
-    """A user mistake found before any process starts; printed as one paragraph, exit code 2."""
+    """A user mistake found before any process starts; printed as one paragraph, exit code 2. ``detail`` (e.g. the
+    traceback of the user's own code that raised) is printed before the paragraph."""
 
     exit_code = USAGE
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
 
 
 class CheckpointError(RuntimeError):

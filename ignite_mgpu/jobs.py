@@ -13,6 +13,8 @@ from ignite_mgpu.preflight import prepared
 
 
 def _refused(err: ConfigError | CheckpointError) -> int:
+    if detail := getattr(err, "detail", ""):
+        print(detail.rstrip(), file=sys.stderr)  # e.g. the traceback of the user's own factory
     print(f"ignite-mgpu: error: {err}", file=sys.stderr)
     return err.exit_code
 
@@ -42,14 +44,14 @@ def evaluate(cfg: Config, checkpoint: str | Path, as_json: bool = False) -> int:
     """Score the weights in ``checkpoint`` on ``cfg``'s validation split, on the processes ``cfg.dist`` asks for;
     rank 0 prints the metrics. The checkpoint is checked against the model before any worker starts."""
     from ignite_mgpu.checkpoint.load import load_checkpoint
-    from ignite_mgpu.data import build_datasets
+    from ignite_mgpu.data import build_datasets, example_inputs
     from ignite_mgpu.models import create_model
     from ignite_mgpu.train import evaluation
 
     try:
         validate(cfg)
-        _, val_ds = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
-        model = create_model(cfg.model, val_ds[0][0].unsqueeze(0))
+        splits = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
+        model = create_model(cfg.model, example_inputs(splits.val, splits.collate_fn))
         load_checkpoint(checkpoint, {"model": model}, map_location="cpu")
         plan = launcher.make_plan(cfg.dist)
     except (ConfigError, CheckpointError) as err:

@@ -47,7 +47,7 @@ class LaunchPlan:
         return self.nproc * self.nnodes
 
 
-def _started_externally(environ: Any) -> bool:
+def started_externally(environ: Any) -> bool:
     if all(k in environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
         return True  # torchrun / torch.distributed.run
     return "SLURM_JOB_ID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in environ
@@ -74,7 +74,7 @@ def make_plan(cfg: DistConfig) -> LaunchPlan:
 
     environ = os.environ
     gpu_plan = None
-    if _started_externally(environ):
+    if started_externally(environ):
         if cfg.nproc is not None or (cfg.gpus or "").startswith("auto"):
             raise ConfigError(
                 "this process was started by torchrun/SLURM, which decides the processes: drop --nproc, and choose "
@@ -110,7 +110,7 @@ def make_plan(cfg: DistConfig) -> LaunchPlan:
             raise ConfigError("--strategy dp (nn.DataParallel) needs GPUs; on the CPU use the default --strategy ddp.")
         if (cfg.nproc or 1) != 1 or cfg.nnodes != 1:
             raise ConfigError("--strategy dp runs ONE process that drives every selected GPU; drop --nproc/--nnodes.")
-    if _started_externally(environ):
+    if started_externally(environ):
         return _external_plan(cfg, backend, n_cuda, messages, environ)
     selected = len(gpu_plan.physical_ids) if gpu_plan and gpu_plan.physical_ids else n_cuda
     nproc = cfg.nproc if cfg.nproc is not None else (selected if selected and cfg.strategy == "ddp" else 1)

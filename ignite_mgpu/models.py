@@ -1,15 +1,17 @@
-"""Models by name: the built-in small CNN, any torchvision.models name, or a "package.module:factory" import path."""
+"""Models by name: the built-in small CNN, any torchvision.models name, or a "package.module:factory" of the user's,
+called with ``model.args``."""
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import functools
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ignite_mgpu import plugins
 from ignite_mgpu.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -53,47 +55,55 @@ def _mlp(num_classes: int) -> nn.Module:
 BUILTIN = {"simple_cnn": SimpleCNN, "mlp": _mlp}
 
 
-def check_model_name(name: str) -> None:
-    """Raise ConfigError unless ``name`` resolves to a model constructor (runs in the parent, before spawning)."""
-    _resolve(name)
+def check_model(cfg: ModelConfig) -> None:
+    """ConfigError unless ``model.name`` resolves and takes ``model.args`` (in the parent, before spawning)."""
+    factory = _resolve(cfg.name)
+    plugins.check_arguments(factory, _kwargs(cfg, factory), f"model.name={cfg.name}", "model.args")
 
 
 def _resolve(name: str) -> Callable[..., nn.Module]:
-    """The constructor (taking ``num_classes=``) that ``name`` names."""
+    """The constructor that ``name`` names: built-in, a torchvision.models builder, or a factory of the user's."""
     if name in BUILTIN:
         return BUILTIN[name]
-    if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            return getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ConfigError(
-                f"model.name={name}: cannot import '{attr}' from module '{module_name}' ({err}). "
-                "Use 'package.module:factory' where factory(num_classes=...) returns an nn.Module."
-            ) from None
+    if plugins.is_factory(name):
+        return plugins.resolve(name, "model.name")
     import torchvision
 
     available = torchvision.models.list_models(module=torchvision.models)
     if name in available:
-        return lambda num_classes: torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+        return functools.partial(torchvision.models.get_model_builder(name), weights=None)  # never downloads
     import difflib
 
     close = difflib.get_close_matches(name, list(BUILTIN) + available, n=1)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     raise ConfigError(
         f"model.name={name} is not a known model.{hint} Use a built-in name ({', '.join(BUILTIN)}), a "
-        "torchvision.models name such as resnet18, or 'package.module:factory'."
+        f"torchvision.models name such as resnet18, or '{plugins.FORM}'."
     )
 
 
-def create_model(cfg: ModelConfig, example: torch.Tensor | None = None) -> nn.Module:
-    """Build the model (randomly initialised, no downloaded weights) on the CPU.
+def _kwargs(cfg: ModelConfig, factory: Callable[..., nn.Module]) -> dict[str, Any]:
+    """``model.args``, plus ``num_classes`` for a constructor that takes it."""
+    kwargs = dict(cfg.args)
+    if plugins.accepts(factory, "num_classes"):
+        kwargs.setdefault("num_classes", cfg.num_classes)
+    return kwargs
 
-    ``example`` (one input batch) materialises lazy layers such as ``nn.LazyLinear``: DDP refuses
-    uninitialised parameters.
+
+def create_model(cfg: ModelConfig, example: Any = None) -> nn.Module:
+    """Build the model (randomly initialised, no downloaded weights) on the CPU: ``factory(**model.args)``, with
+    ``num_classes=model.num_classes`` when the factory takes it.
+
+    ``example`` (the inputs of one batch: a tensor, or a mapping of keyword arguments) materialises lazy layers
+    such as ``nn.LazyLinear``: DDP refuses uninitialised parameters.
     """
-    model = _resolve(cfg.name)(num_classes=cfg.num_classes)
+    factory = _resolve(cfg.name)
+    model = factory(**_kwargs(cfg, factory))  # in a worker: its exception is reported once, with its traceback
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"model.name={cfg.name} returned a {type(model).__name__}; a model factory returns an nn.Module."
+        )
     if example is not None and any(isinstance(p, nn.parameter.UninitializedParameter) for p in model.parameters()):
         with torch.no_grad():
-            model(example)
+            model(**example) if isinstance(example, Mapping) else model(example)
     return model

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import socket
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from ignite_mgpu.config import Config
+from ignite_mgpu import plugins
+from ignite_mgpu.config import Config, run_dir
 from ignite_mgpu.errors import ConfigError, CorruptCheckpointError
-from ignite_mgpu.launcher import LaunchPlan, make_plan
+from ignite_mgpu.launcher import LaunchPlan, make_plan, started_externally
 
 
 def is_leader(cfg: Config, environ: Mapping[str, str] = os.environ) -> bool:
@@ -30,9 +33,11 @@ def is_leader(cfg: Config, environ: Mapping[str, str] = os.environ) -> bool:
 
 def check_job(cfg: Config) -> None:
     """What the config names must exist: the model, and the packages the chosen options need."""
-    from ignite_mgpu.models import check_model_name
+    from ignite_mgpu.models import check_model
 
-    check_model_name(cfg.model.name)
+    check_model(cfg.model)
+    if plugins.is_factory(cfg.train.loss):
+        plugins.resolve(cfg.train.loss, "train.loss")
     if cfg.train.tensorboard:
         try:
             import tensorboard  # noqa: F401  # only whether it is installed
@@ -63,15 +68,19 @@ def check_model_options(cfg: Config, plan: LaunchPlan) -> None:
 
 
 def check_datasets(cfg: Config, world_size: int) -> None:
-    """Empty splits, a global batch that does not split over ``world_size``, too few samples per process."""
-    from ignite_mgpu.data import GENERATED, build_datasets, check_sizes
+    """Empty splits, a global batch that does not split over ``world_size``, too few samples per process, and a
+    dataset whose batches the loss cannot use. A dataset factory runs here once, so that its mistakes are reported
+    once, before any worker starts."""
+    from ignite_mgpu import batches
+    from ignite_mgpu.data import GENERATED, build_datasets, check_sizes, first_batch
 
     if cfg.data.name in GENERATED:  # sizes known from the config: only the workers generate the data
         sizes = range(cfg.data.train_size), range(cfg.data.val_size)
         check_sizes(*sizes, cfg.data.batch_size, world_size)  # type: ignore[arg-type]  # sized like datasets
         return
-    train_ds, val_ds = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
-    check_sizes(train_ds, val_ds, cfg.data.batch_size, world_size)
+    splits = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
+    check_sizes(splits.train, splits.val, cfg.data.batch_size, world_size)
+    batches.check(first_batch(splits.train, splits.collate_fn), cfg.train.loss)
 
 
 def check_output_dir(cfg: Config) -> None:
@@ -79,7 +88,7 @@ def check_output_dir(cfg: Config) -> None:
     resumable."""
     from ignite_mgpu.checkpoint.files import find_resumable, is_complete
 
-    out = Path(cfg.output_dir)
+    out = run_dir(cfg)
     owner = lock_owner(out)
     if owner is not None:  # before anything else: the checkpoints there are the running job's
         raise ConfigError(_locked_message(out, owner))
@@ -106,13 +115,52 @@ def check_no_foreign_checkpoints(cfg: Config) -> None:
     """A new run (no --resume) needs an output_dir without checkpoints; checked again once the lock is held."""
     from ignite_mgpu.checkpoint.files import list_checkpoints
 
-    out = Path(cfg.output_dir)
+    out = run_dir(cfg)
     existing = list_checkpoints(out) if out.is_dir() else []
     if cfg.resume is None and existing:
         raise ConfigError(
             f"output_dir {out.resolve()} already holds checkpoints of an earlier run ({existing[0].name}, ...). "
             "Continue it with --resume auto, or choose a new --output-dir; nothing was deleted."
         )
+
+
+RUNS = Path("runs")  # where runs without an output_dir go, each into a folder of its own
+RUN_NAME = re.compile(r"(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d)(?:-(\d+))?")  # 2026-11-30_08-12-03[-2]: when it started
+
+
+def resolve_output_dir(cfg: Config, environ: Mapping[str, str] = os.environ, now: float | None = None) -> None:
+    """Give a run without ``output_dir`` a folder of its own under runs/ (printed), so that the same command can run
+    twice; ``--resume auto`` without one continues the newest there. A folder the user names is left as it is.
+
+    Under torchrun/SLURM every process runs this: the folder is named by the job's id (SLURM_JOB_ID, torchrun's
+    --rdzv-id), which every process and every requeue of the job shares.
+    """
+    if cfg.output_dir is not None:
+        return
+    job_id = environ.get("SLURM_JOB_ID") or environ.get("TORCHELASTIC_RUN_ID", "none")
+    if started_externally(environ):
+        if job_id == "none":
+            raise ConfigError(
+                "under torchrun without --rdzv-id every process would pick its own folder: pass --output-dir (or "
+                "output_dir=...), or give torchrun --rdzv-id."
+            )
+        cfg.output_dir = str(RUNS / f"job-{job_id}")
+    elif cfg.resume == "auto":
+        earlier = sorted((m[1], int(m[2] or 1), p) for p in RUNS.glob("*") if (m := RUN_NAME.fullmatch(p.name)))
+        if not earlier:
+            raise ConfigError(
+                f"--resume auto without --output-dir continues the newest run under {RUNS.resolve()}, but there is "
+                "none. Drop --resume to start a new run, or pass the run's --output-dir."
+            )
+        cfg.output_dir = str(earlier[-1][2])
+    else:
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(now))
+        folder, n = RUNS / stamp, 1
+        while folder.exists():
+            n += 1
+            folder = RUNS / f"{stamp}-{n}"
+        cfg.output_dir = str(folder)
+    print(f"ignite-mgpu: output_dir {cfg.output_dir} (pass --output-dir to choose one)", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -123,6 +171,7 @@ def prepared(cfg: Config) -> Iterator[LaunchPlan]:
         ConfigError, CheckpointError: before anything was started or created.
     """
     check_job(cfg)
+    resolve_output_dir(cfg)
     leader = is_leader(cfg)
     if leader:
         check_output_dir(cfg)
@@ -132,7 +181,7 @@ def prepared(cfg: Config) -> Iterator[LaunchPlan]:
     if not leader:
         yield plan
         return
-    with output_lock(Path(cfg.output_dir)):
+    with output_lock(run_dir(cfg)):
         check_no_foreign_checkpoints(cfg)  # again under the lock: a job may have run there since the first check
         yield plan
 

@@ -30,8 +30,9 @@ def _peak_memory_mb(model_devices: list[torch.device]) -> list[float]:
 class EpochReport:
     """After each epoch (and its validation): one JSON line in ``metrics.jsonl`` and a short table on rank 0.
 
-    Fields: epoch, iteration, train_loss (mean over ranks), val_loss, val_accuracy, samples_per_s (global),
-    time_per_iter_ms, data_wait_share (time waiting for the data loader / training time, worst rank),
+    Fields: epoch, iteration, train_loss (mean over ranks), val_loss, val_accuracy (classification only),
+    samples_per_s (global), time_per_iter_ms, data_wait_share (time waiting for the data loader / training time,
+    worst rank),
     peak_memory_mb (one entry per GPU, or per process on the CPU), peak_memory_per ("gpu": CUDA's peak allocated
     memory of each GPU; "process": each process's peak RSS) and memory_imbalance (max/min).
     """
@@ -84,7 +85,7 @@ class EpochReport:
             "iteration": engine.state.iteration,
             "train_loss": engine.state.metrics.get("train_loss", math.nan),
             "val_loss": metrics.get("loss", math.nan),
-            "val_accuracy": metrics.get("accuracy", math.nan),
+            **({"val_accuracy": metrics["accuracy"]} if "accuracy" in metrics else {}),  # classification only
             "samples_per_s": round(iterations * self.global_batch / seconds, 1),
             "time_per_iter_ms": round(1000 * seconds / max(1, iterations), 3),
             "data_wait_share": round(float(rows[:, 0].max()), 4),
@@ -100,10 +101,11 @@ class EpochReport:
             world = idist.get_world_size()
             labels = [f"rank {i}" for i in range(world)] if world > 1 else [str(d) for d in self.devices]
             where = "GPU" if self.devices[0].type == "cuda" else "process (RSS)"
+            accuracy = f" | val_acc {r['val_accuracy']:.4f}" if "val_accuracy" in r else ""
             logger.info(
-                "epoch %d | train_loss %.4f | val_loss %.4f | val_acc %.4f | %.0f samples/s | %.2f ms/it | "
+                "epoch %d | train_loss %.4f | val_loss %.4f%s | %.0f samples/s | %.2f ms/it | "
                 "data wait %.0f%%\n  peak memory per %s, MB | %s | max/min %.2f",
-                r["epoch"], r["train_loss"], r["val_loss"], r["val_accuracy"], r["samples_per_s"],
+                r["epoch"], r["train_loss"], r["val_loss"], accuracy, r["samples_per_s"],
                 r["time_per_iter_ms"], 100 * r["data_wait_share"], where,
                 " | ".join(f"{name}: {mb:.0f}" for name, mb in zip(labels, memory, strict=False)),
                 r["memory_imbalance"],

@@ -3,6 +3,7 @@ back out, and DataParallel's per-GPU loss vector reduced to the batch loss."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import ignite.distributed as idist
@@ -84,9 +85,17 @@ class LossDataParallel(nn.DataParallel):
         return super().parallel_apply(replicas, inputs, kwargs)
 
     def gather(self, outputs: Any, output_device: Any) -> Any:
-        if all(isinstance(o, torch.Tensor) and o.dim() == 0 for o in outputs):
-            outputs = [o.unsqueeze(0) for o in outputs]
-        return super().gather(outputs, output_device)
+        return super().gather([_scalars_as_vectors(o) for o in outputs], output_device)
+
+
+def _scalars_as_vectors(output: Any) -> Any:
+    """A replica's output with every 0-dim tensor (its loss, also in a mapping such as {"loss": ..., "logits": ...})
+    as a 1-element vector, which DataParallel gathers into one entry per GPU without the scalar warning."""
+    if isinstance(output, torch.Tensor):
+        return output.unsqueeze(0) if output.dim() == 0 else output
+    if isinstance(output, Mapping):
+        return type(output)((k, _scalars_as_vectors(v)) for k, v in output.items())  # type: ignore[call-arg]  # as torch gathers
+    return output
 
 
 class _UnderAutocast:

@@ -7,22 +7,26 @@ import json
 import logging
 import math
 import sys
-from pathlib import Path
 
 import ignite.distributed as idist
 import torch
 from ignite.engine import Events
 from ignite.utils import manual_seed
-from torch import nn
 
 from ignite_mgpu.allocator import setup_cpu_memory
 from ignite_mgpu.checkpoint.files import clean_stale_temp_files
 from ignite_mgpu.checkpoint.load import load_checkpoint
 from ignite_mgpu.checkpoint.resume import resume, run_signature
 from ignite_mgpu.checkpoint.save import RunInfo, adopt_existing, attach_checkpoints
-from ignite_mgpu.config import Config, dump_config
-from ignite_mgpu.data import attach_skip_counter, create_dataloaders
-from ignite_mgpu.engine import classification_metrics, create_evaluator, create_trainer, use_deterministic_algorithms
+from ignite_mgpu.config import Config, best_metric, dump_config, run_dir
+from ignite_mgpu.data import attach_skip_counter, create_dataloaders, example_inputs
+from ignite_mgpu.engine import (
+    create_evaluator,
+    create_loss,
+    create_trainer,
+    use_deterministic_algorithms,
+    validation_metrics,
+)
 from ignite_mgpu.models import create_model
 from ignite_mgpu.optim import create_lr_scheduler, create_optimizer
 from ignite_mgpu.report import EpochReport, attach_tensorboard
@@ -53,7 +57,7 @@ def training(local_rank: int, cfg: Config) -> None:
         use_deterministic_algorithms()  # before anything runs on the GPU: cuBLAS reads its setting when it starts
     elif idist.device().type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN picks its fastest kernels once
-    out = Path(cfg.output_dir)
+    out = run_dir(cfg)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(dump_config(cfg))
@@ -61,17 +65,18 @@ def training(local_rank: int, cfg: Config) -> None:
     logger.info("world size %d, backend %s, device %s", world_size, idist.backend(), idist.device())
 
     train_loader, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
-    example = train_loader.dataset[0][0].unsqueeze(0)  # map-style (image, label)
     m, o, t = cfg.model, cfg.optim, cfg.train
-    model = prepare_model(create_model(m, example), cfg.dist.strategy, m.sync_batchnorm, m.compile)
+    model = create_model(m, example_inputs(train_loader.dataset, train_loader.collate_fn))
+    model = prepare_model(model, cfg.dist.strategy, m.sync_batchnorm, m.compile)
     optimizer = create_optimizer(model, o.name, o.lr, o.momentum, o.weight_decay)
     steps_per_epoch = (t.epoch_length or len(train_loader)) / t.grad_accum_steps
     total_steps, warmup_steps = math.ceil(steps_per_epoch * t.epochs), round(steps_per_epoch * o.warmup_epochs)
     scheduler = create_lr_scheduler(optimizer, total_steps, warmup_steps, o.scheduler == "cosine")
+    loss_fn = create_loss(t.loss)
     trainer = create_trainer(
         model,
         optimizer,
-        nn.CrossEntropyLoss(),
+        loss_fn,
         precision=t.precision,
         grad_accum_steps=t.grad_accum_steps,
         clip_grad_norm=t.clip_grad_norm,
@@ -80,7 +85,8 @@ def training(local_rank: int, cfg: Config) -> None:
         check_every=t.check_every,
         checkpoint_every=cfg.checkpoint.every_iters,
     )
-    evaluator = create_evaluator(model, classification_metrics(idist.device()), precision=t.precision)
+    metrics = validation_metrics(loss_fn, idist.device())
+    evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=t.precision)
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(val_loader))
 
     to_save = {
@@ -93,7 +99,7 @@ def training(local_rank: int, cfg: Config) -> None:
     }
     report = EpochReport(out / "metrics.jsonl", cfg.data.batch_size, evaluator, model_devices(model))
     report.attach(trainer)
-    full, best = attach_checkpoints(trainer, evaluator, to_save, cfg.checkpoint, cfg.output_dir)
+    full, best = attach_checkpoints(trainer, evaluator, to_save, cfg.checkpoint, out, best_metric(cfg))
     if cfg.data.skip_bad_samples:
         attach_skip_counter(trainer)
     if t.tensorboard and rank == 0:
@@ -106,11 +112,12 @@ def training(local_rank: int, cfg: Config) -> None:
     if cfg.resume:
         if not resume(cfg, to_save, world_size):
             return
-        adopt_existing(full, best, cfg.output_dir)
+        adopt_existing(full, best, out)
 
     trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
     if rank == 0:
-        summary = report.last | {"best_model": str(best.last_checkpoint) if best.last_checkpoint else None}
+        best_model = str(best.last_checkpoint) if best.last_checkpoint else None
+        summary = report.last | {"output_dir": str(out), "best_model": best_model}
         logger.info("finished: %s", json.dumps(summary))
 
 
@@ -120,11 +127,14 @@ def evaluation(local_rank: int, cfg: Config, checkpoint_path: str, as_json: bool
     setup_logging(rank)
     setup_cpu_memory(cfg.train.keep_cpu_memory, idist.device().type)
     _, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
-    model = create_model(cfg.model, val_loader.dataset[0][0].unsqueeze(0))  # map-style
+    model = create_model(cfg.model, example_inputs(val_loader.dataset, val_loader.collate_fn))
     load_checkpoint(checkpoint_path, {"model": model}, map_location="cpu")
     model = prepare_model(model, cfg.dist.strategy)  # as training places it: never a silent DataParallel
-    metrics = classification_metrics(idist.device())
-    state = create_evaluator(model, metrics, precision=cfg.train.precision).run(val_loader)
+    loss_fn = create_loss(cfg.train.loss)
+    evaluator = create_evaluator(
+        model, validation_metrics(loss_fn, idist.device()), model_loss=loss_fn is None, precision=cfg.train.precision
+    )
+    state = evaluator.run(val_loader)
     result = {"checkpoint": checkpoint_path, "samples": len(val_loader.dataset), **state.metrics}  # type: ignore[arg-type]  # sized
     if rank == 0:
         print(json.dumps(result) if as_json else "  ".join(f"{k}: {v}" for k, v in result.items()))

@@ -77,7 +77,7 @@ def error_report(rank: int, err: BaseException) -> dict[str, Any]:
         "time": time.time(),
         "type": type(err).__name__,
         "message": str(err),
-        "traceback": "" if is_user_error(err) else traceback.format_exc(),
+        "traceback": getattr(err, "detail", "") if is_user_error(err) else traceback.format_exc(),
         "code": err.exit_code if isinstance(err, TrainingStopped) else FAILED,
     }
 

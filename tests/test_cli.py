@@ -214,3 +214,54 @@ def test_evaluation_places_the_model_like_training(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(train.idist, "auto_model", lambda *a, **k: pytest.fail("evaluation used idist.auto_model"))
     train.evaluation(0, cfg, str(tmp_path / "weights.pt"), True)
     assert '"samples": 32' in capsys.readouterr().out
+
+
+PKG = "tests.plugins_pkg.factories"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([f"data.name={PKG}.missing:build"], f"cannot import module '{PKG}.missing'"),
+        ([f"data.name={PKG}:nothing"], f"module '{PKG}' has no attribute 'nothing'"),
+        ([f"data.name={PKG}:NOT_CALLABLE"], "is a int, not a function or class that can be called"),
+        ([f"data.name={PKG}:wrong_return"], "returned list; a dataset factory returns (train, val)"),
+        ([f"data.name={PKG}:pairs", "data.args.shards=3"], "data.args gives shards, which"),
+        ([f"data.name={PKG}:dicts", "data.args.labels=false"], "train.loss=cross_entropy needs the targets"),
+        (
+            [f"data.name={PKG}:pairs", "train.loss=model", "checkpoint.metric=accuracy"],
+            "checkpoint.metric=accuracy needs",
+        ),
+        ([f"model.name={PKG}:net", "model.args.width=3"], "model.args gives width, which"),
+        (["train.loss=tests.plugins_pkg.nothing:loss"], "train.loss=tests.plugins_pkg.nothing:loss: cannot import"),
+    ],
+)
+def test_plugin_mistakes_exit_2_before_anything_starts(captured, tmp_path, args, message):
+    result = invoke(["train", *args, "data.batch_size=8", "--output-dir", "out"], tmp_path)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert not captured and not (tmp_path / "out").exists()
+
+
+def test_an_exception_in_the_users_factory_shows_their_traceback_once(captured, tmp_path):
+    result = invoke(["train", f"data.name={PKG}:raises", "--output-dir", "out"], tmp_path)
+    assert result.exit_code == 2 and not captured
+    assert result.output.count("Traceback (most recent call last):") == 1
+    assert (
+        "in _helper_that_fails" in result.output and "ignite_mgpu" not in result.output.split("ignite-mgpu: error")[0]
+    )
+    assert result.output.rstrip().endswith("raised ValueError: cannot open shard 40.")
+
+
+def test_each_run_without_an_output_dir_gets_a_new_folder_and_resume_auto_continues_the_newest(captured, tmp_path):
+    first = invoke(["train"], tmp_path)
+    second = invoke(["train"], tmp_path)
+    assert first.exit_code == second.exit_code == 0
+    dirs = [c[2][1].output_dir for c in captured]
+    assert dirs[0] != dirs[1] and all(d.startswith("runs/") for d in dirs)
+    assert f"output_dir {dirs[0]} (pass --output-dir to choose one)" in first.output
+    (tmp_path / dirs[1]).mkdir(parents=True, exist_ok=True)  # the lock made it
+    torch.save({"model": {}}, tmp_path / dirs[1] / "checkpoint_8.pt")  # the newest run was interrupted
+    resumed = invoke(["train", "--resume", "auto"], tmp_path)
+    assert resumed.exit_code == 0, resumed.output
+    assert captured[-1][2][1].output_dir == dirs[1] and len(captured) == 3

@@ -48,12 +48,12 @@ def test_imagefolder_names_a_corrupt_file_or_skips_it(tmp_path):
     bad = tmp_path / "train" / "a" / "broken.png"
     bad.write_bytes(b"not an image")
     cfg = DataConfig(name="imagefolder", root=str(tmp_path), image_size=8)
-    train, _ = build_datasets(cfg, 2, 0)
+    train = build_datasets(cfg, 2, 0).train
     index = [i for i, (p, _) in enumerate(train.inner.samples) if p.endswith("broken.png")][0]
     with pytest.raises(RuntimeError, match=r"cannot read image .*broken.png.*data.skip_bad_samples=true"):
         train[index]
     cfg.skip_bad_samples = True
-    train, _ = build_datasets(cfg, 2, 0)
+    train = build_datasets(cfg, 2, 0).train
     assert train[index] is None and train[(index + 1) % len(train)][0].shape == (3, 8, 8)
 
 
@@ -88,3 +88,46 @@ def test_auto_num_workers_reaches_the_loaders(monkeypatch, caplog):
     )
     fixed = data.create_dataloaders(DataConfig(name="fake", image_size=8, train_size=16, batch_size=8), 2, 0)[0]
     assert fixed.num_workers == 0 and not fixed.persistent_workers
+
+
+# --- dataset factories ----------------------------------------------------------------------------------------
+
+PKG = "tests.plugins_pkg.factories"
+
+
+def test_a_factory_with_arguments_from_yaml_and_dotted_overrides(tmp_path):
+    from ignite_mgpu.config import load_config
+
+    (tmp_path / "job.yaml").write_text(f"data:\n  name: {PKG}:pairs\n  args: {{n: 24, val: 6}}\n")
+    cfg = load_config(tmp_path / "job.yaml", ["data.args.val=5"])
+    splits = build_datasets(cfg.data, 3, 0)
+    assert (len(splits.train), len(splits.val), splits.collate_fn) == (24, 5, None)
+
+
+def test_a_factory_may_return_a_mapping_and_its_collate_function():
+    splits = build_datasets(DataConfig(name=f"{PKG}:dicts", args={"collate": True}), 3, 0)
+    assert splits.collate_fn is not None and data.first_batch(splits.train, splits.collate_fn)["n"] == 2
+    assert list(data.example_inputs(splits.train, splits.collate_fn)) == ["x", "n"]  # the targets are not inputs
+
+
+@pytest.mark.parametrize(
+    "name, args, message",
+    [
+        ("wrong_return", {}, r"returned list; a dataset factory returns \(train, val\)"),
+        ("iterable", {}, r"the training dataset is a Stream, not a map-style dataset"),
+        ("pairs", {"size": 3}, r"data.args gives size, which .* does not accept \(it takes: n, val\)"),
+        ("raises", {}, r"calling it raised ValueError: cannot open shard 40"),
+    ],
+)
+def test_a_factory_that_gives_something_else_is_a_config_error(name, args, message):
+    with pytest.raises(ConfigError, match=message):
+        build_datasets(DataConfig(name=f"{PKG}:{name}", args=args), 3, 0)
+
+
+def test_data_args_without_a_factory_is_an_error():
+    from ignite_mgpu.config import load_config
+
+    with pytest.raises(ConfigError, match="data.args is for a dataset factory"):
+        load_config(overrides=["data.args.n=3"])
+    with pytest.raises(ConfigError, match=r"config key 'data.name' = 'cifar' is invalid"):
+        load_config(overrides=["data.name=cifar"])

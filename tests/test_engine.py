@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from ignite_mgpu.engine import create_evaluator, create_trainer
+from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.optim import create_lr_scheduler
 from ignite_mgpu.strategy import unwrap
 from tests.helpers import LossModel, data, linear
@@ -232,8 +233,67 @@ def test_deterministic_mode_stays_strict_when_ignite_relaxes_it_on_cuda(determin
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
 
 
-def test_validation_metrics_accumulate_on_the_training_device():
-    from ignite_mgpu.engine import classification_metrics
+def test_validation_metrics_follow_the_loss_and_accumulate_on_the_training_device():
+    from ignite_mgpu.engine import validation_metrics
 
-    metrics = classification_metrics(torch.device("cpu"))
-    assert set(metrics) == {"accuracy", "loss"} and {m._device for m in metrics.values()} == {torch.device("cpu")}
+    cpu = torch.device("cpu")
+    classification = validation_metrics(nn.CrossEntropyLoss(), cpu)
+    assert set(classification) == {"accuracy", "loss"} and {m._device for m in classification.values()} == {cpu}
+    assert set(validation_metrics(nn.MSELoss(), cpu)) == set(validation_metrics(None, cpu)) == {"loss"}
+
+
+class HFStyle(nn.Module):
+    """Takes keyword inputs, computes its loss when given labels, returns an object with .loss (Hugging Face style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = linear()
+
+    def forward(self, x, labels=None, note=None):
+        from types import SimpleNamespace
+
+        logits = self.net(x)
+        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
+def mapping_data(n=32, batch=8):
+    loader = data(n, batch)
+    x, y = loader.dataset.tensors
+    items = [{"x": x[i], "labels": y[i], "note": f"sample {i}"} for i in range(n)]
+    return DataLoader(items, batch_size=batch)
+
+
+@pytest.mark.parametrize("kind", ["model loss, object with .loss", "loss function on .logits"])
+def test_mapping_batches_train_like_tuple_batches(kind):
+    reference, hf = linear(), HFStyle()
+    fit(reference, data())
+    loss_fn = None if kind.startswith("model") else nn.CrossEntropyLoss()
+    create_trainer(hf, torch.optim.SGD(hf.parameters(), lr=0.1), loss_fn, device="cpu").run(mapping_data(), 1)
+    for a, b in zip(reference.parameters(), hf.net.parameters(), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_model_loss_evaluation_is_the_exact_mean_over_samples():
+    from ignite_mgpu.engine import validation_metrics
+
+    model = HFStyle()
+    batches_of = mapping_data(n=30, batch=8)  # 8, 8, 8, 6: a plain mean of batch means would be off
+    state = create_evaluator(model, validation_metrics(None, torch.device("cpu")), model_loss=True, device="cpu").run(
+        batches_of
+    )
+    x, y = data(30).dataset.tensors
+    torch.testing.assert_close(state.metrics["loss"], nn.functional.cross_entropy(model.net(x), y).item())
+
+
+def test_a_loss_factory_of_the_users():
+    from ignite_mgpu.engine import create_loss
+
+    assert isinstance(create_loss("cross_entropy"), nn.CrossEntropyLoss) and create_loss("model") is None
+    smoothed = create_loss("tests.plugins_pkg.factories:smooth_l1")
+    assert smoothed.label_smoothing == 0.1
+    model = linear()
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), smoothed, device="cpu")
+    trainer.run(data(), max_epochs=1)
+    with pytest.raises(ConfigError, match=r"train.loss=tests.plugins_pkg.factories:number returned a int; a loss "):
+        create_loss("tests.plugins_pkg.factories:number")

@@ -107,3 +107,26 @@ def test_compile_on_the_cpu_without_a_compiler_is_refused(launched, tmp_path, ca
     monkeypatch.delenv("CXX", raising=False)
     assert fit(config(tmp_path, "model.compile=true")) == 2
     assert "model.compile=true on the CPU needs a C++ compiler" in capsys.readouterr().err and not launched
+
+
+def test_a_run_without_output_dir_under_torchrun_or_slurm_is_named_by_the_job(monkeypatch, tmp_path, capsys):
+    from ignite_mgpu.config import Config
+
+    monkeypatch.chdir(tmp_path)
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
+    cfg = Config()
+    preflight.resolve_output_dir(cfg, {**torchrun, "TORCHELASTIC_RUN_ID": "exp7"})
+    assert cfg.output_dir == "runs/job-exp7"  # every process and every restart of the job agree
+    with pytest.raises(preflight.ConfigError, match="under torchrun without --rdzv-id"):
+        preflight.resolve_output_dir(Config(), {**torchrun, "TORCHELASTIC_RUN_ID": "none"})
+    slurm = Config()
+    preflight.resolve_output_dir(slurm, {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_PROCID": "2"})
+    assert slurm.output_dir == "runs/job-4242"
+    named = Config(output_dir="mine")
+    preflight.resolve_output_dir(named, {})
+    assert named.output_dir == "mine"  # a folder the user names is kept as it is
+    with pytest.raises(preflight.ConfigError, match=r"--resume auto without --output-dir .* but there is none"):
+        preflight.resolve_output_dir(Config(resume="auto"), {})
+    stamped = Config()
+    preflight.resolve_output_dir(stamped, {}, now=0.0)
+    assert preflight.RUN_NAME.fullmatch(stamped.output_dir.removeprefix("runs/"))

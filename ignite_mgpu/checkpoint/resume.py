@@ -9,7 +9,7 @@ from typing import Any
 
 from ignite_mgpu.checkpoint.files import find_resumable
 from ignite_mgpu.checkpoint.load import load_checkpoint
-from ignite_mgpu.config import Config
+from ignite_mgpu.config import Config, run_dir
 from ignite_mgpu.errors import CheckpointError
 
 logger = logging.getLogger("ignite_mgpu")
@@ -49,9 +49,9 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
 
     Returns False when the checkpoint already finished ``train.epochs`` (nothing left to train).
     """
-    path = find_resumable(cfg.output_dir) if cfg.resume == "auto" else Path(str(cfg.resume))
+    path = find_resumable(run_dir(cfg)) if cfg.resume == "auto" else Path(str(cfg.resume))
     if path is None:
-        raise CheckpointError(f"--resume auto: no complete checkpoint in {cfg.output_dir}.")
+        raise CheckpointError(f"--resume auto: no complete checkpoint in {run_dir(cfg)}.")
     now = run_signature(cfg)
 
     def same_run(checkpoint: dict[str, Any]) -> None:  # runs before anything is loaded

@@ -96,11 +96,17 @@ def create_checkpointers(
 
 
 def attach_checkpoints(
-    trainer: Engine, evaluator: Engine, to_save: dict[str, Any], cfg: CheckpointConfig, output_dir: str | Path
+    trainer: Engine,
+    evaluator: Engine,
+    to_save: dict[str, Any],
+    cfg: CheckpointConfig,
+    output_dir: str | Path,
+    metric: str,
 ) -> tuple[Checkpoint, Checkpoint]:
-    """Full state every N epochs / iterations and on a stop signal; the best unwrapped model after validation."""
+    """Full state every N epochs / iterations and on a stop signal; the best unwrapped model by ``metric`` after
+    validation."""
     full, best = create_checkpointers(
-        to_save, to_save["model"], output_dir, cfg.n_saved, cfg.metric, global_step_from_engine(trainer)
+        to_save, to_save["model"], output_dir, cfg.n_saved, metric, global_step_from_engine(trainer)
     )
     if cfg.every:
         trainer.add_event_handler(Events.EPOCH_COMPLETED(every=cfg.every), full)

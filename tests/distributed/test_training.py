@@ -64,7 +64,7 @@ def test_two_processes_end_like_one_and_evaluate_exactly(tmp_path):
     from ignite_mgpu.data import build_datasets
     from ignite_mgpu.models import create_model
 
-    _, val = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
+    val = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed).val
     model = create_model(cfg.model, torch.zeros(1, 3, 8, 8))
     model.load_state_dict(a)
     x = torch.stack([val[i][0] for i in range(len(val))])
@@ -207,6 +207,33 @@ def test_compiled_model_trains_resumes_and_evaluates_with_plain_checkpoints(tmp_
         ["evaluate", *TINY, "model.name=mlp", "data.image_size=8", "--checkpoint", str(best), "--json"], tmp_path
     )
     assert ev.returncode == 0 and json.loads(ev.stdout.strip().splitlines()[-1])["samples"] == 101, ev.stderr[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_the_char_lm_example_trains_resumes_and_evaluates_from_the_cli_alone(tmp_path):
+    """configs/charlm.yaml: dataset and model factories of the user's, mapping batches, a model that returns an
+    object with .loss; validation reports the loss only, exact over the uneven validation shards (9 windows)."""
+    out = tmp_path / "run"
+    config = str(REPO / "configs/charlm.yaml")
+    result = run_cli(["train", config, "--nproc", "2", "--output-dir", str(out)], tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics(out)
+    assert len(rows) == 6 and "val_accuracy" not in rows[-1]
+    assert rows[-1]["val_loss"] < 0.85 * rows[0]["val_loss"], [r["val_loss"] for r in rows]
+    resumed = run_cli(["train", config, "--nproc", "2", "--output-dir", str(out), "--resume", "auto", "train.epochs=7"],
+                      tmp_path, timeout=240)  # fmt: skip
+    assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
+    last = metrics(out)[-1]
+    assert last["epoch"] == 7
+    scores = []
+    for nproc in ("2", "1"):
+        ev = run_cli(["evaluate", config, "--checkpoint", str(list_checkpoints(out)[0]), "--nproc", nproc, "--json"],
+                     tmp_path, timeout=200)  # fmt: skip
+        assert ev.returncode == 0, ev.stderr[-3000:]
+        scores.append(json.loads(ev.stdout.strip().splitlines()[-1]))
+    assert scores[0]["samples"] == scores[1]["samples"] == 9 and "accuracy" not in scores[0]
+    assert scores[0]["loss"] == pytest.approx(scores[1]["loss"], rel=1e-6)  # 2 ranks (5 + 4) == 1 process
+    assert scores[0]["loss"] == pytest.approx(last["val_loss"], rel=1e-6)
 
 
 @pytest.mark.timeout(180)

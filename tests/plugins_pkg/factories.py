@@ -1,0 +1,94 @@
+"""Dataset, model and loss factories as a user would write them, well and badly."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
+
+NOT_CALLABLE = 42
+
+
+def _pairs(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDataset(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+
+
+def pairs(n: int = 40, val: int = 10) -> tuple[Dataset, Dataset]:
+    """(train, val) of (x, y) pairs."""
+    return _pairs(n, 0), _pairs(val, 1)
+
+
+class Dicts(Dataset):
+    """Hugging Face-style items: {"x": ..., "labels": ...} (or without labels)."""
+
+    def __init__(self, n: int, seed: int, with_labels: bool = True) -> None:
+        self.inner, self.with_labels = _pairs(n, seed), with_labels
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> dict:
+        x, y = self.inner[i]
+        return {"x": x, "labels": y, "note": "kept on the host"} if self.with_labels else {"x": x}
+
+
+def dicts(n: int = 40, val: int = 10, labels: bool = True, collate: bool = False) -> dict:
+    out = {"train": Dicts(n, 0, labels), "val": Dicts(val, 1, labels)}
+    if collate:
+        out["collate_fn"] = collate_dicts
+    return out
+
+
+def collate_dicts(items: list[dict]) -> dict:
+    return {
+        "x": torch.stack([i["x"] for i in items]),
+        "labels": torch.stack([i["labels"] for i in items]),
+        "n": len(items),
+    }
+
+
+def raises(n: int = 40) -> tuple:
+    return _helper_that_fails(n)
+
+
+def _helper_that_fails(n: int) -> tuple:
+    raise ValueError(f"cannot open shard {n}")
+
+
+def wrong_return() -> list:
+    return [1, 2, 3, 4]
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        yield from _pairs(10, 0)
+
+
+def iterable() -> tuple:
+    return Stream(), _pairs(10, 1)
+
+
+class Net(nn.Module):
+    """Returns logits, or its own loss given targets."""
+
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Sequential(nn.Linear(6, hidden), nn.ReLU(), nn.Linear(hidden, 3))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, **_: object):
+        logits = self.fc(x)
+        return logits if labels is None else {"loss": nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def net(hidden: int = 8) -> nn.Module:
+    return Net(hidden)
+
+
+def smooth_l1() -> nn.Module:
+    """A loss factory: returns a loss function (predictions, targets) -> loss."""
+    return nn.CrossEntropyLoss(label_smoothing=0.1)
+
+
+def number() -> int:
+    return 3
