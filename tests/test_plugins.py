@@ -44,9 +44,7 @@ def test_an_exception_in_the_users_code_shows_their_traceback_not_ours():
     fn = plugins.resolve(f"{PKG}:raises", "data.name")
     with pytest.raises(ConfigError) as err:
         plugins.call(fn, {"n": 3}, f"{PKG}:raises", "data.name")
-    assert str(err.value) == (
-        f"data.name={PKG}:raises: calling it raised ValueError: cannot open shard 3."
-    )
+    assert str(err.value) == (f"data.name={PKG}:raises: calling it raised ValueError: cannot open shard 3.")
     detail = err.value.detail
     assert "_helper_that_fails" in detail and detail.rstrip().endswith("ValueError: cannot open shard 3")
     assert "ignite_mgpu" not in detail  # only the user's frames
