@@ -50,15 +50,12 @@ def predict(model: nn.Module, inputs: Any) -> Any:
 
 def logits(output: Any) -> torch.Tensor:
     """The predictions in a model's output: the tensor itself, or its ``logits`` (mapping key or attribute)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    found = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
-    if not isinstance(found, torch.Tensor):
-        raise TypeError(
-            f"the model returned a {type(output).__name__}; with a loss function it must return the predictions: a "
-            "tensor, or an object or mapping with a 'logits' tensor."
-        )
-    return found
+    return _entry(
+        output,
+        "logits",
+        f"the model returned a {type(output).__name__}; with a loss function it must return the predictions: a "
+        "tensor, or an object or mapping with a 'logits' tensor.",
+    )
 
 
 def model_loss(model: nn.Module, batch: Any) -> Any:
@@ -68,14 +65,21 @@ def model_loss(model: nn.Module, batch: Any) -> Any:
 
 def loss_of(output: Any) -> torch.Tensor:
     """The loss in the output of a model that computes it: the tensor, ``output["loss"]`` or ``output.loss``."""
+    return _entry(
+        output,
+        "loss",
+        f"the model computes its own loss (loss_fn=None, train.loss=model) but returned a {type(output).__name__} "
+        "without one: return the loss tensor, or an object or mapping with a 'loss'.",
+    )
+
+
+def _entry(output: Any, name: str, error: str) -> torch.Tensor:
+    """``output`` itself when it is a tensor, else its tensor ``name`` (mapping key or attribute); TypeError else."""
     if isinstance(output, torch.Tensor):
         return output
-    found = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    found = output.get(name) if isinstance(output, Mapping) else getattr(output, name, None)
     if not isinstance(found, torch.Tensor):
-        raise TypeError(
-            f"the model computes its own loss (loss_fn=None, train.loss=model) but returned a "
-            f"{type(output).__name__} without one: return the loss tensor, or an object or mapping with a 'loss'."
-        )
+        raise TypeError(error)
     return found
 
 

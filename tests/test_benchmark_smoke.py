@@ -29,6 +29,25 @@ def load_bench(monkeypatch):
     return _load_bench
 
 
+def run_quick(script, json_out, timeout):
+    """``python SCRIPT --quick --json OUT`` in its own session (killed with its workers past ``timeout``): stdout."""
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "--quick", "--json", str(json_out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # on timeout, kill the benchmark's group; its workers die with their parent
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{script.name} --quick did not finish in {timeout} s\n{stdout}\n{stderr[-3000:]}")
+    assert proc.returncode == 0, stdout + stderr
+    return stdout
+
+
 def _load_bench():
     spec = importlib.util.spec_from_file_location("bench_overhead", SCRIPT)
     module = importlib.util.module_from_spec(spec)
@@ -42,20 +61,7 @@ def _load_bench():
 def test_quick_run_prints_both_loops_and_identical_weights(tmp_path):
     out = tmp_path / "bench.json"
     # --quick takes 10-30 s on 2 CPU cores (two gloo workers, one short round per workload).
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # on timeout, kill the benchmark's group; its workers die with their parent
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"bench_overhead.py --quick did not finish in 60 s\n{stdout}\n{stderr[-3000:]}")
-    assert proc.returncode == 0, stdout + stderr
+    stdout = run_quick(SCRIPT, out, timeout=60)
     mlp = [line.split("|") for line in stdout.splitlines() if line.startswith("| tiny MLP | 2 |")]
     names = ["hand-written", "ignite-mgpu", "ignite Engine (reference)"]
     rows, over_engine = [row for row in mlp if row[3].strip() in names], [r for r in mlp if r[3].strip() not in names]
@@ -174,20 +180,7 @@ def test_cpu_allocator_benchmark_prints_both_modes():
 def test_binding_quick_run_prints_every_part(tmp_path):
     """bench_binding.py --quick (about a minute on 2 CPU cores): every row of its three parts, and the checks."""
     out = tmp_path / "binding.json"
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT.with_name("bench_binding.py")), "--quick", "--json", str(out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"bench_binding.py --quick did not finish in 180 s\n{stdout}\n{stderr[-3000:]}")
-    assert proc.returncode == 0, stdout + stderr
+    stdout = run_quick(SCRIPT.with_name("bench_binding.py"), out, timeout=180)
     cells = [[c.strip() for c in line.split("|")[1:-1]] for line in stdout.splitlines() if line.startswith("| ")]
     jobs = [row[0] for row in cells if row[0].startswith(("ignite-mgpu --cpu-binding", "DDP tutorial", "auto / none"))]
     assert jobs[0] == "ignite-mgpu --cpu-binding auto" and jobs[2].startswith("DDP tutorial loop"), stdout
