@@ -77,7 +77,7 @@ def check_datasets(cfg: Config, world_size: int) -> None:
 def check_output_dir(cfg: Config) -> None:
     """Never mix two runs' checkpoints, never write where another job writes; ``--resume`` must name something
     resumable."""
-    from ignite_mgpu.checkpoint.files import find_resumable, is_complete
+    from ignite_mgpu.checkpoint.files import is_complete
 
     out = Path(cfg.output_dir)
     owner = lock_owner(out)
@@ -86,11 +86,8 @@ def check_output_dir(cfg: Config) -> None:
     if out.exists() and not os.access(out, os.W_OK):
         raise ConfigError(f"output_dir {out.resolve()} is not writable; choose another --output-dir.")
     check_no_foreign_checkpoints(cfg)
-    if cfg.resume == "auto" and find_resumable(out) is None:
-        raise ConfigError(
-            f"--resume auto: no complete checkpoint in {out.resolve()} to resume from. "
-            "Drop --resume to start a new run there."
-        )
+    # --resume auto without a checkpoint starts a new run (training says so): the same command then works on the
+    # first start and on every restart by torchrun, SLURM or Kubernetes.
     if cfg.resume not in (None, "auto"):
         path = Path(cfg.resume)
         if not path.is_file():
@@ -115,6 +112,20 @@ def check_no_foreign_checkpoints(cfg: Config) -> None:
         )
 
 
+def warn_restarts_without_checkpoints(cfg: Config) -> None:
+    """--max-restarts with no checkpoint at all is allowed (a restart then starts from the beginning), with a
+    warning, once per job."""
+    c = cfg.checkpoint
+    if cfg.dist.max_restarts and not (c.every or c.every_iters or c.every_minutes):
+        print(
+            f"ignite-mgpu: warning: --max-restarts {cfg.dist.max_restarts} without checkpoints (checkpoint.every=0, "
+            "checkpoint.every_iters=0, checkpoint.every_minutes=null): every restart starts the training from the "
+            "beginning. Set checkpoint.every_minutes (e.g. 10) or checkpoint.every so that a restart resumes "
+            "close to where the job failed.",
+            file=sys.stderr,
+        )
+
+
 @contextlib.contextmanager
 def prepared(cfg: Config) -> Iterator[LaunchPlan]:
     """Run every check, decide the launch plan, and hold the output folder's lock while the caller runs the job.
@@ -126,6 +137,7 @@ def prepared(cfg: Config) -> Iterator[LaunchPlan]:
     leader = is_leader(cfg)
     if leader:
         check_output_dir(cfg)
+        warn_restarts_without_checkpoints(cfg)
     plan = make_plan(cfg.dist)
     check_model_options(cfg, plan)
     check_datasets(cfg, plan.world_size)
