@@ -35,12 +35,14 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 @dataclass
 class Outcome:
-    """How an attempt ended: the exit code, the cause (one sentence or the error), advice, the traceback."""
+    """How an attempt ended: the exit code, the cause (one sentence or the error), advice, the traceback, and the
+    rank(s) that failed, for the restart's line."""
 
     code: int
     cause: str = ""
     advice: str = ""
     details: str = ""
+    failed: str = ""  # "rank 1", "rank(s) 1, 3"
 
     def message(self, advice: bool = True) -> str:
         text = f"{self.cause} {self.advice}" if advice and self.advice else self.cause
@@ -109,6 +111,7 @@ def outcome(
             f"{', '.join(map(str, silent)) or '?'} never arrived (stuck or hung).",
             "Find what they were doing (data loader, I/O, a rank-dependent branch); --resume auto continues from "
             "the last checkpoint.",
+            failed=f"rank(s) {', '.join(map(str, silent))}",
         )
     if first_failure and first_failure[1] < 0:  # killed (OOM killer, kill -9): no error file of its own
         local_rank, code = first_failure
@@ -118,6 +121,7 @@ def outcome(
             f"rank {rank_offset + local_rank} terminated with signal {signal.Signals(-code).name}{hint}; stopped "
             "the other ranks.",
             "Resume from the last checkpoint with --resume auto.",
+            failed=f"rank {rank_offset + local_rank}",
         )
     failed = [r for r in reports if r["code"] == FAILED]
     timeouts = [r for r in failed if "timed out" in r["message"].lower() or "timeout" in r["type"].lower()]
@@ -130,13 +134,13 @@ def outcome(
             f"rank {first['rank']} timed out after {timeout:.0f} s (dist.timeout) waiting in a collective; "
             f"rank(s) {', '.join(map(str, silent)) or '?'} stopped answering (stuck or hung). "
             f"Error: {first['message'].splitlines()[0] if first['message'] else ''}",
+            failed=f"rank(s) {', '.join(map(str, silent))}",
         )
     if failed:
         # The earliest error is the cause; later ones are usually peers losing their connection to it.
         first = min(failed, key=lambda r: r["time"])
-        return Outcome(
-            FAILED, f"rank {first['rank']} failed with {first['type']}: {first['message']}", "", first["traceback"]
-        )
+        cause = f"rank {first['rank']} failed with {first['type']}: {first['message']}"
+        return Outcome(FAILED, cause, "", first["traceback"], f"rank {first['rank']}")
     return Outcome(FAILED, f"a rank exited with codes {exit_codes}.")
 
 
@@ -306,8 +310,9 @@ class Supervisor:
             where = "from the beginning (no complete checkpoint yet)"
         lost = f"; {max(0, reached - info.iteration)} iteration(s) lost (every rank had completed iteration {reached})"
         _print(failure.message(advice=False))
+        after = f" after {failure.failed} failed" if failure.failed else ""
         _print(
-            f"restart {attempt} of {plan.max_restarts} (dist.max_restarts) in {delay:.0f} s, {where}"
+            f"restart {attempt} of {plan.max_restarts} (dist.max_restarts){after}, in {delay:.0f} s: {where}"
             f"{lost if info.resumes else ''}."
         )
         end = time.monotonic() + delay

@@ -8,7 +8,7 @@ import pytest
 
 from ignite_mgpu import supervisor
 from ignite_mgpu.launcher import LaunchPlan
-from ignite_mgpu.supervisor import Outcome, Restart, Supervisor, no_restart_reason, summarize
+from ignite_mgpu.supervisor import Outcome, Restart, Supervisor, no_restart_reason, outcome, summarize
 from ignite_mgpu.worker import error_report
 
 
@@ -186,6 +186,7 @@ def killed(rank=1):
         f"rank {rank} terminated with signal SIGKILL (the kernel's OOM killer sends SIGKILL when memory runs "
         "out); stopped the other ranks.",
         "Resume from the last checkpoint with --resume auto.",
+        failed=f"rank {rank}",
     )
 
 
@@ -196,7 +197,9 @@ def test_each_restart_is_logged_once_with_its_cause_checkpoint_and_loss(no_backo
         hook_calls.append(attempt)
         return Restart(("again", attempt), "/out/checkpoint_4.pt", 4)
 
-    boom = Outcome(1, "rank 0 failed with RuntimeError: boom", "", "Traceback (most recent call last):\n  ...\n")
+    boom = Outcome(
+        1, "rank 0 failed with RuntimeError: boom", "", "Traceback (most recent call last):\n  ...\n", "rank 0"
+    )
     sup = Scripted(
         LaunchPlan("gloo", 2, max_restarts=2),
         [(killed(), None, 7), (boom, None, 5), (Outcome(0), "the job succeeded", 20)],
@@ -208,11 +211,11 @@ def test_each_restart_is_logged_once_with_its_cause_checkpoint_and_loss(no_backo
     assert err == (
         "ignite-mgpu: rank 1 terminated with signal SIGKILL (the kernel's OOM killer sends SIGKILL when memory runs "
         "out); stopped the other ranks.\n"
-        "ignite-mgpu: restart 1 of 2 (dist.max_restarts) in 0 s, resuming from /out/checkpoint_4.pt at iteration 4; "
-        "3 iteration(s) lost (every rank had completed iteration 7).\n"
+        "ignite-mgpu: restart 1 of 2 (dist.max_restarts) after rank 1 failed, in 0 s: resuming from "
+        "/out/checkpoint_4.pt at iteration 4; 3 iteration(s) lost (every rank had completed iteration 7).\n"
         "ignite-mgpu: rank 0 failed with RuntimeError: boom\nTraceback (most recent call last):\n  ...\n"
-        "ignite-mgpu: restart 2 of 2 (dist.max_restarts) in 0 s, resuming from /out/checkpoint_4.pt at iteration 4; "
-        "1 iteration(s) lost (every rank had completed iteration 5).\n"
+        "ignite-mgpu: restart 2 of 2 (dist.max_restarts) after rank 0 failed, in 0 s: resuming from "
+        "/out/checkpoint_4.pt at iteration 4; 1 iteration(s) lost (every rank had completed iteration 5).\n"
     )
 
 
@@ -221,7 +224,10 @@ def test_restarts_run_out_with_the_last_failure_reported_once(no_backoff, capsys
     assert sup.run() == 1
     err = capsys.readouterr().err
     assert err.count("rank 1 terminated with signal SIGKILL") == 2  # every failure, once each
-    assert "restart 1 of 1 (dist.max_restarts) in 0 s, running the job function again from its start." in err
+    assert (
+        "restart 1 of 1 (dist.max_restarts) after rank 1 failed, in 0 s: running the job function again from its start."
+        in err
+    )
     assert err.endswith(
         "stopped the other ranks. Resume from the last checkpoint with --resume auto.\n"
         "ignite-mgpu: gave up after 1 restart(s) (dist.max_restarts=1).\n"
@@ -247,3 +253,13 @@ def test_a_stop_signal_during_the_backoff_cancels_the_restart(monkeypatch, capsy
     monkeypatch.setattr(supervisor.time, "sleep", lambda s: setattr(sup, "signal_received", signal.SIGTERM))
     assert sup.run() == 143 and len(sup.started) == 1
     assert capsys.readouterr().err.endswith("ignite-mgpu: stopped by SIGTERM before a restart.\n")
+
+
+def test_the_failed_ranks_are_named_for_the_restart_line():
+    assert outcome([], [-9, 1], (0, -signal.SIGKILL), rank_offset=2).failed == "rank 2"
+    assert (
+        outcome([report(1, 1, "boom", time=1.0), report(0, 1, "closed", time=2.0)], [1, 1], (0, 1)).failed == "rank 1"
+    )
+    timed_out = [report(0, 1, "Timed out waiting 5000ms", type_="DistBackendError")]
+    assert outcome(timed_out, [1, -9, -9], (0, 1)).failed == "rank(s) 1, 2"  # the silent ones
+    assert outcome([], [-signal.SIGABRT, -9], (0, -signal.SIGABRT)).failed == "rank(s) 1"
