@@ -217,10 +217,14 @@ class Supervisor:
             raise KeyboardInterrupt
         self.signal_received = signum
         preempt = signum not in _STOP_SIGNALS
-        what = "writes a checkpoint; the job then requeues itself" if preempt else "stops"
+        what = (
+            "stops and writes a checkpoint at the next check; the job then requeues itself"
+            if preempt
+            else ("stops at the next check")
+        )
         print(
-            f"ignite-mgpu: {signal.Signals(signum).name} received: every rank {what} at the next check "
-            f"(up to {self.plan.stop_grace:.0f} s); press Ctrl-C again to stop at once.",
+            f"ignite-mgpu: {signal.Signals(signum).name} received{' (pre-emption)' if preempt else ''}: every rank "
+            f"{what} (up to {self.plan.stop_grace:.0f} s); press Ctrl-C again to stop at once.",
             file=sys.stderr,
         )
         # The pre-emption signal is passed on as it is: every rank must stop for the same reason (its exit code).

@@ -204,6 +204,7 @@ def test_slurm_preemption_checkpoints_requeues_and_the_requeued_job_resumes(h: H
         os.kill(pid, signal.SIGUSR1)
     r = job.wait(60)
     assert r.rc == 138, r
+    assert "ignite-mgpu: SIGUSR1 received (pre-emption): every rank stops and writes a checkpoint" in r.stderr, r
     m = re.search(r"stopped by SIGUSR1 at iteration (\d+)", r.stderr)
     assert m and 4 <= int(m.group(1)) < 20, r
     stopped_at = int(m.group(1))
