@@ -25,6 +25,7 @@ FLAGS = {
     "master_port": "dist.master_port",
     "timeout": "dist.timeout",
     "cpu_binding": "dist.cpu_binding",
+    "max_restarts": "dist.max_restarts",
     "output_dir": "output_dir",
     "resume": "resume",
     "seed": "seed",
@@ -108,7 +109,14 @@ def main() -> None:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML file over the defaults.")
 @dist_options
 @click.option("--output-dir", help="Folder for config.yaml, metrics.jsonl and checkpoints.")
-@click.option("--resume", help="Checkpoint path, or auto (newest complete checkpoint in output_dir).")
+@click.option(
+    "--resume", help="Checkpoint path, or auto (newest complete checkpoint in output_dir; none yet: a new run)."
+)
+@click.option(
+    "--max-restarts",
+    type=int,
+    help="Restart the processes after a crash, a killed rank or a timeout, from the newest checkpoint [0].",
+)
 @click.option("--seed", type=int, help="Seed for data order, initialisation and the synthetic data.")
 def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
     """Train: defaults < --config FILE.yaml < key=value overrides < flags.

@@ -80,6 +80,7 @@ class CheckpointConfig:
 
     every: int = 1  # save the full training state every N epochs (0 = never)
     every_iters: int = 0  # also save every N iterations (0 = off)
+    every_minutes: float | None = None  # also save about every N minutes of training (null = off)
     n_saved: int = 2  # how many full checkpoints to keep
     metric: Literal["accuracy", "loss"] | None = (
         None  # picks best_model_*.pt; None: accuracy for cross_entropy, else loss
@@ -103,6 +104,8 @@ class DistConfig:
     timeout: float = 300.0  # seconds any collective may wait after the first iteration
     stop_grace: float = 60.0  # seconds workers get to checkpoint and exit after SIGTERM/Ctrl-C
     cpu_binding: Literal["auto", "none", "cores", "numa"] = "none"  # CPUs and threads of each process (binding.py)
+    max_restarts: int = 0  # restart the processes after a curable failure, from the newest complete checkpoint
+    preempt_signal: str | None = "SIGUSR1"  # SLURM's time-limit warning: checkpoint, requeue the job, exit (null: off)
 
 
 @dataclass
@@ -193,6 +196,13 @@ def validate(cfg: Config) -> None:
     _check(t.check_every >= 0, "train.check_every", t.check_every, "use 0 (about once a second) or >= 1")
     _check(c.every >= 0 and c.every_iters >= 0, "checkpoint.every/every_iters", (c.every, c.every_iters), "use >= 0")
     _check(c.n_saved >= 1, "checkpoint.n_saved", c.n_saved, "keep at least 1 checkpoint")
+    minutes = c.every_minutes
+    _check(
+        minutes is None or (math.isfinite(minutes) and minutes > 0),
+        "checkpoint.every_minutes",
+        minutes,
+        "use null (no time-based checkpoints) or a number of minutes > 0, e.g. 10",
+    )
     accum = t.grad_accum_steps
     _check(
         c.every_iters % accum == 0,
@@ -207,6 +217,20 @@ def validate(cfg: Config) -> None:
     port = dist.master_port
     _check(port is None or 1 <= port <= 65535, "dist.master_port", port, "use a TCP port in 1..65535")
     _check(dist.timeout > 0 and dist.stop_grace > 0, "dist.timeout/stop_grace", (dist.timeout, dist.stop_grace), "> 0")
+    _check(
+        dist.max_restarts >= 0,
+        "dist.max_restarts",
+        dist.max_restarts,
+        "use 0 (a failed rank ends the job) or a number of restarts, e.g. --max-restarts 3",
+    )
+    _check_preempt_signal(dist.preempt_signal)
+    if dist.max_restarts and dist.nnodes > 1:
+        raise ConfigError(
+            f"--max-restarts {dist.max_restarts} with --nnodes {dist.nnodes}: each node's launcher would restart "
+            "only its own processes, and a node that gives up would leave the others waiting at the rendezvous. "
+            "Across nodes let the cluster restart the job: torchrun --max-restarts N (with --rdzv-backend c10d) or "
+            "SLURM's --requeue, with --resume auto; or drop --max-restarts."
+        )
     if dist.nnodes > 1 and port is None:
         raise ConfigError("--nnodes > 1 needs --master-port (and --master-addr, node 0's address) on every node.")
     builtin = ("synthetic", "fake", "mnist", "fashion_mnist", "cifar10", "imagefolder")
@@ -257,6 +281,21 @@ def run_dir(cfg: Config) -> Path:
 def best_metric(cfg: Config) -> str:
     """The validation metric that picks best_model_*.pt: checkpoint.metric, or what train.loss reports."""
     return cfg.checkpoint.metric or ("accuracy" if cfg.train.loss == "cross_entropy" else "loss")
+
+
+def _check_preempt_signal(name: str | None) -> None:
+    import signal
+
+    usable = name is None or (
+        name in signal.Signals.__members__ and name not in ("SIGKILL", "SIGSTOP", "SIGINT", "SIGTERM", "SIGCHLD")
+    )
+    _check(
+        usable,
+        "dist.preempt_signal",
+        name,
+        "name a signal that a process can catch and that does not already mean stop, such as SIGUSR1 or SIGUSR2 "
+        "(what sbatch --signal=USR1@90 sends), or null",
+    )
 
 
 def dump_config(cfg: Config) -> str:

@@ -18,7 +18,7 @@ from torch import nn
 from ignite_mgpu import batches, plugins
 from ignite_mgpu.checkpoint.files import native_rng_states, plain_rng_states
 from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.guard import TrainingGuard
+from ignite_mgpu.guard import TrainingGuard, accumulation_window
 from ignite_mgpu.strategy import find_ddp, reduce_replica_losses, unwrap
 
 Batch = Any
@@ -68,19 +68,22 @@ def create_trainer(
     deterministic: bool = False,
     check_every: int = 0,
     checkpoint_every: int = 0,
+    checkpoint_minutes: float | None = None,
     non_blocking: bool = True,
 ) -> Engine:
     """A trainer Engine for a model already placed by ``idist.auto_model`` (DDP, DataParallel or plain).
 
     Each iteration: the batch to the device (every tensor in it), forward under autocast, ``loss / grad_accum_steps``
     backward (inside DDP's ``no_sync`` on accumulation steps), then on the last micro-batch unscale, clip, optimizer
-    and scheduler step. A batch is ``(inputs, targets, *extra)`` or a mapping (targets under "labels" or
-    "targets", the rest passed as the model's keyword arguments); ``loss_fn(predictions, targets)`` gets a tensor
-    output or its ``logits``. With ``loss_fn=None`` the model computes the loss itself: ``model(x, y)``, or
-    ``model(**batch)`` for a mapping, returning the loss, a mapping with "loss" or an object with ``.loss`` (as
-    Hugging Face models do); DataParallel's per-GPU loss vector is reduced exactly.
-    ``engine.state.output`` is the detached loss; a ``TrainingGuard`` stops every rank
-    together on a non-finite loss or a stop signal, and the sampler's ``set_epoch`` is called every epoch.
+    and scheduler step. Windows restart every epoch; when the epoch length does not divide, the epoch's last window
+    is shorter and its loss is divided by its own length, so its gradient is the mean over its micro-batches. A batch
+    is ``(inputs, targets, *extra)`` or a mapping (targets under "labels" or "targets", the rest passed as the
+    model's keyword arguments); ``loss_fn(predictions, targets)`` gets a tensor output or its ``logits``. With
+    ``loss_fn=None`` the model computes the loss itself: ``model(x, y)``, or ``model(**batch)`` for a mapping,
+    returning the loss, a mapping with "loss" or an object with ``.loss`` (as Hugging Face models do);
+    DataParallel's per-GPU loss vector is reduced exactly. ``engine.state.output`` is the detached loss; a
+    ``TrainingGuard`` stops every rank together on a non-finite loss or a stop signal, and the sampler's
+    ``set_epoch`` is called every epoch.
 
     Args:
         precision: "fp32", "bf16" (autocast on CUDA and CPU) or "fp16" (CUDA only, with a GradScaler).
@@ -90,6 +93,8 @@ def create_trainer(
             interval the ranks agree on from their measured step times. Rounded to ``grad_accum_steps``.
         checkpoint_every: the iteration interval of your checkpoint handler, if any: the guard checks on those
             iterations too, so no checkpoint is saved after an unchecked non-finite loss. 0: none.
+        checkpoint_minutes: also fire ``GuardEvents.CHECKPOINT`` about this often (the ranks agree at a check);
+            it fires for ``checkpoint_every`` too, at the end of the accumulation window holding the multiple.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: use one of {PRECISIONS}.")
@@ -125,9 +130,9 @@ def create_trainer(
 
     compute_loss = _under_autocast(compute_loss, precision, device)  # the backward runs outside autocast
 
-    def forward_backward(batch: Batch) -> torch.Tensor:
+    def forward_backward(batch: Batch, window: int) -> torch.Tensor:
         loss = compute_loss(batch)
-        scaled = loss / grad_accum_steps if grad_accum_steps > 1 else loss
+        scaled = loss / window if window > 1 else loss  # the window's gradient is the mean over its micro-batches
         (scaler.scale(scaled) if fp16 else scaled).backward()
         return loss
 
@@ -136,10 +141,14 @@ def create_trainer(
         if not inner.training:  # model.train() walks every submodule: only do it after an evaluation
             model.train()
         batch = batches.to_device(batch, device, non_blocking)
-        if engine.state.iteration % grad_accum_steps:
-            with no_sync():  # an accumulation step: gradients stay local until the last micro-batch
-                return forward_backward(batch).detach()
-        loss = forward_backward(batch)
+        window = 1
+        if grad_accum_steps > 1:
+            # Windows restart every epoch: an epoch-end checkpoint or stop never holds half a window's gradients.
+            last, window = accumulation_window(engine.state.iteration, engine.state.epoch_length, grad_accum_steps)
+            if not last:
+                with no_sync():  # an accumulation step: gradients stay local until the last micro-batch
+                    return forward_backward(batch, window).detach()
+        loss = forward_backward(batch, window)
         if clip_grad_norm is not None:
             if fp16:
                 scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
@@ -161,7 +170,10 @@ def create_trainer(
     trainer.add_event_handler(Events.EPOCH_STARTED, _set_sampler_epoch)
     if check_every:  # a stop must fall on an optimizer step, never inside a gradient-accumulation window
         check_every = max(grad_accum_steps, check_every // grad_accum_steps * grad_accum_steps)
-    TrainingGuard(check_every, sync_every=checkpoint_every, multiple_of=grad_accum_steps).attach(trainer)
+    guard = TrainingGuard(
+        check_every, sync_every=checkpoint_every, multiple_of=grad_accum_steps, checkpoint_minutes=checkpoint_minutes
+    )
+    guard.attach(trainer)
     return trainer
 
 

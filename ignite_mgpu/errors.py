@@ -12,6 +12,7 @@ EXIT_CODES = {
     2: "usage or config error, found before anything started",
     3: "training diverged (non-finite loss)",
     130: "SIGINT (Ctrl-C)",
+    138: "SIGUSR1, pre-emption (dist.preempt_signal; 128 + its number): checkpointed, SLURM job requeued",
     143: "SIGTERM",
 }
 SUCCESS, FAILED, USAGE, DIVERGED = 0, 1, 2, 3

@@ -3,13 +3,18 @@ CLI makes, ``evaluate`` scores saved weights. Both return the job's exit code (e
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
 from pathlib import Path
 
-from ignite_mgpu import launcher
-from ignite_mgpu.config import Config, validate
+from ignite_mgpu import launcher, scheduler
+from ignite_mgpu.config import Config, run_dir, validate
 from ignite_mgpu.errors import CheckpointError, ConfigError
 from ignite_mgpu.preflight import prepared
+from ignite_mgpu.supervisor import Restart
+
+TRAINING = "ignite_mgpu.train:training"
 
 
 def _refused(err: ConfigError | CheckpointError) -> int:
@@ -25,6 +30,7 @@ def fit(cfg: Config | None = None) -> int:
     Before anything starts: the config's values, the model name, the output folder (not locked by another job, no
     other run's checkpoints, a resumable ``resume`` target), the dataset sizes and the GPU request. While the job
     runs, ``output_dir`` is locked. Build ``cfg`` with ``load_config`` (or ``Config(...)``; None: the defaults).
+    With ``dist.max_restarts``, a failed job restarts from the newest complete checkpoint in ``output_dir``.
 
     Returns:
         0 on success; 2 (the reason printed as one paragraph on stderr) when a check fails, 1 for a corrupt
@@ -35,9 +41,21 @@ def fit(cfg: Config | None = None) -> int:
         validate(cfg)
         with prepared(cfg) as plan:
             # Only the target's name is pickled for the workers: this process never imports ignite.
-            return launcher.run_plan(plan, launcher.run_named, "ignite_mgpu.train:training", cfg)
+            restart = functools.partial(_resume_newest, cfg, scheduler.outer_restarts())
+            return launcher.run_plan(plan, launcher.run_named, TRAINING, cfg, restart=restart)
     except (ConfigError, CheckpointError) as err:
         return _refused(err)
+
+
+def _resume_newest(cfg: Config, outer_restarts: int, attempt: int) -> Restart:
+    """Restart ``attempt`` of the default job: ``--resume auto``, the newest complete checkpoint in output_dir (or
+    from the beginning when none was written yet); named here for the supervisor's log line."""
+    from ignite_mgpu.checkpoint.files import CKPT_NAME, find_resumable
+
+    path = find_resumable(run_dir(cfg))
+    match = CKPT_NAME.match(path.name) if path is not None else None
+    args = (TRAINING, dataclasses.replace(cfg, resume="auto"), outer_restarts + attempt)
+    return Restart(args, str(path) if path is not None else None, int(match.group(1)) if match else 0)
 
 
 def evaluate(cfg: Config, checkpoint: str | Path, as_json: bool = False) -> int:

@@ -13,10 +13,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ignite_mgpu import scheduler
 from ignite_mgpu.binding import BindingPlan, apply_binding, plan_for_job
 from ignite_mgpu.config import DistConfig
-from ignite_mgpu.errors import FAILED, SUCCESS, ConfigError, TrainingStopped, is_user_error
-from ignite_mgpu.supervisor import Supervisor
+from ignite_mgpu.errors import FAILED, SUCCESS, ConfigError, TrainingStopped, is_user_error, signal_exit_code
+from ignite_mgpu.supervisor import Restart, Supervisor
 from ignite_mgpu.worker import in_process_signals, run_in_group
 
 
@@ -41,6 +42,8 @@ class LaunchPlan:
     spawn_one: bool = False  # run even a single process in a spawned worker, whose CUDA starts fresh
     messages: list[str] = field(default_factory=list)
     binding: BindingPlan = field(default_factory=BindingPlan)  # CPUs and threads of each local rank
+    max_restarts: int = 0  # restarts of the whole group after a failure a restart can cure (supervisor.py)
+    preempt_signal: int | None = None  # the pre-emption signal: checkpoint, stop, requeue the SLURM job
 
     @property
     def world_size(self) -> int:
@@ -80,6 +83,13 @@ def make_plan(cfg: DistConfig) -> LaunchPlan:
                 "this process was started by torchrun/SLURM, which decides the processes: drop --nproc, and choose "
                 "GPUs with physical ids (--gpus 2,3) or CUDA_VISIBLE_DEVICES, not --gpus auto (each process would "
                 "choose on its own)."
+            )
+        if cfg.max_restarts:
+            raise ConfigError(
+                f"--max-restarts {cfg.max_restarts}: this process was started by torchrun/SLURM, which starts (and "
+                "restarts) the processes; one of them cannot restart the others. Let the outer launcher restart the "
+                "job and resume it: torchrun --max-restarts N ... train --resume auto, or sbatch --requeue with "
+                "--resume auto; and drop --max-restarts."
             )
     if cfg.gpus is not None:
         gpu_plan = gpus.plan_gpus(cfg.gpus, gpus.query_gpus(), environ, cfg.nproc)
@@ -135,8 +145,11 @@ def make_plan(cfg: DistConfig) -> LaunchPlan:
         # CUDA reads CUDA_VISIBLE_DEVICES once, when this process first asks it anything (torch.cuda.is_available()
         # included, without is_initialized() turning true), and this process may have asked before --gpus was
         # applied: a job on chosen GPUs always runs in a spawned process, also a single one.
-        spawn_one=gpu_plan is not None and bool(gpu_plan.physical_ids),
+        # A restart needs a process to restart: one process with --max-restarts runs in a spawned worker too.
+        spawn_one=(gpu_plan is not None and bool(gpu_plan.physical_ids)) or cfg.max_restarts > 0,
         messages=messages,
+        max_restarts=cfg.max_restarts,
+        preempt_signal=scheduler.signal_number(cfg.preempt_signal),
     )
     if plan.backend is not None:
         if cfg.master_port is not None and cfg.node_rank == 0:
@@ -189,32 +202,50 @@ def _external_plan(
         device="cuda" if n_cuda else "cpu",
         messages=messages,
         binding=plan_for_job(cfg.cpu_binding, nproc, None, False, cfg.strategy, environ, external=True),
+        preempt_signal=scheduler.signal_number(cfg.preempt_signal),
     )
 
 
-def run_plan(plan: LaunchPlan, fn: Callable[..., Any], *args: Any) -> int:
-    """Run ``fn(local_rank, *args)`` as the plan says; returns the job's exit code (errors.EXIT_CODES)."""
+def run_plan(
+    plan: LaunchPlan, fn: Callable[..., Any], *args: Any, restart: Callable[[int], Restart] | None = None
+) -> int:
+    """Run ``fn(local_rank, *args)`` as the plan says; returns the job's exit code (errors.EXIT_CODES).
+
+    ``restart(k)`` gives the arguments of restart k (``plan.max_restarts``; without it ``fn`` runs again with
+    ``args``). After a stop on the pre-emption signal, global rank 0 requeues the SLURM job.
+    """
     for line in plan.messages:
         print(f"ignite-mgpu: {line}", file=sys.stderr)
-    if plan.binding.reason and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # once per job
+    first = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    if plan.binding.reason and first:  # once per job
         print(f"ignite-mgpu: {plan.binding.reason}", file=sys.stderr)
     if plan.external or (plan.backend is None and not plan.spawn_one):
-        unbind = apply_binding(plan.binding.rank(int(os.environ.get("LOCAL_RANK", "0"))))  # restored after the job
-        with in_process_signals():
-            try:
-                run_in_group(plan, fn, args)
-            except TrainingStopped as err:
-                print(f"ignite-mgpu: {err}", file=sys.stderr)
-                return err.exit_code
-            except Exception as err:
-                if not is_user_error(err):
-                    raise
-                print(f"ignite-mgpu: {type(err).__name__}: {err}", file=sys.stderr)
-                return FAILED
-            finally:
-                unbind()
-        return SUCCESS
-    return Supervisor(plan, fn, args).run()
+        code = _run_here(plan, fn, args)
+    else:
+        code = Supervisor(plan, fn, args, restart).run()
+        first = plan.node_rank == 0
+    if plan.preempt_signal and code == signal_exit_code(plan.preempt_signal) and first:
+        print(f"ignite-mgpu: {scheduler.requeue()}", file=sys.stderr, flush=True)
+    return code
+
+
+def _run_here(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> int:
+    """One process of the job in this process: a one-process job, or one that torchrun / srun started."""
+    unbind = apply_binding(plan.binding.rank(int(os.environ.get("LOCAL_RANK", "0"))))  # restored after the job
+    with in_process_signals(plan.preempt_signal):
+        try:
+            run_in_group(plan, fn, args)
+        except TrainingStopped as err:
+            print(f"ignite-mgpu: {err}", file=sys.stderr)
+            return err.exit_code
+        except Exception as err:
+            if not is_user_error(err):
+                raise
+            print(f"ignite-mgpu: {type(err).__name__}: {err}", file=sys.stderr)
+            return FAILED
+        finally:
+            unbind()
+    return SUCCESS
 
 
 def run_named(local_rank: int, target: str, *args: Any) -> Any:
@@ -239,6 +270,7 @@ def launch(
     strategy: str = "ddp",
     timeout: float = 300.0,
     cpu_binding: str = "none",
+    max_restarts: int = 0,
 ) -> None:
     """Run ``fn(local_rank, *args)`` in ``nproc`` processes per node inside ``ignite.distributed.Parallel``.
 
@@ -246,7 +278,9 @@ def launch(
     Under torchrun / SLURM it spawns nothing and joins the group. On one node without ``master_port`` the
     rendezvous is a private file store (no TCP port, so two jobs never collide). ``gpus`` takes physical ids
     ("2,3"), "all", "none", "auto" or "auto:N". ``cpu_binding`` (auto, none, cores, numa) binds each process to its
-    CPUs and sets its intra-op threads (README: the --cpu-binding flag).
+    CPUs and sets its intra-op threads (README: the --cpu-binding flag). ``max_restarts``: after a failure a
+    restart can cure (a crash, a killed rank, a collective timeout), every process is stopped and ``fn`` runs again
+    from its start, up to that many times; the job must resume from its own checkpoints.
 
     Raises:
         ConfigError: an impossible request (bad nproc, nccl without GPUs, busy master_port), before spawning.
@@ -270,6 +304,7 @@ def launch(
         master_port=master_port,
         timeout=timeout,
         cpu_binding=cpu_binding,  # type: ignore[arg-type]  # checked against the Literal just above
+        max_restarts=max_restarts,
     )
     validate(Config(dist=dist_cfg))
     code = run_plan(make_plan(dist_cfg), fn, *args)

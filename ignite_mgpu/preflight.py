@@ -86,7 +86,7 @@ def check_datasets(cfg: Config, world_size: int) -> None:
 def check_output_dir(cfg: Config) -> None:
     """Never mix two runs' checkpoints, never write where another job writes; ``--resume`` must name something
     resumable."""
-    from ignite_mgpu.checkpoint.files import find_resumable, is_complete
+    from ignite_mgpu.checkpoint.files import is_complete
 
     out = run_dir(cfg)
     owner = lock_owner(out)
@@ -95,11 +95,8 @@ def check_output_dir(cfg: Config) -> None:
     if out.exists() and not os.access(out, os.W_OK):
         raise ConfigError(f"output_dir {out.resolve()} is not writable; choose another --output-dir.")
     check_no_foreign_checkpoints(cfg)
-    if cfg.resume == "auto" and find_resumable(out) is None:
-        raise ConfigError(
-            f"--resume auto: no complete checkpoint in {out.resolve()} to resume from. "
-            "Drop --resume to start a new run there."
-        )
+    # --resume auto without a checkpoint starts a new run (training says so): the same command then works on the
+    # first start and on every restart by torchrun, SLURM or Kubernetes.
     if cfg.resume not in (None, "auto"):
         path = Path(cfg.resume)
         if not path.is_file():
@@ -145,15 +142,9 @@ def resolve_output_dir(cfg: Config, environ: Mapping[str, str] = os.environ, now
                 "output_dir=...), or give torchrun --rdzv-id."
             )
         cfg.output_dir = str(RUNS / f"job-{job_id}")
-    elif cfg.resume == "auto":
-        earlier = sorted((m[1], int(m[2] or 1), p) for p in RUNS.glob("*") if (m := RUN_NAME.fullmatch(p.name)))
-        if not earlier:
-            raise ConfigError(
-                f"--resume auto without --output-dir continues the newest run under {RUNS.resolve()}, but there is "
-                "none. Drop --resume to start a new run, or pass the run's --output-dir."
-            )
-        cfg.output_dir = str(earlier[-1][2])
-    else:
+    elif cfg.resume == "auto" and (earlier := _earlier_runs()):
+        cfg.output_dir = str(earlier[-1])
+    else:  # a new run (--resume auto with no earlier run starts one too, as on a first start under a scheduler)
         stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(now))
         folder, n = RUNS / stamp, 1
         while folder.exists():
@@ -161,6 +152,26 @@ def resolve_output_dir(cfg: Config, environ: Mapping[str, str] = os.environ, now
             folder = RUNS / f"{stamp}-{n}"
         cfg.output_dir = str(folder)
     print(f"ignite-mgpu: output_dir {cfg.output_dir} (pass --output-dir to choose one)", file=sys.stderr)
+
+
+def warn_restarts_without_checkpoints(cfg: Config) -> None:
+    """--max-restarts with no checkpoint at all is allowed (a restart then starts from the beginning), with a
+    warning, once per job."""
+    c = cfg.checkpoint
+    if cfg.dist.max_restarts and not (c.every or c.every_iters or c.every_minutes):
+        print(
+            f"ignite-mgpu: warning: --max-restarts {cfg.dist.max_restarts} without checkpoints (checkpoint.every=0, "
+            "checkpoint.every_iters=0, checkpoint.every_minutes=null): every restart starts the training from the "
+            "beginning. Set checkpoint.every_minutes (e.g. 10) or checkpoint.every so that a restart resumes "
+            "close to where the job failed.",
+            file=sys.stderr,
+        )
+
+
+def _earlier_runs() -> list[Path]:
+    """The folders under runs/ that resolve_output_dir made, oldest first (by the time in their names)."""
+    found = sorted((m[1], int(m[2] or 1), p) for p in RUNS.glob("*") if (m := RUN_NAME.fullmatch(p.name)))
+    return [p for *_, p in found]
 
 
 @contextlib.contextmanager
@@ -175,6 +186,7 @@ def prepared(cfg: Config) -> Iterator[LaunchPlan]:
     leader = is_leader(cfg)
     if leader:
         check_output_dir(cfg)
+        warn_restarts_without_checkpoints(cfg)
     plan = make_plan(cfg.dist)
     check_model_options(cfg, plan)
     check_datasets(cfg, plan.world_size)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,15 @@ class EpochReport:
     samples_per_s (global), time_per_iter_ms, data_wait_share (time waiting for the data loader / training time,
     worst rank),
     peak_memory_mb (one entry per GPU, or per process on the CPU), peak_memory_per ("gpu": CUDA's peak allocated
-    memory of each GPU; "process": each process's peak RSS) and memory_imbalance (max/min).
+    memory of each GPU; "process": each process's peak RSS), memory_imbalance (max/min) and restarts (how often
+    the job had been restarted when it trained the epoch).
     """
 
-    def __init__(self, path: str | Path, global_batch: int, evaluator: Engine, devices: list[torch.device]) -> None:
+    def __init__(
+        self, path: str | Path, global_batch: int, evaluator: Engine, devices: list[torch.device], restarts: int = 0
+    ) -> None:
         self.path, self.global_batch, self.evaluator, self.devices = Path(path), global_batch, evaluator, devices
+        self.restarts = restarts
         self.last: dict[str, Any] = {}
         self._wait = 0.0
         self._fetch_start = 0.0
@@ -50,6 +55,22 @@ class EpochReport:
         if world == 1 and cuda:
             return [f"memory/gpu{k}" for k in range(len(cuda))]
         return [f"memory/rank{k}" for k in range(world)]
+
+    def drop_epochs_after(self, epoch: int) -> None:
+        """Resuming after ``epoch`` finished epochs: drop the lines of later epochs (and a half-written one) that
+        the interrupted run wrote after its checkpoint, so that every epoch is recorded once. Atomic."""
+        if not self.path.is_file():
+            return
+        keep = []
+        for line in self.path.read_text().splitlines(keepends=True):
+            try:
+                if json.loads(line)["epoch"] <= epoch and line.endswith("\n"):
+                    keep.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, self.path)
 
     def attach(self, trainer: Engine) -> None:
         trainer.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
@@ -93,6 +114,7 @@ class EpochReport:
             "peak_memory_per": "gpu" if self.devices[0].type == "cuda" else "process",
             "memory_imbalance": round(max(memory) / max(min(memory), 1e-9), 3),
             "epoch_time_s": round(seconds, 3),
+            "restarts": self.restarts,
         }
         if idist.get_rank() == 0:
             with self.path.open("a") as f:

@@ -30,6 +30,7 @@ from ignite_mgpu.engine import (
 from ignite_mgpu.models import create_model
 from ignite_mgpu.optim import create_lr_scheduler, create_optimizer
 from ignite_mgpu.report import EpochReport, attach_tensorboard
+from ignite_mgpu.scheduler import outer_restarts
 from ignite_mgpu.strategy import model_devices, prepare_model, unwrap
 
 logger = logging.getLogger("ignite_mgpu")
@@ -47,8 +48,9 @@ def setup_logging(rank: int) -> None:
     logging.getLogger("ignite").setLevel(logging.WARNING)
 
 
-def training(local_rank: int, cfg: Config) -> None:
-    """Train ``cfg`` in this process (one of ``idist.get_world_size()``), then print a summary on rank 0."""
+def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
+    """Train ``cfg`` in this process (one of ``idist.get_world_size()``), then print a summary on rank 0.
+    ``restarts``: how often the job was restarted before (None: as torchrun or SLURM say), for metrics.jsonl."""
     rank, world_size = idist.get_rank(), idist.get_world_size()
     setup_logging(rank)
     setup_cpu_memory(cfg.train.keep_cpu_memory, idist.device().type)
@@ -69,7 +71,7 @@ def training(local_rank: int, cfg: Config) -> None:
     model = create_model(m, example_inputs(train_loader.dataset, train_loader.collate_fn))
     model = prepare_model(model, cfg.dist.strategy, m.sync_batchnorm, m.compile)
     optimizer = create_optimizer(model, o.name, o.lr, o.momentum, o.weight_decay)
-    steps_per_epoch = (t.epoch_length or len(train_loader)) / t.grad_accum_steps
+    steps_per_epoch = math.ceil((t.epoch_length or len(train_loader)) / t.grad_accum_steps)  # windows per epoch
     total_steps, warmup_steps = math.ceil(steps_per_epoch * t.epochs), round(steps_per_epoch * o.warmup_epochs)
     scheduler = create_lr_scheduler(optimizer, total_steps, warmup_steps, o.scheduler == "cosine")
     loss_fn = create_loss(t.loss)
@@ -84,6 +86,7 @@ def training(local_rank: int, cfg: Config) -> None:
         deterministic=t.deterministic,
         check_every=t.check_every,
         checkpoint_every=cfg.checkpoint.every_iters,
+        checkpoint_minutes=cfg.checkpoint.every_minutes,
     )
     metrics = validation_metrics(loss_fn, idist.device())
     evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=t.precision)
@@ -97,7 +100,8 @@ def training(local_rank: int, cfg: Config) -> None:
         "scaler": trainer.scaler,  # type: ignore[attr-defined]  # create_trainer adds it to the Engine
         "run": RunInfo(world_size, cfg.data.batch_size, run_signature(cfg)),
     }
-    report = EpochReport(out / "metrics.jsonl", cfg.data.batch_size, evaluator, model_devices(model))
+    restarts = outer_restarts() if restarts is None else restarts
+    report = EpochReport(out / "metrics.jsonl", cfg.data.batch_size, evaluator, model_devices(model), restarts)
     report.attach(trainer)
     full, best = attach_checkpoints(trainer, evaluator, to_save, cfg.checkpoint, out, best_metric(cfg))
     if cfg.data.skip_bad_samples:
@@ -113,6 +117,8 @@ def training(local_rank: int, cfg: Config) -> None:
         if not resume(cfg, to_save, world_size):
             return
         adopt_existing(full, best, out)
+        if rank == 0:
+            report.drop_epochs_after(trainer.state.epoch)  # one row per epoch, also across restarts
 
     trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
     if rank == 0:

@@ -34,17 +34,53 @@ def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> None:
     stop.set_collective_timeout(plan.timeout)
     for name in ("launcher.Parallel", "auto.auto_dataloader", "auto.auto_model", "auto.auto_optim"):
         logging.getLogger(f"ignite.distributed.{name}").setLevel(logging.WARNING)  # ignite keeps existing loggers
-    with idist.Parallel(backend=plan.backend, init_method=plan.init_method) as parallel:
-        bound = current()
-        first_line = [bound.describe() if bound is not None else ""]
-        if plan.gpus is not None and idist.device().type == "cuda":
-            import torch
+    own_group = plan.external and plan.backend is not None and _join_torchelastic_attempt(plan.backend)
+    try:
+        with idist.Parallel(backend=None if own_group else plan.backend, init_method=plan.init_method) as parallel:
+            _say_where(plan)
+            parallel.run(fn, *args)
+    finally:
+        if own_group:
+            import torch.distributed as dist
 
-            index = idist.device().index or 0
-            first_line.append(f"cuda:{index} is physical GPU {plan.gpus[index]} ({torch.cuda.get_device_name(index)})")
-        if any(first_line):  # each rank says once where it runs
-            print(f"rank {idist.get_rank()}: {'; '.join(p for p in first_line if p)}", file=sys.stderr, flush=True)
-        parallel.run(fn, *args)
+            dist.destroy_process_group()
+
+
+def _join_torchelastic_attempt(backend: str) -> bool:
+    """Under torchrun, join the process group through this restart's own namespace of the agent's store.
+
+    torchrun keeps one store for the whole job, and the env:// rendezvous adds no per-restart prefix: processes
+    it restarted would read the previous processes' addresses (gloo: "connectFullMesh failed ... Connection
+    refused"). ignite then takes the group as it finds it. False when torchrun did not start this process.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return False
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # as ignite does when it creates the group
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"ignite_mgpu/restart{restart}/", client)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    return True
+
+
+def _say_where(plan: LaunchPlan) -> None:
+    """Each rank's first line: the CPUs it is bound to, the physical GPU it drives (when either was chosen)."""
+    import ignite.distributed as idist
+
+    bound = current()
+    first_line = [bound.describe() if bound is not None else ""]
+    if plan.gpus is not None and idist.device().type == "cuda":
+        import torch
+
+        index = idist.device().index or 0
+        first_line.append(f"cuda:{index} is physical GPU {plan.gpus[index]} ({torch.cuda.get_device_name(index)})")
+    if any(first_line):  # each rank says once where it runs
+        print(f"rank {idist.get_rank()}: {'; '.join(p for p in first_line if p)}", file=sys.stderr, flush=True)
 
 
 def _on_signal(signum: int, frame: Any) -> None:
@@ -54,9 +90,11 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 
 @contextlib.contextmanager
-def in_process_signals() -> Iterator[None]:
-    """SIGINT/SIGTERM ask the training in this process to stop at the next guard check (one-process jobs)."""
-    old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+def in_process_signals(preempt_signal: int | None = None) -> Iterator[None]:
+    """SIGINT/SIGTERM (and the pre-emption signal) ask the training in this process to stop at the next guard
+    check (one-process jobs, and every process that torchrun or srun started)."""
+    handled = [signal.SIGINT, signal.SIGTERM, *([preempt_signal] if preempt_signal else [])]
+    old = {s: signal.signal(s, _on_signal) for s in handled}
     try:
         yield
     finally:
@@ -79,6 +117,7 @@ def error_report(rank: int, err: BaseException) -> dict[str, Any]:
         "message": str(err),
         "traceback": getattr(err, "detail", "") if is_user_error(err) else traceback.format_exc(),
         "code": err.exit_code if isinstance(err, TrainingStopped) else FAILED,
+        "user_error": is_user_error(err),  # a restart would meet it again
     }
 
 
@@ -86,7 +125,7 @@ def worker_main(local_rank: int, plan: LaunchPlan, fn: Callable[..., Any], args:
     """The spawned process's entry: set up the process, run ``fn``, exit with its code (an error file on failure)."""
     _set_pdeathsig()
     os.setpgid(0, 0)  # own process group: Ctrl-C reaches only the launcher, which then stops the workers
-    for var in [v for v in os.environ if v.startswith("SLURM_")]:
+    for var in [v for v in os.environ if v.startswith("SLURM_") and v != "SLURM_RESTART_COUNT"]:
         del os.environ[var]  # inside an allocation ignite would read the launcher's SLURM task, not this rank
     rank = plan.node_rank * plan.nproc + local_rank
     os.environ.update(plan.env)
@@ -103,6 +142,9 @@ def worker_main(local_rank: int, plan: LaunchPlan, fn: Callable[..., Any], args:
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_signal)
+    if plan.preempt_signal:  # SLURM signals every process of the step, the workers too: the same stop
+        signal.signal(plan.preempt_signal, _on_signal)
+    stop.set_status_file(Path(error_dir, f"status{rank}"))  # how far it got, and whether it is saving
     code = 0
     try:
         run_in_group(plan, fn, args)

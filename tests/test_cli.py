@@ -18,7 +18,7 @@ from ignite_mgpu.cli import main
 def captured(monkeypatch):
     calls = []
 
-    def fake_run_plan(plan, fn, *args):
+    def fake_run_plan(plan, fn, *args, **kwargs):
         calls.append((plan, fn, args))
         return 0
 
@@ -99,7 +99,10 @@ def test_one_process_runs_in_process_without_group(captured, tmp_path):
         (["train", "--gpus", "2,3"], "no NVIDIA GPU"),
         (["train", "--gpus", "two"], "--gpus"),
         (["train", "--resume", "nope.pt"], "no such file"),
-        (["train", "--resume", "auto"], "no complete checkpoint"),
+        (["train", "--max-restarts", "-1"], "config key 'dist.max_restarts' = -1 is invalid: use 0 (a failed rank"),
+        (["train", "checkpoint.every_minutes=-5"], "'checkpoint.every_minutes' = -5.0 is invalid: use null (no time"),
+        (["train", "dist.preempt_signal=SIGKILL"], "'dist.preempt_signal' = 'SIGKILL' is invalid: name a signal"),
+        (["train", "--max-restarts", "1", "--nnodes", "2", "--master-port", "29999"], "--max-restarts 1 with --nnod"),
         (["train", "--fast"], "no such option: --fast"),
         (["train", "data.name=imagefolder", "data.root=/nope"], "does not exist"),
         (["train", "--cpu-binding", "numa"], "numa binds each rank to the CPUs of its GPU's NUMA node, but this job"),
@@ -265,3 +268,12 @@ def test_each_run_without_an_output_dir_gets_a_new_folder_and_resume_auto_contin
     resumed = invoke(["train", "--resume", "auto"], tmp_path)
     assert resumed.exit_code == 0, resumed.output
     assert captured[-1][2][1].output_dir == dirs[1] and len(captured) == 3
+
+
+def test_max_restarts_and_resume_auto_on_a_first_start(captured, tmp_path):
+    # The requeue-safe command: --resume auto with no checkpoint yet starts a new run (the worker says so).
+    result = invoke(["train", "--max-restarts", "2", "--resume", "auto", "--output-dir", "out"], tmp_path)
+    assert result.exit_code == 0, result.output
+    plan, fn, (target, cfg) = captured[0]
+    assert cfg.dist.max_restarts == 2 and plan.max_restarts == 2 and cfg.resume == "auto"
+    assert "--max-restarts" in invoke(["train", "--help"], tmp_path).output

@@ -48,6 +48,19 @@ def test_dump_round_trips(tmp_path):
         ("dist.node_rank=2", r"dist.node_rank.*0..0"),
         ("train.clip_grad_norm=-1", r"train.clip_grad_norm"),
         ("lr", r"'lr' is not of the form key=value"),
+        (
+            "dist.max_restarts=-1",
+            r"^config key 'dist.max_restarts' = -1 is invalid: use 0 \(a failed rank ends the job\) or a number of "
+            r"restarts, e.g. --max-restarts 3\.$",
+        ),
+        (
+            "checkpoint.every_minutes=0",
+            r"^config key 'checkpoint.every_minutes' = 0.0 is invalid: use null \(no time-based checkpoints\) or a "
+            r"number of minutes > 0, e.g. 10\.$",
+        ),
+        ("checkpoint.every_minutes=nan", r"'checkpoint.every_minutes' = nan is invalid"),
+        ("dist.preempt_signal=USR1", r"'dist.preempt_signal' = 'USR1' is invalid: name a signal that a process can"),
+        ("dist.preempt_signal=SIGTERM", r"'dist.preempt_signal' = 'SIGTERM' is invalid.*SIGUSR1 or SIGUSR2"),
     ],
 )
 def test_bad_values_name_the_key(override, match):
@@ -104,3 +117,10 @@ def test_default_yaml_lists_every_key_with_its_default():
 
     listed = OmegaConf.to_container(OmegaConf.load(Path(__file__).parents[1] / "configs" / "default.yaml"))
     assert listed == OmegaConf.to_container(OmegaConf.structured(Config))
+
+
+def test_max_restarts_are_refused_across_nodes():
+    with pytest.raises(ConfigError, match=r"^--max-restarts 2 with --nnodes 2: each node's launcher would restart"):
+        load_config(overrides=["dist.max_restarts=2", "dist.nnodes=2", "dist.master_port=29500"])
+    cfg = load_config(overrides=["dist.max_restarts=2", "checkpoint.every_minutes=0.5", "dist.preempt_signal=null"])
+    assert (cfg.dist.max_restarts, cfg.checkpoint.every_minutes, cfg.dist.preempt_signal) == (2, 0.5, None)

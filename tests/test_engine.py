@@ -1,6 +1,8 @@
 """create_trainer / create_evaluator in one process: accumulation, clipping, precision, loss-in-forward,
 sampler epochs, training mode after evaluation. `python -m pytest tests/test_engine.py`."""
 
+import contextlib
+import copy
 import math
 
 import pytest
@@ -297,3 +299,68 @@ def test_a_loss_factory_of_the_users():
     trainer.run(data(), max_epochs=1)
     with pytest.raises(ConfigError, match=r"train.loss=tests.plugins_pkg.factories:number returned a int; a loss "):
         create_loss("tests.plugins_pkg.factories:number")
+
+
+# ----------------------------------------------------------------------------------------------- accumulation windows
+
+
+def test_the_short_last_window_of_an_epoch_is_the_mean_over_its_own_micro_batches():
+    # 40 samples in micro-batches of 4: 10 iterations per epoch, windows of 3 -> 12, 12, 12 and a short 4 samples.
+    # Each window's gradient is its samples' mean, the same as one batch of 12, 12, 12 and 4.
+    a, b = linear(), linear()
+    fit(a, data(n=40, batch=12), epochs=2)
+    trainer = fit(b, data(n=40, batch=4), epochs=2, grad_accum_steps=3)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb)
+    assert trainer.state.iteration == 20
+
+
+def test_a_run_resumed_from_an_epoch_end_equals_an_uninterrupted_one_with_accumulation():
+    """grad_accum_steps=3 and 10 iterations per epoch: the epoch-end state holds no pending gradients."""
+
+    def run(model, epochs, state=None):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        trainer = create_trainer(model, opt, nn.CrossEntropyLoss(), device="cpu", grad_accum_steps=3)
+        if state is not None:  # what a checkpoint restores
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            trainer.load_state_dict(state["trainer"])
+        trainer.run(data(n=40, batch=4), max_epochs=epochs)
+        saved = {"model": model.state_dict(), "optimizer": opt.state_dict(), "trainer": trainer.state_dict()}
+        return copy.deepcopy(saved)
+
+    straight = run(linear(), 3)
+    resumed = run(linear(seed=5), 3, run(linear(), 1))  # another initialisation: everything comes from the state
+    assert resumed["trainer"]["iteration"] == straight["trainer"]["iteration"] == 30
+    for key, value in straight["model"].items():
+        assert torch.equal(value, resumed["model"][key]), key
+    for k, v in straight["optimizer"]["state"].items():
+        assert torch.equal(v["momentum_buffer"], resumed["optimizer"]["state"][k]["momentum_buffer"])
+
+
+def test_accumulation_skips_the_gradient_sync_inside_a_window_only(monkeypatch):
+    # DDP's no_sync is entered on the micro-batches that do not end a window: 1, 2, 4, 5, 7, 8 of an epoch of 10.
+    class FakeDDP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = linear()
+
+        def forward(self, x):
+            return self.module(x)
+
+    from ignite_mgpu import engine as engine_module
+
+    model = FakeDDP()
+    entered = []
+
+    @contextlib.contextmanager
+    def no_sync():
+        entered.append(trainer.state.iteration)
+        yield
+
+    model.no_sync = no_sync
+    monkeypatch.setattr(engine_module, "find_ddp", lambda m: model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = create_trainer(model, opt, nn.CrossEntropyLoss(), device="cpu", grad_accum_steps=3)
+    trainer.run(data(n=40, batch=4), max_epochs=2)
+    assert entered == [1, 2, 4, 5, 7, 8, 11, 12, 14, 15, 17, 18]

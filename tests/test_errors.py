@@ -27,7 +27,7 @@ PACKAGE = Path(errors.__file__).parent
 
 def test_exit_codes():
     assert exit_codes_text().startswith("0 success, 1 a rank failed, 2 usage or config error")
-    assert set(EXIT_CODES) == {0, 1, 2, 3, 130, 143}
+    assert set(EXIT_CODES) == {0, 1, 2, 3, 130, 138, 143}
     assert TrainingInterrupted(signal.SIGINT, 7).exit_code == 130
     stopped = TrainingInterrupted(signal.SIGTERM, 7)
     assert stopped.exit_code == 143 and str(stopped).startswith("stopped by SIGTERM at iteration 7")
@@ -47,7 +47,8 @@ def test_user_errors_are_reported_without_a_traceback():
 def test_the_process_layer_imports_neither_torch_nor_ignite():
     check = (
         "import sys, ignite_mgpu.errors, ignite_mgpu.launcher, ignite_mgpu.supervisor, ignite_mgpu.worker, "
-        "ignite_mgpu.binding, ignite_mgpu.config, ignite_mgpu.stop, ignite_mgpu.cli; "
+        "ignite_mgpu.binding, ignite_mgpu.config, ignite_mgpu.stop, ignite_mgpu.scheduler, ignite_mgpu.cli, "
+        "ignite_mgpu.jobs, ignite_mgpu.preflight; "
         "loaded = sorted(m for m in ('torch', 'ignite') if m in sys.modules); "
         "training = sorted(m for m in sys.modules if m.startswith('ignite_mgpu.') and m.split('.')[1] in "
         "('train', 'engine', 'guard', 'report', 'strategy', 'data', 'checkpoint')); print(loaded, training)"
@@ -94,6 +95,7 @@ def test_no_import_cycle():
 def test_the_process_layer_never_imports_the_training_layer():
     graph = module_imports()
     training = {"train", "engine", "guard", "report", "strategy", "data", "models", "optim", "checkpoint"}
-    for module in ("launcher", "supervisor", "worker", "binding", "stop", "errors", "config", "cli", "gpus"):
+    process_layer = ("launcher", "supervisor", "worker", "binding", "stop", "errors", "config", "cli", "gpus")
+    for module in (*process_layer, "scheduler", "jobs", "preflight"):
         deps = {d.split(".")[1] for d in graph[f"ignite_mgpu.{module}"] if d != "ignite_mgpu"}
         assert not deps & training, (module, deps & training)

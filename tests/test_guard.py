@@ -110,3 +110,108 @@ def test_guard_treats_an_overflowing_loss_sum_as_divergence():
     TrainingGuard(every=2).attach(trainer)
     with pytest.raises(TrainingDiverged, match=r"\(the loss sum overflowed\); every rank stopped at iteration 2"):
         trainer.run(range(4), max_epochs=1)
+
+
+# ----------------------------------------------------------------------------------------------- windows, checkpoints
+
+
+def test_accumulation_windows_restart_every_epoch():
+    from ignite_mgpu.guard import accumulation_window, next_window_end
+
+    # 10 iterations per epoch, windows of 3: 1-3, 4-6, 7-9 and the short 10; the next epoch starts afresh at 11.
+    ends = [it for it in range(1, 21) if accumulation_window(it, 10, 3)[0]]
+    assert ends == [3, 6, 9, 10, 13, 16, 19, 20]
+    assert [accumulation_window(it, 10, 3)[1] for it in (1, 9, 10, 11, 20)] == [3, 3, 1, 3, 1]
+    assert [next_window_end(it, 10, 3) for it in (1, 3, 4, 10, 11, 19, 20)] == [3, 3, 6, 10, 13, 19, 20]
+    assert accumulation_window(7, None, 3) == (False, 3) and next_window_end(7, None, 3) == 9  # length unknown
+    assert accumulation_window(7, 10, 1) == (True, 1) and next_window_end(7, 10, 1) == 7
+
+
+def test_checks_fall_on_window_ends_when_the_epoch_does_not_divide(monkeypatch):
+    windows = TrainingGuard(period=0.3125, multiple_of=3)  # 1/16 s steps: about every 5 steps, moved to a window end
+    assert guard_checks(monkeypatch, windows, 0.0625, n=10, epochs=2) == [3, 9, 10, 16, 20]
+    fixed = TrainingGuard(every=6, multiple_of=3, sync_every=3)
+    assert guard_checks(monkeypatch, fixed, 0.0625, n=10, epochs=2) == [3, 6, 9, 10, 13, 16, 19, 20]
+
+
+def events(monkeypatch, guard, step_seconds, n, epochs, stop_at=None):
+    """What happened, in order: ("checkpoint", iteration) for GuardEvents.CHECKPOINT, ("stopping", iteration),
+    ("epoch end", epoch) for a handler attached after the guard (the evaluation and epoch report in training)."""
+    from ignite.engine import Engine
+
+    clock = [0.0]
+    monkeypatch.setattr(guard_module.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(guard_module.time, "monotonic", lambda: clock[0])
+
+    def step(engine, batch):
+        clock[0] += step_seconds
+        if engine.state.iteration == stop_at:
+            stop.request_stop(signal.SIGTERM)
+        return torch.tensor(1.0)
+
+    trainer = Engine(step)
+    guard.attach(trainer)
+    seen = []
+    trainer.add_event_handler(GuardEvents.CHECKPOINT, lambda e: seen.append(("checkpoint", e.state.iteration)))
+    trainer.add_event_handler(GuardEvents.STOPPING, lambda e: seen.append(("stopping", e.state.iteration)))
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: seen.append(("epoch end", e.state.epoch)))
+    try:
+        trainer.run(range(n), max_epochs=epochs)
+    except TrainingInterrupted as err:
+        seen.append(("stopped", str(err)))
+    return seen
+
+
+def test_iteration_checkpoints_fall_at_the_end_of_the_window_holding_the_multiple(monkeypatch):
+    # every_iters=4 with windows of 3 in epochs of 10: multiples 4, 8 | 12, 16, 20 -> window ends 6, 9 | 13, 16, 20;
+    # the one at an epoch's last iteration waits for that epoch's other end handlers (validation, report).
+    guard = TrainingGuard(every=100, sync_every=4, multiple_of=3)
+    assert events(monkeypatch, guard, 0.0625, n=10, epochs=2) == [
+        ("checkpoint", 6),
+        ("checkpoint", 9),
+        ("epoch end", 1),
+        ("checkpoint", 13),
+        ("checkpoint", 16),
+        ("epoch end", 2),
+        ("checkpoint", 20),
+    ]
+
+
+def test_time_based_checkpoints_are_decided_together_at_a_check(monkeypatch):
+    # 1 s steps, a check every step, a checkpoint every 3 s (0.05 min): the clock restarts at every checkpoint.
+    guard = TrainingGuard(every=1, checkpoint_minutes=0.05)
+    seen = events(monkeypatch, guard, 1.0, n=12, epochs=1)
+    assert seen == [("checkpoint", 3), ("checkpoint", 6), ("checkpoint", 9), ("epoch end", 1), ("checkpoint", 12)]
+    with pytest.raises(ValueError, match="checkpoint_minutes None or > 0"):
+        TrainingGuard(checkpoint_minutes=0)
+
+
+def test_a_stop_at_an_epochs_last_iteration_waits_for_the_epochs_end(monkeypatch):
+    # Resuming from a checkpoint of a finished epoch continues with the next one: its evaluation and report must
+    # have run before the stop's checkpoint is written.
+    seen = events(monkeypatch, TrainingGuard(every=1), 0.1, n=10, epochs=2, stop_at=10)
+    assert seen == [
+        ("epoch end", 1),
+        ("stopping", 10),
+        ("stopped", "stopped by SIGTERM at iteration 10; every rank stopped at the same iteration"),
+    ]
+    stop.reset()
+    seen = events(monkeypatch, TrainingGuard(every=1), 0.1, n=10, epochs=2, stop_at=7)
+    assert seen[-2:] == [
+        ("stopping", 7),
+        ("stopped", "stopped by SIGTERM at iteration 7; every rank stopped at the same iteration"),
+    ]
+
+
+def test_every_check_tells_the_supervisor_how_far_training_got(tmp_path):
+    from ignite.engine import Engine
+
+    stop.set_status_file(tmp_path / "status0")
+    trainer = Engine(lambda e, b: torch.tensor(1.0))
+    TrainingGuard(every=4).attach(trainer)
+    trainer.run(range(10), max_epochs=1)
+    assert stop.read_status(tmp_path / "status0") == (10, False)
+    with stop.saving():
+        assert stop.read_status(tmp_path / "status0") == (10, True)
+    assert stop.read_status(tmp_path / "status0") == (10, False)
+    assert stop.read_status(tmp_path / "missing") is None

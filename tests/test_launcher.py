@@ -115,3 +115,37 @@ def test_a_job_on_chosen_gpus_runs_in_a_fresh_process_even_alone(cuda, monkeypat
     plan = make_plan(DistConfig(gpus="2"))
     assert (plan.nproc, plan.backend, plan.spawn_one, plan.device) == (1, None, True, "cuda")
     assert not make_plan(DistConfig()).spawn_one  # without --gpus the one process runs here, as before
+
+
+def test_restarts_and_preemption_in_the_plan(monkeypatch):
+    import signal
+
+    plan = make_plan(DistConfig(nproc=2, max_restarts=3))
+    assert (plan.max_restarts, plan.preempt_signal) == (3, signal.SIGUSR1)
+    alone = make_plan(DistConfig(max_restarts=1))  # a restart needs a process to restart: spawned even alone
+    assert (alone.nproc, alone.backend, alone.spawn_one) == (1, None, True)
+    assert make_plan(DistConfig(preempt_signal=None)).preempt_signal is None
+
+
+def test_max_restarts_under_torchrun_is_refused(torchrun):
+    torchrun(local_world=2, world=2)
+    with pytest.raises(ConfigError, match=r"^--max-restarts 2: this process was started by torchrun/SLURM, which"):
+        make_plan(DistConfig(max_restarts=2))
+    assert make_plan(DistConfig()).preempt_signal is not None  # srun's tasks stop on SLURM's warning too
+
+
+def test_a_preempted_job_requeues_once_from_global_rank_0(monkeypatch, capsys):
+    from ignite_mgpu import launcher, scheduler
+    from ignite_mgpu.launcher import LaunchPlan
+
+    calls = []
+    monkeypatch.setattr(scheduler, "requeue", lambda: calls.append(1) or "requeued SLURM job 7")
+    monkeypatch.setattr(launcher, "_run_here", lambda plan, fn, args: 138)
+    plan = LaunchPlan(backend="gloo", nproc=1, external=True, preempt_signal=10)
+    monkeypatch.setenv("RANK", "1")
+    assert launcher.run_plan(plan, print) == 138 and not calls  # not rank 0
+    monkeypatch.setenv("RANK", "0")
+    assert launcher.run_plan(plan, print) == 138 and calls == [1]
+    assert "ignite-mgpu: requeued SLURM job 7" in capsys.readouterr().err
+    monkeypatch.setattr(launcher, "_run_here", lambda plan, fn, args: 143)  # SIGTERM: the user stopped it
+    assert launcher.run_plan(plan, print) == 143 and calls == [1]

@@ -15,8 +15,8 @@ from ignite_mgpu.config import load_config
 def launched(monkeypatch):
     calls = []
 
-    def fake_run_plan(plan, fn, *args):
-        calls.append((plan, args, (Path(args[-1].output_dir) / ".lock").exists()))
+    def fake_run_plan(plan, fn, *args, **kwargs):
+        calls.append((plan, args, (Path(args[-1].output_dir) / ".lock").exists(), kwargs))
         return 0
 
     monkeypatch.setattr(launcher, "run_plan", fake_run_plan)
@@ -29,7 +29,7 @@ def config(tmp_path, *overrides):
 
 def test_fit_runs_the_default_job_under_the_lock(launched, tmp_path):
     assert fit(config(tmp_path, "dist.nproc=2")) == 0
-    plan, (target, cfg), locked = launched[0]
+    plan, (target, cfg), locked, _ = launched[0]
     assert target == "ignite_mgpu.train:training" and plan.world_size == 2 and locked
     assert not (tmp_path / "out" / ".lock").exists()  # released when the job ended
 
@@ -38,7 +38,6 @@ def test_fit_runs_the_default_job_under_the_lock(launched, tmp_path):
     "overrides, message",
     [
         (["dist.nproc=3"], "must split evenly over 3 processes"),
-        (["resume=auto"], "no complete checkpoint"),
         (["resume=nope.pt"], "no such file"),
         (["model.name=resnet181"], "Did you mean 'resnet18'"),
     ],
@@ -125,8 +124,45 @@ def test_a_run_without_output_dir_under_torchrun_or_slurm_is_named_by_the_job(mo
     named = Config(output_dir="mine")
     preflight.resolve_output_dir(named, {})
     assert named.output_dir == "mine"  # a folder the user names is kept as it is
-    with pytest.raises(preflight.ConfigError, match=r"--resume auto without --output-dir .* but there is none"):
-        preflight.resolve_output_dir(Config(resume="auto"), {})
+    first_start = Config(resume="auto")  # no earlier run under runs/: a new one, as on a first start
+    preflight.resolve_output_dir(first_start, {})
+    assert preflight.RUN_NAME.fullmatch(first_start.output_dir.removeprefix("runs/"))
     stamped = Config()
     preflight.resolve_output_dir(stamped, {}, now=0.0)
     assert preflight.RUN_NAME.fullmatch(stamped.output_dir.removeprefix("runs/"))
+
+
+def test_resume_auto_without_a_checkpoint_starts_a_new_run(launched, tmp_path, capsys):
+    # The same command works on the first start and on every restart by torchrun, SLURM or Kubernetes; the
+    # worker says that it starts a new run (tests/checkpoint/test_resume.py).
+    assert fit(config(tmp_path, "resume=auto")) == 0
+    plan, (target, cfg), locked, _ = launched[0]
+    assert cfg.resume == "auto" and locked and "error" not in capsys.readouterr().err
+
+
+def test_restarts_without_any_checkpoint_are_allowed_with_a_warning(launched, tmp_path, capsys):
+    assert fit(config(tmp_path, "dist.max_restarts=2", "checkpoint.every=0")) == 0
+    assert capsys.readouterr().err == (
+        "ignite-mgpu: warning: --max-restarts 2 without checkpoints (checkpoint.every=0, checkpoint.every_iters=0, "
+        "checkpoint.every_minutes=null): every restart starts the training from the beginning. Set "
+        "checkpoint.every_minutes (e.g. 10) or checkpoint.every so that a restart resumes close to where the job "
+        "failed.\n"
+    )
+    assert fit(config(tmp_path, "dist.max_restarts=2", "checkpoint.every=0", "checkpoint.every_minutes=5")) == 0
+    assert fit(config(tmp_path, "checkpoint.every=0")) == 0  # no restarts: nothing to warn about
+    assert capsys.readouterr().err == ""
+
+
+def test_a_restart_of_the_default_job_resumes_the_newest_complete_checkpoint(launched, tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")  # the job was requeued twice before
+    assert fit(config(tmp_path, "dist.nproc=2", "dist.max_restarts=1")) == 0
+    restart = launched[0][3]["restart"]
+    first = restart(1)
+    assert first.checkpoint is None and first.iteration == 0  # none written yet: from the beginning
+    target, cfg, restarts = first.args
+    assert target == "ignite_mgpu.train:training" and cfg.resume == "auto" and restarts == 3
+    out = tmp_path / "out"
+    torch.save({"model": {}}, out / "checkpoint_8.pt")
+    (out / "checkpoint_12.pt").write_bytes(b"PK\x03\x04 truncated")  # the newest is incomplete: skipped
+    second = restart(2)
+    assert (second.checkpoint, second.iteration, second.args[2]) == (str(out / "checkpoint_8.pt"), 8, 4)

@@ -53,6 +53,7 @@ def test_one_line_per_epoch_agreeing_with_the_engines(tmp_path):
     assert len(last["peak_memory_mb"]) == 1 and last["peak_memory_mb"][0] > 50  # this process's RSS
     assert last["memory_imbalance"] == 1.0 and 0 <= last["data_wait_share"] <= 1
     assert last["peak_memory_per"] == "process" and report.memory_tags() == ["memory/rank0"]
+    assert last["restarts"] == 0
 
 
 def test_tensorboard_tags_name_each_gpu_of_one_process_or_each_rank(monkeypatch):
@@ -68,3 +69,20 @@ def test_a_slow_loader_shows_in_the_data_wait_share(tmp_path):
     (tmp_path / "fast").mkdir()
     *_, fast = train_with_report(tmp_path / "fast", data(), epochs=1)
     assert fast[0]["data_wait_share"] < rows[0]["data_wait_share"]
+
+
+def test_a_resumed_run_records_each_epoch_once(tmp_path):
+    # The interrupted run wrote epochs 1-3 (and half of a line) after its checkpoint of epoch 2: resuming from it
+    # drops epoch 3, whose row the resumed run writes again, with its restart count.
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"epoch": e, "restarts": 0}) + "\n" for e in (1, 2, 3)) + '{"epoch": 4, "tr')
+    report = EpochReport(path, 8, None, [torch.device("cpu")], restarts=1)
+    report.drop_epochs_after(2)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"epoch": 1, "restarts": 0},
+        {"epoch": 2, "restarts": 0},
+    ]
+    report.drop_epochs_after(0)  # restarted from the beginning
+    assert path.read_text() == "" and not list(tmp_path.glob(".*tmp"))
+    EpochReport(tmp_path / "none.jsonl", 8, None, [torch.device("cpu")]).drop_epochs_after(3)  # nothing to do
+    assert not (tmp_path / "none.jsonl").exists()

@@ -45,13 +45,20 @@ def run_signature(cfg: Config) -> dict[str, str]:
 
 
 def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
-    """Restore every object from ``cfg.resume`` (a path, or "auto": the newest complete checkpoint).
+    """Restore every object from ``cfg.resume`` (a path, or "auto": the newest complete checkpoint; when there is
+    none yet, nothing is restored and a new run starts, with a warning).
 
     Returns False when the checkpoint already finished ``train.epochs`` (nothing left to train).
     """
     path = find_resumable(run_dir(cfg)) if cfg.resume == "auto" else Path(str(cfg.resume))
     if path is None:
-        raise CheckpointError(f"--resume auto: no complete checkpoint in {run_dir(cfg)}.")
+        import ignite.distributed as idist
+
+        if idist.get_rank() == 0:
+            logger.warning(
+                "--resume auto: no complete checkpoint in %s yet: starting a new run", run_dir(cfg).resolve()
+            )
+        return True
     now = run_signature(cfg)
 
     def same_run(checkpoint: dict[str, Any]) -> None:  # runs before anything is loaded

@@ -15,6 +15,7 @@ from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, DiskSaver, global_step_from_engine
 from torch import nn
 
+from ignite_mgpu import stop
 from ignite_mgpu.checkpoint.files import BEST_NAME, CKPT_NAME, TEMP_PREFIX, TEMP_SUFFIX, fsync_dir, list_checkpoints
 from ignite_mgpu.config import CheckpointConfig
 from ignite_mgpu.errors import CheckpointError
@@ -103,21 +104,36 @@ def attach_checkpoints(
     output_dir: str | Path,
     metric: str,
 ) -> tuple[Checkpoint, Checkpoint]:
-    """Full state every N epochs / iterations and on a stop signal; the best unwrapped model by ``metric`` after
-    validation."""
+    """Full state every N epochs, iterations or minutes and on a stop signal; the best unwrapped model by
+    ``metric`` after validation.
+
+    Periodic saves go through ``GuardEvents.CHECKPOINT``: the guard fires it for every_iters and every_minutes (at
+    the same iteration on every rank, at the end of an accumulation window, never after an unchecked NaN, and at
+    an epoch's end only after its other handlers), and this module at the end of every ``every``-th epoch, after
+    validation and the epoch report: a checkpoint of a finished epoch always has that epoch recorded.
+    """
     full, best = create_checkpointers(
         to_save, to_save["model"], output_dir, cfg.n_saved, metric, global_step_from_engine(trainer)
     )
+    trainer.add_event_handler(GuardEvents.CHECKPOINT, _while_saving(full))
     if cfg.every:
-        trainer.add_event_handler(Events.EPOCH_COMPLETED(every=cfg.every), full)
-    if cfg.every_iters:
-        # The guard also checks on these iterations (create_trainer's checkpoint_every), so no save follows an
-        # unchecked NaN.
-        trainer.add_event_handler(Events.ITERATION_COMPLETED(every=cfg.every_iters), full)
+        trainer.add_event_handler(
+            Events.EPOCH_COMPLETED(every=cfg.every), lambda engine: engine.fire_event(GuardEvents.CHECKPOINT)
+        )
     if cfg.save_on_stop:
-        trainer.add_event_handler(GuardEvents.STOPPING, full)
-    evaluator.add_event_handler(Events.COMPLETED, best)
+        trainer.add_event_handler(GuardEvents.STOPPING, _while_saving(full))
+    evaluator.add_event_handler(Events.COMPLETED, _while_saving(best))
     return full, best
+
+
+def _while_saving(handler: Checkpoint) -> Callable[[Engine], None]:
+    """``handler`` marked as saving for the supervisor: after another rank's failure it lets this save land."""
+
+    def save(engine: Engine) -> None:
+        with stop.saving():
+            handler(engine)
+
+    return save
 
 
 def adopt_existing(full: Checkpoint, best: Checkpoint, dirname: str | Path) -> None:

@@ -66,7 +66,12 @@ def test_a_finished_run_has_nothing_left_to_train(tmp_path, saved, caplog):
     assert "already finished 2 epochs (train.epochs=2)" in caplog.text
 
 
-def test_resume_auto_in_an_empty_folder(tmp_path):
+def test_resume_auto_in_an_empty_folder_starts_a_new_run(tmp_path, caplog):
+    # The same command on the first start and on every restart by torchrun / SLURM (issue #14).
     cfg = load_config(overrides=[f"output_dir={tmp_path}", "resume=auto"])
-    with pytest.raises(CheckpointError, match="no complete checkpoint"):
-        resume(cfg, objects(cfg), world_size=1)
+    fresh = objects(cfg)
+    before = {k: v.clone() for k, v in fresh["model"].state_dict().items()}
+    assert resume(cfg, fresh, world_size=1)  # something to train
+    assert fresh["trainer"].state.iteration == 0
+    assert all(torch.equal(before[k], v) for k, v in fresh["model"].state_dict().items())
+    assert f"--resume auto: no complete checkpoint in {tmp_path} yet: starting a new run" in caplog.text

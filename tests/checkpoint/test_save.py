@@ -99,3 +99,36 @@ def test_resumed_best_model_rotation(tmp_path, metric, names, better):
     assert [p.name for p in tmp_path.glob("best_model_*.pt")] == [
         f"best_model_2_val_{metric}={better if metric == 'accuracy' else -better:.4f}.pt"
     ]
+
+
+def test_time_based_and_iteration_checkpoints_land_on_window_ends_after_the_epoch_report(tmp_path, monkeypatch):
+    """checkpoint.every_minutes on a fake clock (1 s per step, every 3 s), every_iters=4 with windows of 3 in epochs
+    of 10, no epoch checkpoints: the files of a 2-epoch run, and the epoch report written before an epoch-end one."""
+    from ignite.engine import Events
+
+    from ignite_mgpu import guard as guard_module
+    from ignite_mgpu.checkpoint.save import attach_checkpoints
+    from ignite_mgpu.config import CheckpointConfig
+    from ignite_mgpu.engine import create_trainer
+    from tests.helpers import data, linear
+
+    clock = [0.0]
+    monkeypatch.setattr(guard_module.time, "monotonic", lambda: clock[0])
+    model = linear()
+    trainer = create_trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), device="cpu", check_every=1,
+        grad_accum_steps=3, checkpoint_every=4, checkpoint_minutes=0.05,
+    )  # fmt: skip
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda: clock.__setitem__(0, clock[0] + 1.0))
+    reported = []
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: reported.append(len(list_checkpoints(tmp_path))))
+    evaluator = Engine(lambda e, b: None)
+    to_save = {"model": model, "trainer": trainer}
+    cfg = CheckpointConfig(every=0, every_iters=4, every_minutes=0.05, n_saved=20)
+    attach_checkpoints(trainer, evaluator, to_save, cfg, tmp_path, "accuracy")
+    trainer.run(data(n=40, batch=4), max_epochs=2)
+    # Iterations: multiples 4, 8, 12, 16, 20 -> the ends of their windows 6, 9, 13, 16 and the epoch end 20. Time
+    # (checks on window ends: 3, 6, 9, 10, 13, ...): 3 s after the checkpoint of 16, at 19.
+    saved = sorted(int(p.stem.split("_")[1]) for p in list_checkpoints(tmp_path))
+    assert saved == [6, 9, 13, 16, 19, 20]
+    assert reported == [2, 5]  # epoch 2's end checkpoint (20) came after its report

@@ -19,14 +19,22 @@ needs no hooks. Environment variables, read in every worker:
     - ``slowwrite``: from that iteration on, ``torch.save`` writes half of the file, flushes it, writes
       ``PIDS_DIR/halfwritten{RANK}``, sleeps ``arg`` seconds (default 60) and then writes the rest: a writer that
       can be killed mid-file.
+    - ``nospace``: from that iteration on, ``torch.save`` into a file fails with ``OSError(ENOSPC)`` (a full disk).
+
+    A kind prefixed with ``once-`` (``once-kill:1:5``) fires once per job: the first process to reach it writes
+    ``PIDS_DIR/fired-<entry>``, and restarted processes (whose forward calls count from 1 again) skip it.
 
 ``PIDS_DIR``
-    The constructor writes this process's pid to ``PIDS_DIR/rank{RANK}``; at the second training forward it
-    writes the pids of this process's children (DataLoader workers) to ``PIDS_DIR/children{RANK}``.
+    The constructor appends this process's pid to ``PIDS_DIR/rank{RANK}`` (one line per start: restarted ranks
+    add theirs); at the second training forward it writes the pids of this process's children (DataLoader
+    workers) to ``PIDS_DIR/children{RANK}``. Times (``time.time()``) for measurements: ``forward{RANK}`` gets a
+    line "pid call time" at the first two training forwards of every process, ``fault{RANK}`` a line
+    "kind time" just before a raise or kill.
 """
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import signal
@@ -45,8 +53,30 @@ def _faults() -> list[tuple[str, str, int, float | None]]:
     faults = []
     for entry in filter(None, os.environ.get("FAULT", "").split(",")):
         kind, rank, iteration, *arg = entry.split(":")
+        if kind.startswith("once-"):
+            marker = Path(os.environ.get("PIDS_DIR", "."), f"fired-{entry.replace(':', '_')}")
+            if marker.exists():
+                continue
+            kind = f"once:{marker}:{kind[len('once-') :]}"
         faults.append((kind, rank, int(iteration), float(arg[0]) if arg else None))
     return faults
+
+
+def _fire(kind: str) -> str:
+    """The kind to act on; a once-only fault marks itself fired first (a restarted process skips it)."""
+    if kind.startswith("once:"):
+        _, marker, kind = kind.split(":", 2)
+        Path(marker).parent.mkdir(parents=True, exist_ok=True)
+        Path(marker).write_text(str(os.getpid()))
+    return kind
+
+
+def _append(name: str, line: str) -> None:
+    pids_dir = os.environ.get("PIDS_DIR")
+    if pids_dir:
+        Path(pids_dir).mkdir(parents=True, exist_ok=True)
+        with Path(pids_dir, name).open("a") as f:
+            f.write(line + "\n")
 
 
 def _write(name: str, text: str) -> None:
@@ -67,25 +97,32 @@ class FaultyLinear(nn.Module):
         self.calls = 0
         me = str(_rank())
         self.faults = [f for f in _faults() if f[1] in (me, "*")]
-        _write(f"rank{me}", str(os.getpid()))
+        _append(f"rank{me}", str(os.getpid()))
         if any(kind == "init" for kind, *_ in self.faults):
             raise RuntimeError("init boom")
         for kind, _, iteration, arg in self.faults:
             if kind == "slowwrite":
                 self._slow_down_torch_save(iteration, 60.0 if arg is None else arg)
+            if kind == "nospace":
+                self._fill_the_disk(iteration)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
             return self.fc(x.flatten(1))
         self.calls += 1
+        if self.calls <= 2:
+            _append(f"forward{_rank()}", f"{os.getpid()} {self.calls} {time.time()}")
         if self.calls == 2:
             self._record_children()
         poison = False
         for kind, _, iteration, arg in self.faults:
             if kind == "slow" and self.calls >= iteration:
                 time.sleep(0.2 if arg is None else arg)
-            if self.calls != iteration:
+            if self.calls != iteration or kind in ("slowwrite", "nospace", "slowsave"):
                 continue
+            kind = _fire(kind)
+            if kind in ("raise", "kill"):
+                _append(f"fault{_rank()}", f"{kind} {time.time()}")
             if kind == "raise":
                 raise RuntimeError("boom")
             if kind == "sleep":
@@ -120,6 +157,16 @@ class FaultyLinear(nn.Module):
             return None
 
         torch.save = slow_save
+
+    def _fill_the_disk(self, iteration: int) -> None:
+        save = torch.save
+
+        def no_space(obj, f, *args, **kwargs):  # torch.save's signature
+            if self.calls < iteration or isinstance(f, (str, os.PathLike)):
+                return save(obj, f, *args, **kwargs)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        torch.save = no_space
 
     @staticmethod
     def _record_children() -> None:

@@ -60,11 +60,19 @@ def is_loopback(ip: str) -> bool:
 class Job:
     """One CLI process in its own session; output is read continuously, its process tree sampled."""
 
-    def __init__(self, args: list[str], env: dict[str, str], cwd: Path, pids_dir: Path, watch_sockets: bool) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str],
+        cwd: Path,
+        pids_dir: Path,
+        watch_sockets: bool,
+        command: list[str] | None = None,
+    ) -> None:
         self.args, self.pids_dir, self.watch_sockets = args, pids_dir, watch_sockets
         self.start = time.monotonic()
         self.proc = subprocess.Popen(
-            [*CLI, *args],
+            [*(command or CLI), *args],
             cwd=cwd,
             env=env,
             stdout=subprocess.PIPE,
@@ -221,13 +229,31 @@ class Harness:
         env.update(extra or {})
         return env
 
-    def start(self, args: list[str], fault: str | None = None, tag: str = "a", watch_sockets: bool = False) -> Job:
-        job = Job(args, self.env(tag, fault), self.root, self.root / f"pids-{tag}", watch_sockets)
+    def start(
+        self,
+        args: list[str],
+        fault: str | None = None,
+        tag: str = "a",
+        watch_sockets: bool = False,
+        extra: dict[str, str] | None = None,
+        command: list[str] | None = None,
+    ) -> Job:
+        """``command`` replaces ``python -m ignite_mgpu`` (e.g. torchrun); ``extra`` adds environment variables
+        (SLURM's, which ``env`` removes from the test's own environment)."""
+        job = Job(args, self.env(tag, fault, extra), self.root, self.root / f"pids-{tag}", watch_sockets, command)
         self.jobs.append(job)
         return job
 
-    def run(self, args: list[str], timeout: float, fault: str | None = None, tag: str = "a") -> Result:
-        return self.start(args, fault, tag).wait(timeout)
+    def run(
+        self,
+        args: list[str],
+        timeout: float,
+        fault: str | None = None,
+        tag: str = "a",
+        extra: dict[str, str] | None = None,
+        command: list[str] | None = None,
+    ) -> Result:
+        return self.start(args, fault, tag, extra=extra, command=command).wait(timeout)
 
     def assert_no_leftovers(self, grace: float = 3.0) -> None:
         """No process of any job (ranks, DataLoader workers, helpers) ran longer than ``grace`` seconds after

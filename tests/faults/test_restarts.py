@@ -1,0 +1,221 @@
+"""A job that heals itself (issue #14): ``--max-restarts`` after a killed, failed or hung rank, resuming from the
+newest complete checkpoint with weights bitwise identical to an uninterrupted run; the same ``--resume auto``
+command restarted by torchrun; SLURM pre-emption (a stand-in ``scontrol`` on PATH) and the requeued job.
+
+Every job is the real CLI on 2 gloo processes with the fault model of faultmod.py (``once-`` faults fire in the
+first attempt only), and nothing of it may outlive it. Run: `python -m pytest tests/faults/test_restarts.py -q`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.faults.harness import Harness, Result
+from tests.faults.test_faults import BASE, assert_last_good, checkpoints, wait_until
+
+pytestmark = [pytest.mark.distributed]
+
+# 10 iterations per epoch, a check every iteration, a checkpoint every 4 iterations and at each epoch's end;
+# deterministic, with a constant learning rate so that a 1-epoch run equals the first epoch of a 2-epoch one.
+EXACT = [
+    *BASE,
+    "train.deterministic=true",
+    "optim.scheduler=constant",
+    "checkpoint.every_iters=4",
+]
+
+
+def final_state(path: Path) -> dict:
+    from ignite_mgpu.checkpoint.files import read_checkpoint
+
+    ckpt = read_checkpoint(path)
+    return {"model": ckpt["model"], "optimizer": ckpt["optimizer"]["state"], "trainer": ckpt["trainer"]["iteration"]}
+
+
+def assert_bitwise_equal(a: Path, b: Path) -> None:
+    sa, sb = final_state(a), final_state(b)
+    assert sa["trainer"] == sb["trainer"]
+    for key, value in sa["model"].items():
+        assert torch.equal(value, sb["model"][key]), f"{key} differs between {a} and {b}"
+    for k, v in sa["optimizer"].items():
+        assert torch.equal(v["momentum_buffer"], sb["optimizer"][k]["momentum_buffer"]), k
+
+
+def rows(out: Path) -> list[tuple[int, int]]:
+    """(epoch, restarts) of every line of metrics.jsonl."""
+    return [(r["epoch"], r["restarts"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.fixture
+def h(tmp_path: Path):
+    harness = Harness(tmp_path)
+    yield harness
+    harness.cleanup()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted job: 2 epochs, every checkpoint kept (iterations 4, 8, 10, 12, 16, 20)."""
+    root = tmp_path_factory.mktemp("reference")
+    harness = Harness(root)
+    out = root / "out"
+    try:
+        result = harness.run([*EXACT, "train.epochs=2", "checkpoint.n_saved=10", "--output-dir", str(out)], 120)
+        assert result.rc == 0, result
+    finally:
+        harness.cleanup()
+    assert sorted(checkpoints(out)) == [4, 8, 10, 12, 16, 20]
+    return out
+
+
+def restart_line(r: Result) -> str:
+    lines = [ln for ln in r.stderr.splitlines() if re.match(r"ignite-mgpu: restart \d of", ln)]
+    assert len(lines) == 1, r  # each restart logged once
+    return lines[0]
+
+
+@pytest.mark.timeout(240)
+def test_a_sigkilled_rank_heals_bitwise_identical(h: Harness, reference: Path) -> None:
+    """Rank 1 is SIGKILLed in iteration 15 (mid-epoch 2, after checkpoint_12): the job restarts once from it and
+    ends with weights bitwise identical to the job never interrupted."""
+    out = h.root / "out"
+    r = h.run([*EXACT, "train.epochs=2", "--max-restarts", "1", "--output-dir", str(out)], 150, "once-kill:1:15")
+    assert r.rc == 0, r
+    assert r.stderr.count("rank 1 terminated with signal SIGKILL") == 1, r
+    assert restart_line(r) == (
+        "ignite-mgpu: restart 1 of 1 (dist.max_restarts) after rank 1 failed, in 1 s: resuming from "
+        f"{out / 'checkpoint_12.pt'} at iteration 12; 2 iteration(s) lost (every rank had completed iteration 14)."
+    )
+    assert re.search(r"resumed from \S*checkpoint_12\.pt at iteration 12", r.stderr), r
+    h.assert_no_leftovers()
+    assert_bitwise_equal(out / "checkpoint_20.pt", reference / "checkpoint_20.pt")
+    assert rows(out) == [(1, 0), (2, 1)]  # one row per epoch; epoch 2 was trained after the restart
+
+
+@pytest.mark.timeout(180)
+def test_a_kill_before_the_first_checkpoint_restarts_from_the_beginning(h: Harness, reference: Path) -> None:
+    out = h.root / "out"
+    r = h.run([*EXACT, "--max-restarts", "1", "--output-dir", str(out)], 120, "once-kill:1:3")
+    assert r.rc == 0, r
+    assert restart_line(r) == (
+        "ignite-mgpu: restart 1 of 1 (dist.max_restarts) after rank 1 failed, in 1 s: from the beginning (no "
+        "complete checkpoint yet); "
+        "2 iteration(s) lost (every rank had completed iteration 2)."
+    )
+    assert "--resume auto: no complete checkpoint in" in r.stderr and "starting a new run" in r.stderr, r
+    h.assert_no_leftovers()
+    assert_bitwise_equal(out / "checkpoint_10.pt", reference / "checkpoint_10.pt")
+    assert rows(out) == [(1, 1)]
+
+
+@pytest.mark.timeout(180)
+def test_when_the_restarts_run_out_every_failure_is_reported_and_the_job_exits_1(h: Harness) -> None:
+    out = h.root / "out"
+    r = h.run([*EXACT, "--max-restarts", "1", "--output-dir", str(out)], 120, "kill:1:5")  # in every attempt
+    assert r.rc == 1, r
+    assert r.stderr.count("rank 1 terminated with signal SIGKILL") == 2, r  # each failure, once
+    assert "resuming from" in restart_line(r) and "checkpoint_4.pt at iteration 4" in restart_line(r), r
+    assert r.stderr.rstrip().endswith("ignite-mgpu: gave up after 1 restart(s) (dist.max_restarts=1)."), r
+    assert len(h.jobs[0].recorded_pids()) == 4  # two ranks, started twice
+    h.assert_no_leftovers()
+    assert_last_good(out, 8)  # the second attempt resumed from 4, saved 8 and was killed in iteration 9
+
+
+@pytest.mark.timeout(120)
+def test_a_user_error_is_not_restarted(h: Harness) -> None:
+    """A full disk (the first checkpoint cannot be written) would fail again: no restart, exit 1 at once."""
+    out = h.root / "out"
+    r = h.run([*EXACT, "--max-restarts", "2", "--output-dir", str(out)], 60, "nospace:0:1")
+    assert r.rc == 1, r
+    assert "rank 0 failed with CheckpointError: saving checkpoint_4.pt failed" in r.stderr, r
+    assert "No space left on device" in r.stderr, r
+    assert "restart 1 of" not in r.stderr, r
+    assert r.stderr.rstrip().endswith(
+        "ignite-mgpu: not restarted: CheckpointError is an error in the configuration, the data or a checkpoint, "
+        "which a restart would meet again (dist.max_restarts=2)."
+    ), r
+    assert len(h.jobs[0].recorded_pids()) == 2  # one attempt
+    h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(180)
+def test_a_hung_rank_hits_the_collective_timeout_then_the_job_restarts(h: Harness) -> None:
+    out = h.root / "out"
+    args = [*EXACT, "--max-restarts", "1", "--timeout", "5", "--output-dir", str(out)]
+    r = h.run(args, 150, "once-sleep:1:6")  # rank 1 hangs in iteration 6; rank 0 waits in its all-reduce
+    assert r.rc == 0, r
+    assert re.search(r"rank 0 timed out after 5 s \(dist.timeout\).*rank\(s\) 1 stopped answering", r.stderr), r
+    assert restart_line(r).endswith(
+        f"resuming from {out / 'checkpoint_4.pt'} at iteration 4; 1 iteration(s) lost (every rank had completed "
+        "iteration 5)."
+    ), r
+    h.assert_no_leftovers()
+    assert_last_good(out, 10)
+    assert rows(out) == [(1, 1)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_restarts_the_same_resume_auto_command(h: Harness, reference: Path) -> None:
+    """`torchrun --max-restarts 1 ... train --resume auto`: the first start has no checkpoint (a new run), rank 1 is
+    killed in iteration 6, torchrun starts both processes again and the same command resumes checkpoint_4."""
+    out = h.root / "out"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1"]
+    torchrun += ["--master_port", str(free_port()), "-m", "ignite_mgpu"]
+    args = ["train", "--backend", "gloo", *EXACT[5:], "--resume", "auto", "--output-dir", str(out)]
+    r = h.run(args, 180, "once-kill:1:6", command=torchrun)
+    assert r.rc == 0, r
+    assert "--resume auto: no complete checkpoint in" in r.stderr, r  # the first start
+    assert re.search(r"resumed from \S*checkpoint_4\.pt at iteration 4", r.stderr), r  # the restart
+    h.assert_no_leftovers()
+    assert_bitwise_equal(out / "checkpoint_10.pt", reference / "checkpoint_10.pt")
+    assert rows(out) == [(1, 1)]  # TORCHELASTIC_RESTART_COUNT
+
+
+@pytest.mark.timeout(240)
+def test_slurm_preemption_checkpoints_requeues_and_the_requeued_job_resumes(h: Harness) -> None:
+    """A single-task SLURM job with 2 processes gets SIGUSR1 (sbatch --signal=USR1@90; SLURM signals every process
+    of the step): every rank stops at one iteration, writes a checkpoint, the job runs `scontrol requeue` and
+    exits 138. The requeued job, the same command, resumes from that checkpoint."""
+    out, bin_dir, log = h.root / "out", h.root / "bin", h.root / "scontrol.log"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SCONTROL_LOG": str(log)}
+    slurm["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    args = [*EXACT, "train.epochs=2", "--resume", "auto", "--output-dir", str(out)]
+    job = h.start(args, "slow:*:1:0.2", extra=slurm)
+    wait_until(lambda: (out / "checkpoint_4.pt").exists(), job, 90, "the first checkpoint")
+    for pid in [job.pid, *job.recorded_pids()]:
+        os.kill(pid, signal.SIGUSR1)
+    r = job.wait(60)
+    assert r.rc == 138, r
+    assert "ignite-mgpu: SIGUSR1 received (pre-emption): every rank stops and writes a checkpoint" in r.stderr, r
+    m = re.search(r"stopped by SIGUSR1 at iteration (\d+)", r.stderr)
+    assert m and 4 <= int(m.group(1)) < 20, r
+    stopped_at = int(m.group(1))
+    assert "ignite-mgpu: requeued SLURM job 4242 (scontrol requeue 4242)" in r.stderr, r
+    assert log.read_text() == "requeue 4242\n"  # once per job
+    h.assert_no_leftovers()
+    assert_last_good(out, stopped_at)
+
+    r = h.run(args, 120, None, tag="b", extra={**slurm, "SLURM_RESTART_COUNT": "1"})  # the requeued job
+    assert r.rc == 0, r
+    assert re.search(rf"resumed from \S*checkpoint_{stopped_at}\.pt at iteration {stopped_at}", r.stderr), r
+    assert log.read_text() == "requeue 4242\n"
+    assert rows(out) == [(1, 1 if stopped_at < 10 else 0), (2, 1)]  # SLURM_RESTART_COUNT
+    h.assert_no_leftovers()
