@@ -9,6 +9,7 @@ from typing import Any
 
 from ignite_mgpu.checkpoint.files import find_resumable
 from ignite_mgpu.checkpoint.load import load_checkpoint
+from ignite_mgpu.checkpoint.sharded import load_sharded
 from ignite_mgpu.config import Config, run_dir
 from ignite_mgpu.errors import CheckpointError
 
@@ -26,6 +27,7 @@ RESUMABLE_CHANGES = (
     "data.num_workers",
     "data.download",
     "data.root",
+    "model.fsdp_",  # how the model is sharded, not what it computes
     "dist.",
     "checkpoint.",
 )
@@ -45,7 +47,7 @@ def run_signature(cfg: Config) -> dict[str, str]:
 
 
 def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
-    """Restore every object from ``cfg.resume`` (a path, or "auto": the newest complete checkpoint).
+    """Restore every object from ``cfg.resume`` (a file or a sharded folder, or "auto": the newest complete one).
 
     Returns False when the checkpoint already finished ``train.epochs`` (nothing left to train).
     """
@@ -64,7 +66,10 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
                 "or pass checkpoint.allow_config_change=true to resume anyway."
             )
 
-    load_checkpoint(path, to_save, check=same_run)
+    if path.is_dir():  # checkpoint.format=sharded: resharded for this process count as it is read
+        load_sharded(path, to_save, check=same_run)
+    else:
+        load_checkpoint(path, to_save, check=same_run)
     saved = to_save["run"].loaded
     logger.info("resumed from %s at iteration %d", path, to_save["trainer"].state.iteration)
     if saved.get("world_size", world_size) != world_size:

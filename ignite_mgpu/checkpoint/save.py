@@ -1,6 +1,6 @@
 """Writing checkpoints: ignite's ``Checkpoint`` handlers over a saver that never deletes the previous file before the
-new one is safely on disk; the full training state on a schedule and on a stop, the best unwrapped model after
-validation."""
+new one is safely on disk; the full training state on a schedule and on a stop (one file, or a sharded folder), the
+best unwrapped model after validation."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ignite.handlers import Checkpoint, DiskSaver, global_step_from_engine
 from torch import nn
 
 from ignite_mgpu.checkpoint.files import BEST_NAME, CKPT_NAME, TEMP_PREFIX, TEMP_SUFFIX, fsync_dir, list_checkpoints
+from ignite_mgpu.checkpoint.sharded import ShardedCheckpoint
 from ignite_mgpu.config import CheckpointConfig
 from ignite_mgpu.errors import CheckpointError
 from ignite_mgpu.guard import GuardEvents
@@ -102,12 +103,16 @@ def attach_checkpoints(
     cfg: CheckpointConfig,
     output_dir: str | Path,
     metric: str,
-) -> tuple[Checkpoint, Checkpoint]:
-    """Full state every N epochs / iterations and on a stop signal; the best unwrapped model by ``metric`` after
-    validation."""
+) -> tuple[Checkpoint | ShardedCheckpoint, Checkpoint]:
+    """Full state every N epochs / iterations and on a stop signal (``checkpoint_<iteration>.pt``, or a sharded
+    ``checkpoint_<iteration>/`` folder with ``checkpoint.format=sharded``); the best unwrapped model by ``metric``
+    after validation, always one plain state_dict file."""
+    full: Checkpoint | ShardedCheckpoint
     full, best = create_checkpointers(
         to_save, to_save["model"], output_dir, cfg.n_saved, metric, global_step_from_engine(trainer)
     )
+    if cfg.format == "sharded":
+        full = ShardedCheckpoint(to_save, output_dir, cfg.n_saved)
     if cfg.every:
         trainer.add_event_handler(Events.EPOCH_COMPLETED(every=cfg.every), full)
     if cfg.every_iters:
@@ -120,10 +125,13 @@ def attach_checkpoints(
     return full, best
 
 
-def adopt_existing(full: Checkpoint, best: Checkpoint, dirname: str | Path) -> None:
-    """On resume, let the handlers manage the files the interrupted run left (keep n_saved, one best)."""
-    found = [(int(m.group(1)), p.name) for p in list_checkpoints(dirname) if (m := CKPT_NAME.match(p.name))]
-    full.load_state_dict({"_saved": sorted(found)})
+def adopt_existing(full: Checkpoint | ShardedCheckpoint, best: Checkpoint, dirname: str | Path) -> None:
+    """On resume, let the handlers manage the files the interrupted run left (keep n_saved, one best); sharded
+    folders need nothing: their handler counts the folders on disk."""
+    if isinstance(full, Checkpoint):
+        files = [p for p in list_checkpoints(dirname) if p.is_file()]
+        found = [(int(m.group(1)), p.name) for p in files if (m := CKPT_NAME.match(p.name))]
+        full.load_state_dict({"_saved": sorted(found)})
     bests = [
         (float(m.group(2)), p.name)  # the file name already holds the signed score
         for p in Path(dirname).glob("best_model_*.pt")
