@@ -49,6 +49,11 @@ def setup_logging(rank: int) -> None:
     logging.getLogger("ignite").setLevel(logging.WARNING)
 
 
+def sharding(cfg: Config, world_size: int) -> bool:
+    """Whether FSDP shards the model: ``--strategy fsdp`` with more than one process."""
+    return cfg.dist.strategy == "fsdp" and world_size > 1
+
+
 def fsdp_options(cfg: Config) -> dict[str, Any]:
     """``prepare_model``'s FSDP arguments from the config (ignored by the other strategies)."""
     m = cfg.model
@@ -64,7 +69,7 @@ def training(local_rank: int, cfg: Config) -> None:
     """Train ``cfg`` in this process (one of ``idist.get_world_size()``), then print a summary on rank 0."""
     rank, world_size = idist.get_rank(), idist.get_world_size()
     setup_logging(rank)
-    setup_cpu_memory(cfg.train.keep_cpu_memory, idist.device().type)
+    setup_cpu_memory(cfg.train.keep_cpu_memory, idist.device().type, sharded=sharding(cfg, world_size))
     manual_seed(cfg.seed)
     if cfg.train.deterministic:
         use_deterministic_algorithms()  # before anything runs on the GPU: cuBLAS reads its setting when it starts
@@ -139,7 +144,7 @@ def evaluation(local_rank: int, cfg: Config, checkpoint_path: str, as_json: bool
     """Score the weights in ``checkpoint_path`` on the validation split (metrics reduced over all ranks)."""
     rank = idist.get_rank()
     setup_logging(rank)
-    setup_cpu_memory(cfg.train.keep_cpu_memory, idist.device().type)
+    setup_cpu_memory(cfg.train.keep_cpu_memory, idist.device().type, sharded=sharding(cfg, idist.get_world_size()))
     _, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
     model = create_model(cfg.model, example_inputs(val_loader.dataset, val_loader.collate_fn))
     load_checkpoint(checkpoint_path, {"model": model}, map_location="cpu")

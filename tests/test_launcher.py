@@ -115,3 +115,17 @@ def test_a_job_on_chosen_gpus_runs_in_a_fresh_process_even_alone(cuda, monkeypat
     plan = make_plan(DistConfig(gpus="2"))
     assert (plan.nproc, plan.backend, plan.spawn_one, plan.device) == (1, None, True, "cuda")
     assert not make_plan(DistConfig()).spawn_one  # without --gpus the one process runs here, as before
+
+
+def test_fsdp_with_fewer_processes_than_chosen_gpus_is_refused(cuda, monkeypatch):
+    from ignite_mgpu import gpus
+    from tests.distributed.test_gpu_selection import FOUR_A100
+
+    monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    cuda(2)  # what torch reports after CUDA_VISIBLE_DEVICES=2,3
+    with pytest.raises(ConfigError, match=r"--strategy fsdp with --nproc 1 on the 2 GPUs that --gpus 2,3 selects"):
+        make_plan(DistConfig(strategy="fsdp", gpus="2,3", nproc=1))
+    plan = make_plan(DistConfig(strategy="fsdp", gpus="2,3"))
+    assert (plan.nproc, plan.backend, plan.device) == (2, "nccl", "cuda")  # a process per GPU, as ddp

@@ -12,6 +12,7 @@ from ignite_mgpu.checkpoint.load import load_checkpoint
 from ignite_mgpu.checkpoint.sharded import load_sharded
 from ignite_mgpu.config import Config, run_dir
 from ignite_mgpu.errors import CheckpointError
+from ignite_mgpu.fsdp import FullModelState
 
 logger = logging.getLogger("ignite_mgpu")
 
@@ -69,7 +70,9 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
     if path.is_dir():  # checkpoint.format=sharded: resharded for this process count as it is read
         load_sharded(path, to_save, check=same_run)
     else:
-        load_checkpoint(path, to_save, check=same_run)
+        # A sharded model's full checkpoint stays in CPU memory: each rank copies only its shards to its GPU.
+        cpu = isinstance(to_save["model"], FullModelState)
+        load_checkpoint(path, to_save, map_location="cpu" if cpu else None, check=same_run)
     saved = to_save["run"].loaded
     logger.info("resumed from %s at iteration %d", path, to_save["trainer"].state.iteration)
     if saved.get("world_size", world_size) != world_size:

@@ -129,6 +129,33 @@ def test_fsdp_accumulation_skips_sync_and_clipping_takes_the_global_norm(tmp_pat
     assert fsdp["syncs"] == [] and accumulated["syncs"] == [False, True] * 12  # 4 steps x 3 epochs, sync off first
 
 
+def scaler_worker(local_rank: int, out: str) -> None:
+    """fp16's loss scaling over sharded gradients with the trainer's GradScaler (its CPU variant: the same code as
+    on CUDA): an overflow in one rank's shard must skip the step on every rank, or the shards would drift apart."""
+    from ignite_mgpu import prepare_model
+    from ignite_mgpu.engine import Scaler
+
+    torch.manual_seed(0)
+    model = prepare_model(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)), "fsdp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = Scaler("cpu", init_scale=1024.0)
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    scaler.scale(nn.functional.cross_entropy(model(torch.randn(4, 6)), torch.randint(0, 3, (4,)))).backward()
+    if idist.get_rank() == 1:
+        model[2].weight.grad.to_local().view(-1)[0] = float("inf")  # only rank 1's shard overflows
+    scaler.step(optimizer)
+    scaler.update()
+    stepped = any(not torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters(), strict=True))
+    Path(out, f"rank{idist.get_rank()}.json").write_text(json.dumps({"scale": scaler.get_scale(), "stepped": stepped}))
+
+
+@pytest.mark.timeout(120)
+def test_fp16_loss_scaling_skips_an_overflowing_step_on_every_rank(tmp_path):
+    launch(scaler_worker, str(tmp_path), nproc=2, backend="gloo")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks == [{"scale": 512.0, "stepped": False}] * 2
+
+
 def cli(args: list[str], cwd: Path) -> str:
     result = run_cli(["train", *args], cwd, timeout=150)
     assert result.returncode == 0, result.stderr[-3000:]
