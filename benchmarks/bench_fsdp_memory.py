@@ -2,8 +2,8 @@
 process starts with: a wide MLP (169M parameters), AdamW, 3 steps on tiny synthetic data, 1 and 2 processes. It
 runs `ignite-mgpu train` for each and prints the table of `peak_memory_mb` from each run's metrics.jsonl.
 
-    python benchmarks/bench_fsdp_memory.py                # about 4 minutes on 2 CPU cores; needs ~10 GB of memory
-    python benchmarks/bench_fsdp_memory.py --quick        # a 0.3M-parameter MLP: checks the script in ~40 s
+    python benchmarks/bench_fsdp_memory.py                # about 2 minutes on 2 CPU cores; needs ~10 GB of memory
+    python benchmarks/bench_fsdp_memory.py --quick        # a 0.2M-parameter MLP: checks the script in ~30 s
     python benchmarks/bench_fsdp_memory.py --gpus 0,1     # the same on GPUs: peak allocated CUDA memory per GPU
 
 On the CPU the figure is each process's peak RSS, on GPUs CUDA's peak allocated memory of each GPU. The target

@@ -63,7 +63,7 @@ def setup_cpu_memory(keep: bool, device_type: str, sharded: bool = False) -> Non
 
     Not for a model that FSDP shards over several processes (``sharded``): it gathers and frees every block's
     parameters and gradients each step, and a heap that keeps freed blocks fragments under that pattern (the
-    benchmark's 169M-parameter MLP peaked at 4.6 GB per process instead of 2.2), which defeats sharding's purpose.
+    benchmark's 169M-parameter MLP peaked at 5.5 GB per process instead of 2.4), which defeats sharding's purpose.
     """
     if not keep or device_type != "cpu":
         return

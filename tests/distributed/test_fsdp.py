@@ -88,6 +88,15 @@ def test_fsdp_trains_like_ddp_and_like_one_process_and_evaluates_uneven_shards_e
     assert last["val_loss"] == pytest.approx(nn.functional.cross_entropy(logits, y).item(), rel=1e-5)
     assert len(last["peak_memory_mb"]) == 2
 
+    # `ignite-mgpu evaluate` with FSDP on 2 processes scores the best model as one process does.
+    args = [*JOB, "--checkpoint", str(best), "--json"]
+    scores = [run_cli(["evaluate", *args, *extra], tmp_path) for extra in (["--strategy", "fsdp", "--nproc", "2"], [])]
+    assert all(s.returncode == 0 for s in scores), scores[0].stderr[-3000:]
+    two, one = (json.loads(s.stdout.strip().splitlines()[-1]) for s in scores)
+    assert two["samples"] == one["samples"] == 101
+    assert two["accuracy"] == pytest.approx(one["accuracy"], abs=1e-6)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+
 
 def accumulation_worker(local_rank: int, out: str, strategy: str, global_batch: int, accum: int) -> None:
     """The public API with FSDP: gradient accumulation (sync off on accumulation steps) and global-norm clipping."""
