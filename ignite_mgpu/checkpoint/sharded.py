@@ -76,7 +76,7 @@ def save_sharded(to_save: Mapping[str, Any], folder: Path) -> None:
             dcp.save(state, checkpoint_id=str(tmp), no_dist=_alone())  # returns on every rank after .metadata
         if rank == 0:
             fsync_dir(tmp)
-            replaced = folder.with_name(f"{TEMP_PREFIX}old-{folder.name}")
+            replaced = folder.with_name(f"{TEMP_PREFIX}{folder.name}.old")  # removed at the next start if left
             if folder.exists():  # resumed from an earlier checkpoint: this iteration is written again
                 os.replace(folder, replaced)
             os.replace(tmp, folder)

@@ -212,13 +212,20 @@ def test_resume_is_bitwise_for_both_formats_across_process_counts_and_strategies
     assert "written with 2 processes, resuming with 1" in err and "nothing to shard" in err
     assert [r["epoch"] for r in metrics(one)] == [2, 3] and (one / "checkpoint_24" / ".metadata").is_file()
 
-    # Across strategies, on the same data order: FSDP's full checkpoint 12 resumed under DDP, DDP's under FSDP.
+    # Across strategies, on the same data order: FSDP's full checkpoint 12 resumed under DDP (which writes sharded
+    # folders itself), DDP's under FSDP, and FSDP's sharded folder under DDP.
     ddp = tmp_path / "ddp"
     cli([*args, *two, "--output-dir", str(ddp)], tmp_path)
-    for source, strategy, target in ((runs["full"], "ddp", "fsdp-to-ddp"), (ddp, "fsdp", "ddp-to-fsdp")):
-        cli([*args, *two, "--strategy", strategy, "--output-dir", str(tmp_path / target), "--resume",
-             str(source / "checkpoint_12.pt")], tmp_path)  # fmt: skip
-        assert_within(model_of(tmp_path / target / "checkpoint_16.pt"), model_of(source / "checkpoint_16.pt"), 1e-5)
+    for source, strategy, target, fmt in (
+        (runs["full"] / "checkpoint_12.pt", "ddp", "fsdp-to-ddp", "sharded"),
+        (ddp / "checkpoint_12.pt", "fsdp", "ddp-to-fsdp", "full"),
+        (sharded / "checkpoint_12", "ddp", "sharded-to-ddp", "full"),
+    ):
+        cli([*args, *two, "--strategy", strategy, f"checkpoint.format={fmt}", "--output-dir", str(tmp_path / target),
+             "--resume", str(source)], tmp_path)  # fmt: skip
+        written = tmp_path / target / ("checkpoint_16" if fmt == "sharded" else "checkpoint_16.pt")
+        reference = source.parent / ("checkpoint_16" if source.is_dir() else "checkpoint_16.pt")
+        assert_within(model_of(written), model_of(reference), 1e-5)
 
     # checkpoint inspect reads folders; convert writes the plain state_dict the full format holds.
     inspected = CliRunner().invoke(main, ["checkpoint", "inspect", str(one / "checkpoint_24"), "--json"])
