@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one-shot GPU check, for the day a GPU machine is lent (about 15 minutes, once): every `gpu`-marked test, then
-# the default job's throughput per precision on one GPU and, with 2+ GPUs, peak memory per GPU for DDP vs DP. It
-# writes one report file and finishes within about 8 minutes on one GPU (tests that need two GPUs skip there).
+# the default job's throughput per precision on one GPU and, with 2+ GPUs, peak memory per GPU for DDP vs DP and
+# DDP vs FSDP vs DP (bench_fsdp_memory.py). It writes one report file and finishes within about 8 minutes on one GPU
+# (tests that need two GPUs skip there); with two GPUs the FSDP tests and the memory table add about 6 minutes.
 #
 #   bash benchmarks/gpu_check.sh [REPORT]          # default REPORT: gpu_check_report.txt (in $OUT if set)
 set -u
@@ -31,7 +32,7 @@ torch.cuda.device_count(), 'ignite', ignite.__version__)"
   ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
 
   section "pytest -m gpu"
-  timeout 420 python -m pytest -m gpu -v -rs -p no:cacheprovider tests 2>&1 | tail -40
+  timeout 720 python -m pytest -m gpu -v -rs -p no:cacheprovider tests 2>&1 | tail -40
 
   section "default job on one GPU (2 epochs, 4096 + 1000 synthetic images, global batch 128)"
   echo "| run | samples/s | ms/iter | peak MB per GPU | max/min | val acc |"
@@ -58,8 +59,10 @@ torch.cuda.device_count(), 'ignite', ignite.__version__)"
         echo "| 2 GPUs $strategy | FAILED: $(tail -1 "$work/2gpu-$strategy.log") |"
       fi
     done
+    section "peak memory per GPU on 2 GPUs: DDP vs FSDP vs DP, a 169M-parameter MLP with AdamW (target: FSDP <= 0.7 DDP)"
+    timeout 420 python benchmarks/bench_fsdp_memory.py --gpus 0,1 2>&1 | tail -15
   else
-    section "DDP vs DP memory: skipped (needs 2 GPUs, $ngpu here)"
+    section "DDP vs DP and DDP vs FSDP memory: skipped (needs 2 GPUs, $ngpu here)"
   fi
   section "done"
 } > "$report" 2>&1

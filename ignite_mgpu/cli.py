@@ -47,8 +47,9 @@ def dist_options(fn: Any) -> Any:
         click.option("--gpus", help="Physical GPU ids as nvidia-smi shows them (2,3), all, none, auto or auto:N."),
         click.option(
             "--strategy",
-            type=click.Choice(["ddp", "dp"]),
-            help="ddp: a process per GPU (default); dp: one process with nn.DataParallel.",
+            type=click.Choice(["ddp", "dp", "fsdp"]),
+            help="ddp: a process per GPU (default); dp: one process with nn.DataParallel; fsdp: a process per GPU, "
+            "parameters, gradients and optimizer state sharded over them (FSDP2).",
         ),
         click.option("--nnodes", type=int, help="Machines in the job (multi-node: also --node-rank, --master-*)."),
         click.option("--node-rank", type=int, help="This machine's index, 0..nnodes-1."),
@@ -142,7 +143,7 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
     "--checkpoint",
     "checkpoint_path",
     required=True,
-    type=click.Path(dir_okay=False),
+    type=click.Path(),  # a folder too: a sharded checkpoint is refused with how to convert it
     help="A best_model_*.pt, checkpoint_*.pt or any (even module.-prefixed) state_dict file.",
 )
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML of the run (model, data).")
@@ -194,14 +195,14 @@ def report(run_dirs: tuple[str, ...], out: str | None, as_json: bool) -> None:
 
 @main.group()
 def checkpoint() -> None:
-    """Inspect or convert checkpoint files (always loaded with weights_only=True)."""
+    """Inspect or convert checkpoint files and sharded folders (always loaded with weights_only=True)."""
 
 
 @checkpoint.command()
-@click.argument("path", type=click.Path(dir_okay=False))
+@click.argument("path", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def inspect(path: str, as_json: bool) -> None:
-    """Show what a checkpoint holds: entries, step, parameters, dtypes, wrapper prefixes."""
+    """Show what a checkpoint file or sharded folder holds: entries, step, parameters, dtypes, wrapper prefixes."""
     import json
 
     with _errors_to_exit():
@@ -212,12 +213,21 @@ def inspect(path: str, as_json: bool) -> None:
 
 
 @checkpoint.command()
-@click.argument("src", type=click.Path(dir_okay=False))
+@click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path(dir_okay=False))
 def convert(src: str, dst: str) -> None:
-    """Write a clean model state_dict (no module./_orig_mod. prefixes) from SRC into DST."""
+    """Write a clean model state_dict (no module./_orig_mod. prefixes) from SRC into DST.
+
+    SRC is a checkpoint or state_dict file, or a sharded checkpoint folder (checkpoint.format=sharded), whose
+    shards are gathered here, in one process, into one file that loads anywhere.
+    """
+    from pathlib import Path
+
     with _errors_to_exit():
         from ignite_mgpu.checkpoint.files import convert as convert_file
 
         found = convert_file(src, dst)
+    if Path(src).is_dir():
+        click.echo(f"wrote {dst} (the model of sharded checkpoint {src})")
+        return
     click.echo(f"wrote {dst}" + (f" (stripped {' and '.join(found)})" if found else " (no prefix found)"))

@@ -26,6 +26,9 @@ class ModelConfig:
     num_classes: int = 10  # size of the classifier output (passed to constructors that take num_classes)
     sync_batchnorm: bool = False  # convert BatchNorm to SyncBatchNorm (DDP only)
     compile: bool = False  # wrap the model with torch.compile
+    fsdp_blocks: list[str] | None = None  # fsdp: class names of the blocks sharded one by one; None: the default rule
+    fsdp_cpu_offload: bool = False  # fsdp: sharded parameters, gradients and optimizer state in CPU memory (CUDA)
+    fsdp_reshard_after_forward: bool = True  # fsdp: free a block's gathered parameters after its forward
 
 
 @dataclass
@@ -87,6 +90,7 @@ class CheckpointConfig:
     )
     save_on_stop: bool = True  # on SIGTERM/SIGINT write one checkpoint before exiting
     allow_config_change: bool = False  # let --resume continue a checkpoint written with other settings
+    format: Literal["full", "sharded"] = "full"  # full: one file, written by rank 0; sharded: a folder, by every rank
 
 
 @dataclass
@@ -96,7 +100,7 @@ class DistConfig:
     nproc: int | None = None  # processes on this node (None = number of selected GPUs, or 1 on CPU)
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto = nccl when CUDA is available, else gloo
     gpus: str | None = None  # "all", "none", "auto", "auto:N", or physical ids "2,3" (None = current environment)
-    strategy: Literal["ddp", "dp"] = "ddp"  # ddp: one process per GPU; dp: one process, nn.DataParallel
+    strategy: Literal["ddp", "dp", "fsdp"] = "ddp"  # ddp: a process per GPU; dp: one, DataParallel; fsdp: sharded
     nnodes: int = 1  # machines in the job
     node_rank: int = 0  # this machine's index, 0..nnodes-1
     master_addr: str = "127.0.0.1"  # address of node 0 (multi-node, or with an explicit master_port)
@@ -233,6 +237,7 @@ def validate(cfg: Config) -> None:
         )
     if dist.nnodes > 1 and port is None:
         raise ConfigError("--nnodes > 1 needs --master-port (and --master-addr, node 0's address) on every node.")
+    _check_strategy_options(cfg)
     builtin = ("synthetic", "fake", "mnist", "fashion_mnist", "cifar10", "imagefolder")
     _check(
         d.name in builtin or ":" in d.name,
@@ -270,6 +275,37 @@ def validate(cfg: Config) -> None:
                         f"data.name=imagefolder expects the ImageNet layout root/train/<class>/* and "
                         f"root/val/<class>/*, but {root / split} is missing."
                     )
+
+
+def _check_strategy_options(cfg: Config) -> None:
+    """Options that belong to another strategy than the chosen one."""
+    m, strategy = cfg.model, cfg.dist.strategy
+    if strategy == "fsdp" and m.sync_batchnorm:
+        raise ConfigError(
+            "model.sync_batchnorm=true cannot be combined with --strategy fsdp: ignite-mgpu refuses rather than "
+            "convert, because SyncBatchNorm's own collectives inside FSDP's sharded forward are a combination PyTorch "
+            "does not document and that cannot be tested without GPUs. Use --strategy ddp for SyncBatchNorm, or set "
+            "model.sync_batchnorm=false (each process then normalises over its own share of the batch)."
+        )
+    fsdp_only = [
+        f"{key}={value}"
+        for key, value, default in (
+            ("model.fsdp_blocks", m.fsdp_blocks, None),
+            ("model.fsdp_cpu_offload", m.fsdp_cpu_offload, False),
+            ("model.fsdp_reshard_after_forward", m.fsdp_reshard_after_forward, True),
+        )
+        if value != default
+    ]
+    if fsdp_only and strategy != "fsdp":
+        raise ConfigError(
+            f"{', '.join(fsdp_only)} is an option of --strategy fsdp, but the strategy is {strategy}, which would "
+            "ignore it. Add --strategy fsdp, or drop the option."
+        )
+    if strategy == "dp" and cfg.checkpoint.format == "sharded":
+        raise ConfigError(
+            "checkpoint.format=sharded with --strategy dp: DataParallel is one process, so there is nothing to "
+            "shard and no other process to write a part. Use checkpoint.format=full (the default)."
+        )
 
 
 def run_dir(cfg: Config) -> Path:

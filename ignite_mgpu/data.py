@@ -55,7 +55,8 @@ class UnpaddedDistributedSampler(DistributedSampler):
 
     ``DistributedSampler`` pads with duplicates so every rank gets the same count; for evaluation that would
     count the padded samples twice in the all-reduced metrics. Ranks may get one sample less; evaluation
-    runs no collective per iteration, so the uneven count cannot hang.
+    runs no collective per iteration, so the uneven count cannot hang (under FSDP, whose forward is one, the
+    evaluator pads the shorter ranks with unscored forwards: ``fsdp.attach_even_forwards``).
     """
 
     def __iter__(self) -> Iterator[int]:

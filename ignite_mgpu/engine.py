@@ -18,6 +18,7 @@ from torch import nn
 from ignite_mgpu import batches, plugins
 from ignite_mgpu.checkpoint.files import native_rng_states, plain_rng_states
 from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.fsdp import attach_even_forwards, find_fsdp, no_sync_of
 from ignite_mgpu.guard import TrainingGuard, accumulation_window
 from ignite_mgpu.strategy import find_ddp, reduce_replica_losses, unwrap
 
@@ -71,19 +72,19 @@ def create_trainer(
     checkpoint_minutes: float | None = None,
     non_blocking: bool = True,
 ) -> Engine:
-    """A trainer Engine for a model already placed by ``idist.auto_model`` (DDP, DataParallel or plain).
+    """A trainer Engine for a model already placed by ``prepare_model`` (DDP, DataParallel, FSDP or plain).
 
     Each iteration: the batch to the device (every tensor in it), forward under autocast, ``loss / grad_accum_steps``
-    backward (inside DDP's ``no_sync`` on accumulation steps), then on the last micro-batch unscale, clip, optimizer
-    and scheduler step. Windows restart every epoch; when the epoch length does not divide, the epoch's last window
-    is shorter and its loss is divided by its own length, so its gradient is the mean over its micro-batches. A batch
-    is ``(inputs, targets, *extra)`` or a mapping (targets under "labels" or "targets", the rest passed as the
-    model's keyword arguments); ``loss_fn(predictions, targets)`` gets a tensor output or its ``logits``. With
-    ``loss_fn=None`` the model computes the loss itself: ``model(x, y)``, or ``model(**batch)`` for a mapping,
-    returning the loss, a mapping with "loss" or an object with ``.loss`` (as Hugging Face models do);
-    DataParallel's per-GPU loss vector is reduced exactly. ``engine.state.output`` is the detached loss; a
-    ``TrainingGuard`` stops every rank together on a non-finite loss or a stop signal, and the sampler's
-    ``set_epoch`` is called every epoch.
+    backward (on accumulation steps inside DDP's ``no_sync``, or FSDP's gradient sync off), then on the last
+    micro-batch unscale, clip (the global norm, also over FSDP's shards), optimizer and scheduler step. Windows
+    restart every epoch; when the epoch length does not divide, the epoch's last window is shorter and its loss is
+    divided by its own length, so its gradient is the mean over its micro-batches. A batch is ``(inputs, targets,
+    *extra)`` or a mapping (targets under "labels" or "targets", the rest passed as the model's keyword arguments);
+    ``loss_fn(predictions, targets)`` gets a tensor output or its ``logits``. With ``loss_fn=None`` the model
+    computes the loss itself: ``model(x, y)``, or ``model(**batch)`` for a mapping, returning the loss, a mapping
+    with "loss" or an object with ``.loss`` (as Hugging Face models do); DataParallel's per-GPU loss vector is
+    reduced exactly. ``engine.state.output`` is the detached loss; a ``TrainingGuard`` stops every rank together on
+    a non-finite loss or a stop signal, and the sampler's ``set_epoch`` is called every epoch.
 
     Args:
         precision: "fp32", "bf16" (autocast on CUDA and CPU) or "fp16" (CUDA only, with a GradScaler).
@@ -112,9 +113,10 @@ def create_trainer(
     stepped = [True]
     if fp16 and lr_scheduler is not None:
         optimizer.register_step_post_hook(lambda *_: stepped.__setitem__(0, True))
-    # DDP all-reduces gradients in every backward; on accumulation steps that traffic is wasted, so skip it.
-    ddp = find_ddp(model)
-    no_sync = ddp.no_sync if ddp is not None else contextlib.nullcontext
+    # DDP all-reduces (FSDP reduce-scatters) gradients in every backward; on accumulation steps that traffic is
+    # wasted, so skip it.
+    ddp, fsdp = find_ddp(model), find_fsdp(model)
+    no_sync = ddp.no_sync if ddp is not None else no_sync_of(fsdp) if fsdp is not None else contextlib.nullcontext
     parameters = [p for p in model.parameters() if p.requires_grad]
     inner = unwrap(model)  # the evaluator switches the unwrapped module to eval mode
 
@@ -200,7 +202,8 @@ def create_evaluator(
     Each batch's output is ``(predictions, targets)`` for the metrics; with ``model_loss=True`` (the model computes
     its own loss, as ``create_trainer(loss_fn=None)``) it is ``(loss, batch size)``, for ``validation_metrics(None)``.
     It runs the unwrapped module: DDP's forward may broadcast buffers, a collective that would hang when ranks
-    hold different numbers of validation batches (the validation sampler does not pad).
+    hold different numbers of validation batches (the validation sampler does not pad). An FSDP model's every
+    forward is a collective: ranks with fewer batches repeat their last one, unscored, until all ran as many.
     """
     device = torch.device(device) if device is not None else idist.device()
     ddp = find_ddp(model)
@@ -222,6 +225,8 @@ def create_evaluator(
     evaluator = Engine(eval_step)
     evaluator.add_event_handler(Events.STARTED, lambda: net.eval())  # once per run: eval() visits every submodule
     evaluator.logger.setLevel("CRITICAL")
+    if find_fsdp(model) is not None:  # its forward is a collective: as many on every rank, before the metrics reduce
+        attach_even_forwards(evaluator, eval_step)
     for name, metric in metrics.items():
         metric.attach(evaluator, name)
     return evaluator

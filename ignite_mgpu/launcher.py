@@ -123,7 +123,9 @@ def make_plan(cfg: DistConfig) -> LaunchPlan:
     if started_externally(environ):
         return _external_plan(cfg, backend, n_cuda, messages, environ)
     selected = len(gpu_plan.physical_ids) if gpu_plan and gpu_plan.physical_ids else n_cuda
-    nproc = cfg.nproc if cfg.nproc is not None else (selected if selected and cfg.strategy == "ddp" else 1)
+    nproc = cfg.nproc if cfg.nproc is not None else (selected if selected and cfg.strategy != "dp" else 1)
+    if cfg.strategy == "fsdp":
+        _check_fsdp_processes(cfg, nproc, gpu_plan.physical_ids if gpu_plan else None, messages)
     if backend == "nccl" and nproc > n_cuda:
         raise ConfigError(
             f"--nproc {nproc} with nccl needs {nproc} GPUs, but {n_cuda} {'is' if n_cuda == 1 else 'are'} visible; "
@@ -169,6 +171,23 @@ def make_plan(cfg: DistConfig) -> LaunchPlan:
     on_gpu = bool(n_cuda) and plan.env.get("CUDA_VISIBLE_DEVICES") != ""
     plan.binding = plan_for_job(cfg.cpu_binding, nproc, plan.gpus, on_gpu, cfg.strategy, environ)
     return plan
+
+
+def _check_fsdp_processes(cfg: DistConfig, nproc: int, chosen: list[int] | None, messages: list[str]) -> None:
+    """FSDP shards over processes, one per GPU: one process driving several chosen GPUs is DataParallel's layout and
+    is refused; a job of one process is allowed (it shards nothing) with a note."""
+    if chosen and nproc < len(chosen):
+        raise ConfigError(
+            f"--strategy fsdp with --nproc {nproc} on the {len(chosen)} GPUs that --gpus {cfg.gpus} selects: FSDP "
+            "shards over processes, one per GPU, and a process never drives several GPUs (that is --strategy dp's "
+            f"layout), so {len(chosen) - nproc} GPU(s) would sit idle. Drop --nproc (a process per selected GPU), "
+            f"or select {nproc} GPU(s) with --gpus."
+        )
+    if nproc * cfg.nnodes == 1:
+        messages.append(
+            "--strategy fsdp with one process: nothing to shard, the model is placed whole as with ddp; start "
+            "several processes (--nproc N) to shard it."
+        )
 
 
 def _external_plan(
@@ -289,8 +308,8 @@ def launch(
     """
     from ignite_mgpu.config import Config, validate
 
-    if backend not in ("auto", "nccl", "gloo") or strategy not in ("ddp", "dp"):
-        raise ConfigError(f"backend={backend!r} / strategy={strategy!r}: use auto|nccl|gloo and ddp|dp.")
+    if backend not in ("auto", "nccl", "gloo") or strategy not in ("ddp", "dp", "fsdp"):
+        raise ConfigError(f"backend={backend!r} / strategy={strategy!r}: use auto|nccl|gloo and ddp|dp|fsdp.")
     if cpu_binding not in ("auto", "none", "cores", "numa"):
         raise ConfigError(f"cpu_binding={cpu_binding!r}: use auto, none, cores or numa.")
     dist_cfg = DistConfig(

@@ -49,8 +49,17 @@ def check_job(cfg: Config) -> None:
 
 
 def check_model_options(cfg: Config, plan: LaunchPlan) -> None:
-    """Model options that need what the plan's device lacks: SyncBatchNorm needs CUDA, and torch.compile on the
-    CPU a C++ compiler (its inductor backend builds C++ kernels)."""
+    """Model options that need what the plan's device lacks: SyncBatchNorm and FSDP's CPU offload need CUDA, and
+    torch.compile on the CPU a C++ compiler (its inductor backend builds C++ kernels); ``model.fsdp_blocks`` must
+    name classes of the model."""
+    if cfg.model.fsdp_cpu_offload and plan.device == "cpu":
+        raise ConfigError(
+            "model.fsdp_cpu_offload=true keeps FSDP's sharded parameters, gradients and optimizer state in CPU memory "
+            "between their uses on a GPU, and this job trains on the CPU, where they are in CPU memory already "
+            "(PyTorch's offload needs CUDA). Set model.fsdp_cpu_offload=false, or train on GPUs."
+        )
+    if cfg.model.fsdp_blocks is not None:
+        check_fsdp_blocks(cfg)
     if cfg.model.sync_batchnorm and plan.device == "cpu" and plan.world_size > 1:
         raise ConfigError(
             "model.sync_batchnorm=true: PyTorch's SyncBatchNorm only works on CUDA GPUs, and this job trains on "
@@ -65,6 +74,22 @@ def check_model_options(cfg: Config, plan: LaunchPlan) -> None:
                 "was found (CXX, g++, clang++ or c++ on PATH). Install one (e.g. apt install g++), point CXX at it, "
                 "or set model.compile=false."
             )
+
+
+def check_fsdp_blocks(cfg: Config) -> None:
+    """``model.fsdp_blocks`` against the model's classes, with the model built on the meta device (no memory, no
+    initialisation). A factory that cannot build there is checked by the workers instead, with the same message."""
+    import torch
+
+    from ignite_mgpu.fsdp import check_blocks
+    from ignite_mgpu.models import create_model
+
+    try:
+        with torch.device("meta"):
+            model = create_model(cfg.model)
+    except Exception:  # e.g. a factory that loads weights or reads a tensor's value: the workers will tell
+        return
+    check_blocks(model, cfg.model.fsdp_blocks or [], cfg.model.name)
 
 
 def check_datasets(cfg: Config, world_size: int) -> None:
@@ -99,8 +124,17 @@ def check_output_dir(cfg: Config) -> None:
     # first start and on every restart by torchrun, SLURM or Kubernetes.
     if cfg.resume not in (None, "auto"):
         path = Path(cfg.resume)
-        if not path.is_file():
-            raise ConfigError(f"--resume {path}: no such file. Pass a checkpoint_<iteration>.pt path, or auto.")
+        if not path.exists():
+            raise ConfigError(
+                f"--resume {path}: no such file. Pass a checkpoint_<iteration>.pt path, a checkpoint_<iteration> "
+                "folder (checkpoint.format=sharded), or auto."
+            )
+        if path.is_dir() and not is_complete(path):
+            raise CorruptCheckpointError(
+                f"--resume {path.resolve()}: the folder is not a complete sharded checkpoint (no .metadata or "
+                "train_state.pt: its writer was stopped, or it is another folder). Use an earlier checkpoint, or "
+                "--resume auto to pick the newest complete one."
+            )
         if not is_complete(path):
             raise CorruptCheckpointError(
                 f"--resume {path.resolve()}: the file is corrupt or truncated (not a complete checkpoint "

@@ -1,9 +1,9 @@
-"""How a model is wrapped for this process (DDP, DataParallel, or placed as it is), how to get the user's module
-back out, and DataParallel's per-GPU loss vector reduced to the batch loss."""
+"""How a model is wrapped for this process (DDP, DataParallel, FSDP, or placed as it is), how to get the user's
+module back out, and DataParallel's per-GPU loss vector reduced to the batch loss."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ignite.distributed as idist
@@ -11,13 +11,21 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-STRATEGIES = ("ddp", "dp")
+STRATEGIES = ("ddp", "dp", "fsdp")
 
 
 def prepare_model(
-    model: nn.Module, strategy: str = "ddp", sync_batchnorm: bool = False, compile: bool = False
+    model: nn.Module,
+    strategy: str = "ddp",
+    sync_batchnorm: bool = False,
+    compile: bool = False,
+    *,
+    fsdp_blocks: Sequence[str] | None = None,
+    precision: str = "fp32",
+    cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Place and wrap a model for this process: DDP through ``idist.auto_model``, or DataParallel.
+    """Place and wrap a model for this process: DDP through ``idist.auto_model``, DataParallel, or FSDP2.
 
     ``strategy="dp"`` gives a ``LossDataParallel``: plain DataParallel, except that a forward returning its own
     loss does not trigger the "all input tensors were scalars" warning, and each replica runs under the caller's
@@ -25,15 +33,28 @@ def prepare_model(
     would silently pick DataParallel when one process sees several GPUs). ``compile`` applies ``torch.compile`` to
     the DDP-wrapped model, as PyTorch recommends (its DDP optimizer keeps communication overlapping compute); under
     DataParallel, which replicates the module every step, the inner module is compiled.
+
+    ``strategy="fsdp"`` shards parameters, gradients and optimizer state over the processes (``fsdp.shard_model``:
+    ``fsdp_blocks`` names the block classes, ``precision`` becomes FSDP's mixed-precision policy, ``cpu_offload``
+    its CPU offload); the model is changed in place. Create the optimizer afterwards. One process has nothing to
+    shard: the model is placed as with "ddp".
     """
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r}: use 'ddp' (a process per GPU) or 'dp' (nn.DataParallel).")
+        raise ValueError(
+            f"strategy={strategy!r}: use 'ddp' (a process per GPU), 'dp' (nn.DataParallel) or 'fsdp' (sharded)."
+        )
     if strategy == "dp":
         if not torch.cuda.is_available():
             raise ValueError("strategy='dp' (nn.DataParallel) needs CUDA GPUs; on the CPU use strategy='ddp'.")
         model = model.to(torch.device("cuda", 0))
         return LossDataParallel(torch.compile(model) if compile else model)
-    if idist.get_world_size() == 1:
+    if strategy == "fsdp" and sync_batchnorm:
+        raise ValueError("strategy='fsdp' with sync_batchnorm=True: not combined here; use strategy='ddp'.")
+    if strategy == "fsdp":
+        from ignite_mgpu.fsdp import shard_model
+
+        model = shard_model(model, fsdp_blocks, precision, cpu_offload, reshard_after_forward)
+    elif idist.get_world_size() == 1:
         model = model.to(idist.device())
     else:
         model = idist.auto_model(model, sync_bn=sync_batchnorm)

@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import sys
+from typing import Any
 
 import ignite.distributed as idist
 import torch
@@ -27,11 +28,12 @@ from ignite_mgpu.engine import (
     use_deterministic_algorithms,
     validation_metrics,
 )
+from ignite_mgpu.fsdp import checkpoint_objects
 from ignite_mgpu.models import create_model
 from ignite_mgpu.optim import create_lr_scheduler, create_optimizer
 from ignite_mgpu.report import EpochReport, attach_tensorboard
 from ignite_mgpu.scheduler import outer_restarts
-from ignite_mgpu.strategy import model_devices, prepare_model, unwrap
+from ignite_mgpu.strategy import model_devices, prepare_model
 
 logger = logging.getLogger("ignite_mgpu")
 
@@ -48,12 +50,28 @@ def setup_logging(rank: int) -> None:
     logging.getLogger("ignite").setLevel(logging.WARNING)
 
 
+def sharding(cfg: Config, world_size: int) -> bool:
+    """Whether FSDP shards the model: ``--strategy fsdp`` with more than one process."""
+    return cfg.dist.strategy == "fsdp" and world_size > 1
+
+
+def fsdp_options(cfg: Config) -> dict[str, Any]:
+    """``prepare_model``'s FSDP arguments from the config (ignored by the other strategies)."""
+    m = cfg.model
+    return {
+        "fsdp_blocks": m.fsdp_blocks,
+        "precision": cfg.train.precision,
+        "cpu_offload": m.fsdp_cpu_offload,
+        "reshard_after_forward": m.fsdp_reshard_after_forward,
+    }
+
+
 def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
     """Train ``cfg`` in this process (one of ``idist.get_world_size()``), then print a summary on rank 0.
     ``restarts``: how often the job was restarted before (None: as torchrun or SLURM say), for metrics.jsonl."""
     rank, world_size = idist.get_rank(), idist.get_world_size()
     setup_logging(rank)
-    setup_cpu_memory(cfg.train.keep_cpu_memory, idist.device().type)
+    setup_cpu_memory(cfg.train.keep_cpu_memory, idist.device().type, sharded=sharding(cfg, world_size))
     manual_seed(cfg.seed)
     if cfg.train.deterministic:
         use_deterministic_algorithms()  # before anything runs on the GPU: cuBLAS reads its setting when it starts
@@ -69,7 +87,7 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
     train_loader, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
     m, o, t = cfg.model, cfg.optim, cfg.train
     model = create_model(m, example_inputs(train_loader.dataset, train_loader.collate_fn))
-    model = prepare_model(model, cfg.dist.strategy, m.sync_batchnorm, m.compile)
+    model = prepare_model(model, cfg.dist.strategy, m.sync_batchnorm, m.compile, **fsdp_options(cfg))
     optimizer = create_optimizer(model, o.name, o.lr, o.momentum, o.weight_decay)
     steps_per_epoch = math.ceil((t.epoch_length or len(train_loader)) / t.grad_accum_steps)  # windows per epoch
     total_steps, warmup_steps = math.ceil(steps_per_epoch * t.epochs), round(steps_per_epoch * o.warmup_epochs)
@@ -92,9 +110,10 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
     evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=t.precision)
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(val_loader))
 
+    model_state, optimizer_state = checkpoint_objects(model, optimizer)  # FSDP: gathered into plain state dicts
     to_save = {
-        "model": unwrap(model),
-        "optimizer": optimizer,
+        "model": model_state,
+        "optimizer": optimizer_state,
         "lr_scheduler": scheduler,
         "trainer": trainer,
         "scaler": trainer.scaler,  # type: ignore[attr-defined]  # create_trainer adds it to the Engine
@@ -131,11 +150,11 @@ def evaluation(local_rank: int, cfg: Config, checkpoint_path: str, as_json: bool
     """Score the weights in ``checkpoint_path`` on the validation split (metrics reduced over all ranks)."""
     rank = idist.get_rank()
     setup_logging(rank)
-    setup_cpu_memory(cfg.train.keep_cpu_memory, idist.device().type)
+    setup_cpu_memory(cfg.train.keep_cpu_memory, idist.device().type, sharded=sharding(cfg, idist.get_world_size()))
     _, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
     model = create_model(cfg.model, example_inputs(val_loader.dataset, val_loader.collate_fn))
     load_checkpoint(checkpoint_path, {"model": model}, map_location="cpu")
-    model = prepare_model(model, cfg.dist.strategy)  # as training places it: never a silent DataParallel
+    model = prepare_model(model, cfg.dist.strategy, **fsdp_options(cfg))  # as training: never a silent DataParallel
     loss_fn = create_loss(cfg.train.loss)
     evaluator = create_evaluator(
         model, validation_metrics(loss_fn, idist.device()), model_loss=loss_fn is None, precision=cfg.train.precision

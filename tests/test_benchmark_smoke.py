@@ -205,3 +205,25 @@ def test_binding_quick_run_prints_every_part(tmp_path):
         assert summary["job"]["auto_vs_none_identical"] == "1/1", stdout
     assert all(summary["overhead"]["identical"].values())
     assert isinstance(summary["jpeg"]["runs"]["auto"][0]["auto_workers"], int)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_fsdp_memory_quick_run_prints_the_table(tmp_path):
+    """bench_fsdp_memory.py --quick: 4 short CLI jobs (DDP and FSDP on 1 and 2 processes) and the table."""
+    script = SCRIPT.parent / "bench_fsdp_memory.py"
+    out = tmp_path / "memory.json"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--json", str(out)], capture_output=True, text=True, timeout=140
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith(("| ddp |", "| fsdp |"))]
+    assert [r.split("|")[1:3] for r in rows] == [
+        [" ddp ", " 1 "],
+        [" fsdp ", " 1 "],
+        [" ddp ", " 2 "],
+        [" fsdp ", " 2 "],
+    ]
+    assert "FSDP / DDP on 2 processes, largest rank:" in proc.stdout
+    assert [len(r["peak_memory_mb"]) for r in json.loads(out.read_text())["rows"]] == [1, 1, 2, 2]

@@ -108,6 +108,19 @@ def test_one_process_runs_in_process_without_group(captured, tmp_path):
         (["train", "--cpu-binding", "numa"], "numa binds each rank to the CPUs of its GPU's NUMA node, but this job"),
         (["train", "--cpu-binding", "cores", "--nproc", "64", "data.batch_size=128"], "need a CPU each"),
         (["train", "--cpu-binding", "socket"], "'socket' is not one of 'auto', 'none', 'cores', 'numa'"),
+        (["train", "--strategy", "fsdp", "model.sync_batchnorm=true"], "cannot be combined with --strategy fsdp"),
+        (["train", "model.fsdp_cpu_offload=true"], "model.fsdp_cpu_offload=True is an option of --strategy fsdp"),
+        (
+            ["train", "--strategy", "fsdp", "--nproc", "2", "model.fsdp_cpu_offload=true"],
+            "model.fsdp_cpu_offload=true keeps FSDP's sharded parameters, gradients and optimizer state in CPU memory "
+            "between their uses on a GPU, and this job trains on the CPU",
+        ),
+        (
+            ["train", "--strategy", "fsdp", "--nproc", "2", "model.name=resnet18", "model.fsdp_blocks=[Blok]"],
+            "model.fsdp_blocks names Blok, but model.name=resnet18 contains no module of that class (its classes with "
+            "parameters: BasicBlock, BatchNorm2d, Conv2d, Linear, ResNet, Sequential)",
+        ),
+        (["train", "--strategy", "dp", "checkpoint.format=sharded"], "checkpoint.format=sharded with --strategy dp"),
     ],
 )
 def test_bad_input_exits_2_before_spawning(captured, tmp_path, args, message):
@@ -117,6 +130,27 @@ def test_bad_input_exits_2_before_spawning(captured, tmp_path, args, message):
     assert "Traceback" not in result.output
     assert not captured  # nothing was launched
     assert not (tmp_path / "out").exists()
+
+
+def test_fsdp_on_one_process_is_allowed_with_a_note(captured, tmp_path):
+    result = invoke(["train", "--strategy", "fsdp", "model.fsdp_blocks=[Conv2d]", "--output-dir", "out"], tmp_path)
+    assert result.exit_code == 0, result.output
+    plan, _, (_, cfg) = captured[0]
+    assert cfg.dist.strategy == "fsdp" and plan.nproc == 1
+    assert any("--strategy fsdp with one process: nothing to shard" in m for m in plan.messages)
+    assert invoke(["train", "--strategy", "fsdp", "--nproc", "2", "--output-dir", "two"], tmp_path).exit_code == 0
+    assert not any("nothing to shard" in m for m in captured[1][0].messages)
+
+
+def test_a_sharded_folder_is_resumed_or_refused_with_the_fix(captured, tmp_path):
+    folder = tmp_path / "out" / "checkpoint_8"
+    folder.mkdir(parents=True)  # no .metadata: its writer was stopped
+    result = invoke(["train", "--output-dir", "out", "--resume", str(folder)], tmp_path)
+    assert result.exit_code == 1 and "the folder is not a complete sharded checkpoint (no .metadata" in result.output
+    weights = invoke(["evaluate", "--checkpoint", str(folder)], tmp_path)
+    assert weights.exit_code == 2 and "is a sharded checkpoint folder (checkpoint.format=sharded" in weights.output
+    assert f"ignite-mgpu checkpoint convert {folder} model.pt" in weights.output.replace("\n", " ")
+    assert not captured
 
 
 def test_click_type_errors_exit_2(tmp_path):

@@ -68,6 +68,38 @@ def test_bad_values_name_the_key(override, match):
         load_config(overrides=[override])
 
 
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (
+            ["dist.strategy=fsdp", "model.sync_batchnorm=true"],
+            r"model.sync_batchnorm=true cannot be combined with --strategy fsdp: ignite-mgpu refuses rather than "
+            r"convert.*Use --strategy ddp for SyncBatchNorm, or set model.sync_batchnorm=false",
+        ),
+        (
+            ["model.fsdp_blocks=[BasicBlock]"],
+            r"model.fsdp_blocks=\['BasicBlock'\] is an option of --strategy fsdp, but the strategy is ddp.*Add "
+            r"--strategy fsdp, or drop the option",
+        ),
+        (["dist.strategy=dp", "model.fsdp_reshard_after_forward=false"], r"the strategy is dp, which would ignore it"),
+        (
+            ["dist.strategy=dp", "checkpoint.format=sharded"],
+            r"checkpoint.format=sharded with --strategy dp: DataParallel is one process.*Use checkpoint.format=full",
+        ),
+        (["checkpoint.format=folder"], r"checkpoint.format.*'folder'.*full"),
+    ],
+)
+def test_strategy_options_that_do_not_belong_together(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(overrides=overrides)
+
+
+def test_fsdp_options_from_the_command_line():
+    cfg = load_config(overrides=["dist.strategy=fsdp", "model.fsdp_blocks=[Block,Layer]", "checkpoint.format=sharded"])
+    assert cfg.model.fsdp_blocks == ["Block", "Layer"] and cfg.checkpoint.format == "sharded"
+    assert load_config(overrides=["checkpoint.format=sharded"]).checkpoint.format == "sharded"  # DDP writes folders too
+
+
 def test_num_workers_takes_a_count_or_auto():
     assert load_config(overrides=["data.num_workers=auto"]).data.num_workers == "auto"
     assert load_config(overrides=["data.num_workers=3"]).data.num_workers == 3

@@ -149,3 +149,17 @@ def test_a_preempted_job_requeues_once_from_global_rank_0(monkeypatch, capsys):
     assert "ignite-mgpu: requeued SLURM job 7" in capsys.readouterr().err
     monkeypatch.setattr(launcher, "_run_here", lambda plan, fn, args: 143)  # SIGTERM: the user stopped it
     assert launcher.run_plan(plan, print) == 143 and calls == [1]
+
+
+def test_fsdp_with_fewer_processes_than_chosen_gpus_is_refused(cuda, monkeypatch):
+    from ignite_mgpu import gpus
+    from tests.distributed.test_gpu_selection import FOUR_A100
+
+    monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    cuda(2)  # what torch reports after CUDA_VISIBLE_DEVICES=2,3
+    with pytest.raises(ConfigError, match=r"--strategy fsdp with --nproc 1 on the 2 GPUs that --gpus 2,3 selects"):
+        make_plan(DistConfig(strategy="fsdp", gpus="2,3", nproc=1))
+    plan = make_plan(DistConfig(strategy="fsdp", gpus="2,3"))
+    assert (plan.nproc, plan.backend, plan.device) == (2, "nccl", "cuda")  # a process per GPU, as ddp

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -22,19 +23,26 @@ from ignite_mgpu.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
-CKPT_NAME = re.compile(r"^checkpoint_(\d+)\.pt$")
+CKPT_NAME = re.compile(r"^checkpoint_(\d+)(\.pt)?$")  # a file (format full) or a folder (format sharded)
 BEST_NAME = re.compile(r"^best_model_(\d+)_val_\w+=(-?[\d.]+)\.pt$")
 TEMP_PREFIX, TEMP_SUFFIX = ".tmp-", ".pt"  # a file being written; renamed into place once complete
+METADATA = ".metadata"  # written by torch.distributed.checkpoint last, once every rank's shards are on disk
+TRAIN_STATE = "train_state.pt"  # in a sharded folder: everything but the model and the optimizer, one plain file
 
 
 def list_checkpoints(dirname: str | Path) -> list[Path]:
-    """``checkpoint_<iteration>.pt`` files, newest (highest iteration) first; by recorded step, never mtime."""
-    found = [(int(m.group(1)), p) for p in Path(dirname).glob("checkpoint_*.pt") if (m := CKPT_NAME.match(p.name))]
+    """``checkpoint_<iteration>.pt`` files and ``checkpoint_<iteration>/`` folders, newest (highest iteration)
+    first; by recorded step, never mtime."""
+    found = [(int(m.group(1)), p) for p in Path(dirname).glob("checkpoint_*") if (m := CKPT_NAME.match(p.name))]
+    found = [(it, p) for it, p in found if p.is_dir() != p.name.endswith(".pt")]
     return [p for _, p in sorted(found, reverse=True)]
 
 
 def is_complete(path: Path) -> bool:
-    """True when ``path`` is a whole torch zip archive whose every record passes its CRC check."""
+    """True when ``path`` is a whole torch zip archive whose every record passes its CRC check, or a sharded folder
+    with its metadata and a complete train state."""
+    if path.is_dir():
+        return (path / METADATA).is_file() and is_complete(path / TRAIN_STATE)
     try:
         with zipfile.ZipFile(path) as zf:
             return zf.testzip() is None
@@ -47,14 +55,22 @@ def find_resumable(dirname: str | Path) -> Path | None:
     for path in list_checkpoints(dirname):
         if is_complete(path):
             return path
-        logger.warning("skipping %s: corrupt or truncated (incomplete zip archive); trying the previous one", path)
+        what = (
+            f"incomplete sharded checkpoint (no {METADATA} or {TRAIN_STATE})"
+            if path.is_dir()
+            else ("corrupt or truncated (incomplete zip archive)")
+        )
+        logger.warning("skipping %s: %s; trying the previous one", path, what)
     return None
 
 
 def clean_stale_temp_files(dirname: str | Path) -> None:
-    """Remove temp files a killed writer left behind (only ours: ``.tmp-*.pt``)."""
+    """Remove temp files and folders a killed writer left behind (only ours: ``.tmp-*.pt``, ``.tmp-checkpoint_*``)."""
     for tmp in Path(dirname).glob(f"{TEMP_PREFIX}*{TEMP_SUFFIX}"):
         tmp.unlink(missing_ok=True)
+    for tmp in Path(dirname).glob(f"{TEMP_PREFIX}checkpoint_*"):
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def fsync_dir(folder: str | Path) -> None:
@@ -117,6 +133,8 @@ def _numpy_rng_globals() -> Iterator[None]:
 def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
     """``torch.load(..., weights_only=True)`` with errors that say what is wrong. Never runs pickled code."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(sharded_folder_message(path))
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist; pass the path of a .pt file.")
     try:
@@ -138,6 +156,16 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     return obj
 
 
+def sharded_folder_message(path: Path) -> str:
+    """Why a sharded checkpoint folder is not a file ``torch.load`` reads, and what to do with it."""
+    return (
+        f"{path} is a sharded checkpoint folder (checkpoint.format=sharded: each rank wrote its shards through "
+        "torch.distributed.checkpoint), not a file that torch.load reads. Resume from it with --resume "
+        f"{path} (or auto), on any number of processes, or turn its model into one plain state_dict file with "
+        f"`ignite-mgpu checkpoint convert {path} model.pt`."
+    )
+
+
 def strip_prefixes(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """Remove wrapper prefixes that every key carries (``module.``, ``_orig_mod.``); returns (clean, found)."""
     clean, found = dict(state_dict), []
@@ -157,7 +185,12 @@ def is_state_dict(obj: Mapping[str, Any]) -> bool:
 
 
 def describe(path: str | Path) -> dict[str, Any]:
-    """What ``checkpoint inspect`` prints: entries, step, parameter count, dtypes, wrapper prefixes."""
+    """What ``checkpoint inspect`` prints: entries, step, parameter count, dtypes, wrapper prefixes (of a file or a
+    sharded folder)."""
+    if Path(path).is_dir():
+        from ignite_mgpu.checkpoint.sharded import describe_sharded
+
+        return describe_sharded(Path(path))
     ckpt = read_checkpoint(path)
     bare = is_state_dict(ckpt)
     model_state = ckpt if bare else ckpt.get("model", {})
@@ -181,7 +214,13 @@ def describe(path: str | Path) -> dict[str, Any]:
 
 
 def convert(src: str | Path, dst: str | Path) -> list[str]:
-    """Write a clean, unwrapped model state_dict from a legacy (``module.``-prefixed) file or a full checkpoint."""
+    """Write a clean, unwrapped model state_dict from a legacy (``module.``-prefixed) file, a full checkpoint, or a
+    sharded checkpoint folder (its shards gathered in this process)."""
+    if Path(src).is_dir():
+        from ignite_mgpu.checkpoint.sharded import convert_sharded
+
+        convert_sharded(Path(src), dst)
+        return []
     ckpt = read_checkpoint(src)
     state = ckpt if is_state_dict(ckpt) else ckpt.get("model")
     if not isinstance(state, Mapping) or not state:

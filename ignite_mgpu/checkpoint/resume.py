@@ -9,8 +9,10 @@ from typing import Any
 
 from ignite_mgpu.checkpoint.files import find_resumable
 from ignite_mgpu.checkpoint.load import load_checkpoint
+from ignite_mgpu.checkpoint.sharded import load_sharded
 from ignite_mgpu.config import Config, run_dir
 from ignite_mgpu.errors import CheckpointError
+from ignite_mgpu.fsdp import FullModelState
 
 logger = logging.getLogger("ignite_mgpu")
 
@@ -26,6 +28,7 @@ RESUMABLE_CHANGES = (
     "data.num_workers",
     "data.download",
     "data.root",
+    "model.fsdp_",  # how the model is sharded, not what it computes
     "dist.",
     "checkpoint.",
 )
@@ -45,8 +48,8 @@ def run_signature(cfg: Config) -> dict[str, str]:
 
 
 def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
-    """Restore every object from ``cfg.resume`` (a path, or "auto": the newest complete checkpoint; when there is
-    none yet, nothing is restored and a new run starts, with a warning).
+    """Restore every object from ``cfg.resume`` (a file or a sharded folder, or "auto": the newest complete one;
+    when there is none yet, nothing is restored and a new run starts, with a warning).
 
     Returns False when the checkpoint already finished ``train.epochs`` (nothing left to train).
     """
@@ -71,7 +74,12 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
                 "or pass checkpoint.allow_config_change=true to resume anyway."
             )
 
-    load_checkpoint(path, to_save, check=same_run)
+    if path.is_dir():  # checkpoint.format=sharded: resharded for this process count as it is read
+        load_sharded(path, to_save, check=same_run)
+    else:
+        # A sharded model's full checkpoint stays in CPU memory: each rank copies only its shards to its GPU.
+        cpu = isinstance(to_save["model"], FullModelState)
+        load_checkpoint(path, to_save, map_location="cpu" if cpu else None, check=same_run)
     saved = to_save["run"].loaded
     logger.info("resumed from %s at iteration %d", path, to_save["trainer"].state.iteration)
     if saved.get("world_size", world_size) != world_size:

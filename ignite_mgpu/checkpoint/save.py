@@ -1,6 +1,6 @@
 """Writing checkpoints: ignite's ``Checkpoint`` handlers over a saver that never deletes the previous file before the
-new one is safely on disk; the full training state on a schedule and on a stop, the best unwrapped model after
-validation."""
+new one is safely on disk; the full training state on a schedule and on a stop (one file, or a sharded folder), the
+best unwrapped model after validation."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from torch import nn
 
 from ignite_mgpu import stop
 from ignite_mgpu.checkpoint.files import BEST_NAME, CKPT_NAME, TEMP_PREFIX, TEMP_SUFFIX, fsync_dir, list_checkpoints
+from ignite_mgpu.checkpoint.sharded import ShardedCheckpoint
 from ignite_mgpu.config import CheckpointConfig
 from ignite_mgpu.errors import CheckpointError
 from ignite_mgpu.guard import GuardEvents
@@ -103,18 +104,22 @@ def attach_checkpoints(
     cfg: CheckpointConfig,
     output_dir: str | Path,
     metric: str,
-) -> tuple[Checkpoint, Checkpoint]:
-    """Full state every N epochs, iterations or minutes and on a stop signal; the best unwrapped model by
-    ``metric`` after validation.
+) -> tuple[Checkpoint | ShardedCheckpoint, Checkpoint]:
+    """Full state every N epochs, iterations or minutes and on a stop signal (``checkpoint_<iteration>.pt``, or a
+    sharded ``checkpoint_<iteration>/`` folder with ``checkpoint.format=sharded``); the best unwrapped model by
+    ``metric`` after validation, always one plain state_dict file.
 
     Periodic saves go through ``GuardEvents.CHECKPOINT``: the guard fires it for every_iters and every_minutes (at
     the same iteration on every rank, at the end of an accumulation window, never after an unchecked NaN, and at
     an epoch's end only after its other handlers), and this module at the end of every ``every``-th epoch, after
     validation and the epoch report: a checkpoint of a finished epoch always has that epoch recorded.
     """
+    full: Checkpoint | ShardedCheckpoint
     full, best = create_checkpointers(
         to_save, to_save["model"], output_dir, cfg.n_saved, metric, global_step_from_engine(trainer)
     )
+    if cfg.format == "sharded":
+        full = ShardedCheckpoint(to_save, output_dir, cfg.n_saved)
     trainer.add_event_handler(GuardEvents.CHECKPOINT, _while_saving(full))
     if cfg.every:
         trainer.add_event_handler(
@@ -126,7 +131,7 @@ def attach_checkpoints(
     return full, best
 
 
-def _while_saving(handler: Checkpoint) -> Callable[[Engine], None]:
+def _while_saving(handler: Checkpoint | ShardedCheckpoint) -> Callable[[Engine], None]:
     """``handler`` marked as saving for the supervisor: after another rank's failure it lets this save land."""
 
     def save(engine: Engine) -> None:
@@ -136,10 +141,13 @@ def _while_saving(handler: Checkpoint) -> Callable[[Engine], None]:
     return save
 
 
-def adopt_existing(full: Checkpoint, best: Checkpoint, dirname: str | Path) -> None:
-    """On resume, let the handlers manage the files the interrupted run left (keep n_saved, one best)."""
-    found = [(int(m.group(1)), p.name) for p in list_checkpoints(dirname) if (m := CKPT_NAME.match(p.name))]
-    full.load_state_dict({"_saved": sorted(found)})
+def adopt_existing(full: Checkpoint | ShardedCheckpoint, best: Checkpoint, dirname: str | Path) -> None:
+    """On resume, let the handlers manage the files the interrupted run left (keep n_saved, one best); sharded
+    folders need nothing: their handler counts the folders on disk."""
+    if isinstance(full, Checkpoint):
+        files = [p for p in list_checkpoints(dirname) if p.is_file()]
+        found = [(int(m.group(1)), p.name) for p in files if (m := CKPT_NAME.match(p.name))]
+        full.load_state_dict({"_saved": sorted(found)})
     bests = [
         (float(m.group(2)), p.name)  # the file name already holds the signed score
         for p in Path(dirname).glob("best_model_*.pt")

@@ -1,0 +1,189 @@
+"""Sharded checkpoints (``checkpoint.format=sharded``): a ``checkpoint_<iteration>/`` folder into which every rank
+writes its shards through ``torch.distributed.checkpoint``, made atomic as our files are; resuming from one on any
+number of processes; what ``checkpoint inspect`` / ``convert`` read from one. ignite is imported only when saving."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ignite_mgpu.checkpoint.files import (
+    METADATA,
+    TEMP_PREFIX,
+    TRAIN_STATE,
+    fsync_dir,
+    list_checkpoints,
+    read_checkpoint,
+)
+from ignite_mgpu.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from ignite.engine import Engine
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+logger = logging.getLogger(__name__)
+SHARDED = ("model", "optimizer")  # written by every rank through torch.distributed.checkpoint; the rest by rank 0
+
+
+class ShardedCheckpoint:
+    """An engine handler that writes ``checkpoint_<iteration>/`` and keeps the newest ``n_saved`` folders.
+
+    ``to_save`` is what ``checkpoint_*.pt`` would hold: ``model`` and ``optimizer`` (plain, or the FSDP adapters of
+    ``fsdp.checkpoint_objects``) are saved sharded, everything else into ``train_state.pt``. Every rank must call it.
+    """
+
+    def __init__(self, to_save: Mapping[str, Any], dirname: str | Path, n_saved: int) -> None:
+        self.to_save, self.dirname, self.n_saved = to_save, Path(dirname), n_saved
+
+    def __call__(self, engine: Engine) -> None:
+        import ignite.distributed as idist
+
+        save_sharded(self.to_save, self.dirname / f"checkpoint_{engine.state.iteration}")
+        if idist.get_rank() == 0:
+            for old in [p for p in list_checkpoints(self.dirname) if p.is_dir()][self.n_saved :]:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def save_sharded(to_save: Mapping[str, Any], folder: Path) -> None:
+    """Write ``folder`` atomically: every rank writes its shards into ``.tmp-<name>/``; torch.distributed.checkpoint
+    writes ``.metadata`` last, once every rank's files are on disk (fsynced); then rank 0 renames the folder.
+    A folder without ``.metadata`` is therefore incomplete, and ``--resume auto`` skips it."""
+    import ignite.distributed as idist
+    import torch.distributed.checkpoint as dcp
+
+    from ignite_mgpu.fsdp import module_and_optimizer, sharded_state
+
+    rank, tmp = idist.get_rank(), folder.with_name(TEMP_PREFIX + folder.name)
+    module, optimizer = module_and_optimizer(to_save["model"], to_save.get("optimizer"))
+    state = sharded_state(module, optimizer)
+    rest = {name: obj.state_dict() for name, obj in to_save.items() if name not in SHARDED}
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed writer's shards must not mix with these
+        tmp.mkdir(parents=True)
+        torch.save(rest, tmp / TRAIN_STATE)
+    idist.barrier()  # the folder exists and is empty of old shards before any rank writes into it
+    try:
+        with _single_process_quietly():
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=_alone())  # returns on every rank after .metadata
+        if rank == 0:
+            fsync_dir(tmp)
+            replaced = folder.with_name(f"{TEMP_PREFIX}{folder.name}.old")  # removed at the next start if left
+            if folder.exists():  # resumed from an earlier checkpoint: this iteration is written again
+                os.replace(folder, replaced)
+            os.replace(tmp, folder)
+            fsync_dir(folder.parent)  # the rename survives a power loss only once its folder is synced
+            shutil.rmtree(replaced, ignore_errors=True)
+    except OSError as err:
+        kept = ", ".join(p.name for p in reversed(list_checkpoints(folder.parent))) or "none"
+        raise CheckpointError(f"saving {folder.name}/ failed ({err}); kept the previous checkpoints: {kept}") from err
+
+
+def _alone() -> bool:
+    """No process group: one process reads or writes every shard itself."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+@contextlib.contextmanager
+def _single_process_quietly() -> Iterator[None]:
+    # torch.distributed.checkpoint warns at every use without a process group, which is intended here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def tensor_metadata(folder: Path) -> dict[str, TensorStorageMetadata]:
+    """The saved tensors of ``folder`` by name ("model.fc.weight", "optimizer.state.fc.weight.exp_avg", ...)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not (folder / METADATA).is_file():
+        raise CheckpointError(
+            f"{folder} is an incomplete sharded checkpoint: it has no {METADATA}, which is written last (a writer "
+            "was stopped, or the folder was copied in part). Use an earlier checkpoint; --resume auto skips it."
+        )
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def model_shapes(folder: Path) -> dict[str, torch.Tensor]:
+    """The model's tensors in ``folder`` as empty tensors on the meta device (names, shapes, dtypes; no data)."""
+    return {
+        name[len("model.") :]: torch.empty(md.size, dtype=md.properties.dtype, device="meta")
+        for name, md in tensor_metadata(folder).items()
+        if name.startswith("model.")
+    }
+
+
+def load_sharded(
+    folder: Path, to_load: Mapping[str, Any], check: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """Restore ``to_load`` from ``folder`` on this process count, whatever the count that wrote it (the shards are
+    read as this rank needs them). Keys and shapes, and ``check`` (given ``train_state.pt``), are checked before
+    anything is loaded. Every rank must call it. Returns ``train_state.pt``'s contents."""
+    import ignite.distributed as idist
+    import torch.distributed.checkpoint as dcp
+
+    from ignite_mgpu.checkpoint.load import check_model_state
+    from ignite_mgpu.fsdp import load_sharded_state, module_and_optimizer, sharded_state
+
+    state = read_checkpoint(folder / TRAIN_STATE, idist.device())
+    absent = [k for k in to_load if k not in SHARDED and k not in state]
+    if absent:
+        raise CheckpointError(f"{folder / TRAIN_STATE} has no {', '.join(absent)} (it holds: {', '.join(state)}).")
+    module, optimizer = module_and_optimizer(to_load["model"], to_load.get("optimizer"))
+    check_model_state(module, model_shapes(folder), str(folder))
+    if check is not None:
+        check(state)
+    live = sharded_state(module, optimizer)
+    with _single_process_quietly():
+        dcp.load(live, checkpoint_id=str(folder), no_dist=_alone())
+    load_sharded_state(module, optimizer, live)
+    for name, obj in to_load.items():
+        if name not in SHARDED:
+            obj.load_state_dict(state[name])
+    return state
+
+
+def describe_sharded(path: Path) -> dict[str, Any]:
+    """What ``checkpoint inspect`` prints for a folder: as for a file, plus the number of shard files."""
+    tensors = model_shapes(path)
+    state = read_checkpoint(path / TRAIN_STATE)
+    info: dict[str, Any] = {
+        "path": str(path),
+        "kind": "sharded checkpoint",
+        "entries": sorted([*SHARDED, *state]),
+        "tensors": len(tensors),
+        "parameters": int(sum(math.prod(t.shape) for t in tensors.values())),
+        "dtypes": sorted({str(t.dtype).replace("torch.", "") for t in tensors.values()}),
+        "prefixes": [],
+        "first_keys": list(tensors)[:5],
+        "shard_files": len(list(path.glob("*.distcp"))),
+    }
+    trainer = state.get("trainer")
+    if isinstance(trainer, Mapping):
+        info.update({k: trainer[k] for k in ("iteration", "epoch", "epoch_length", "max_epochs") if k in trainer})
+    if isinstance(state.get("run"), Mapping):
+        info["run"] = dict(state["run"])
+    return info
+
+
+def convert_sharded(src: Path, dst: str | Path) -> None:
+    """Gather the model of a sharded folder into one plain state_dict file, in this process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    model = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in model_shapes(src).items()}
+    if not model:
+        raise CheckpointError(f"{src} holds no model tensors to convert.")
+    with _single_process_quietly():
+        dcp.load({"model": model}, checkpoint_id=str(src), no_dist=True)
+    torch.save(model, dst)
+    os.chmod(dst, 0o600)
