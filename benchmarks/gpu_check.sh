@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The one-shot GPU check, for the day a GPU machine is lent (about 15 minutes, once): every `gpu`-marked test, then
 # the default job's throughput per precision on one GPU and, with 2+ GPUs, peak memory per GPU for DDP vs DP and
-# DDP vs FSDP vs DP (bench_fsdp_memory.py). It writes one report file and finishes within about 8 minutes on one GPU
-# (tests that need two GPUs skip there); with two GPUs the FSDP tests and the memory table add about 6 minutes.
+# DDP vs FSDP vs DP (bench_fsdp_memory.py), into one report file. Two stages, each bounded to fit one device command
+# (at most 10 minutes): `tests` (pytest -m gpu, cut at 330 s) and `jobs` (the runs; about 2 minutes on one GPU, at
+# most 8 with two). These bounds are estimates: no GPU has run the script yet.
 #
-#   bash benchmarks/gpu_check.sh [REPORT]          # default REPORT: gpu_check_report.txt (in $OUT if set)
+#   bash benchmarks/gpu_check.sh tests [REPORT]    # default REPORT: gpu_check_<stage>.txt (in $OUT if set)
+#   bash benchmarks/gpu_check.sh jobs [REPORT]
+#   bash benchmarks/gpu_check.sh all [REPORT]      # both, one after the other
 set -u
 cd "$(dirname "$0")/.."
-report=${1:-${OUT:-.}/gpu_check_report.txt}
+stage=${1:-all}
+case "$stage" in tests|jobs|all) ;; *) echo "usage: $0 tests|jobs|all [REPORT]" >&2; exit 2 ;; esac
+report=${2:-${OUT:-.}/gpu_check_$stage.txt}
 work=$(mktemp -d)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$(date +%s)
@@ -31,14 +36,19 @@ EOF
 torch.cuda.device_count(), 'ignite', ignite.__version__)"
   ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
 
-  section "pytest -m gpu"
-  timeout 720 python -m pytest -m gpu -v -rs -p no:cacheprovider tests 2>&1 | tail -40
+  if [ "$stage" != jobs ]; then
+    section "pytest -m gpu"
+    timeout 330 python -m pytest -m gpu -v -rs -p no:cacheprovider tests 2>&1 | tail -60
+  fi
+  if [ "$stage" = tests ]; then
+    section "done"
+  else
 
   section "default job on one GPU (2 epochs, 4096 + 1000 synthetic images, global batch 128)"
   echo "| run | samples/s | ms/iter | peak MB per GPU | max/min | val acc |"
   echo "|---|---|---|---|---|---|"
   for precision in fp32 bf16 fp16; do
-    if timeout 120 python -m ignite_mgpu train --gpus 0 "train.precision=$precision" train.progress_bar=false \
+    if timeout 90 python -m ignite_mgpu train --gpus 0 "train.precision=$precision" train.progress_bar=false \
         --output-dir "$work/1gpu-$precision" > "$work/1gpu-$precision.log" 2>&1; then
       row "1 GPU $precision" "$work/1gpu-$precision"
     else
@@ -51,7 +61,7 @@ torch.cuda.device_count(), 'ignite', ignite.__version__)"
     echo "| run | samples/s | ms/iter | peak MB per GPU | max/min | val acc |"
     echo "|---|---|---|---|---|---|"
     for strategy in ddp dp; do
-      if timeout 120 python -m ignite_mgpu train --gpus 0,1 --strategy "$strategy" model.name=resnet18 \
+      if timeout 90 python -m ignite_mgpu train --gpus 0,1 --strategy "$strategy" model.name=resnet18 \
           data.image_size=64 train.epochs=1 train.progress_bar=false --output-dir "$work/2gpu-$strategy" \
           > "$work/2gpu-$strategy.log" 2>&1; then
         row "2 GPUs $strategy resnet18 64px" "$work/2gpu-$strategy"
@@ -60,11 +70,12 @@ torch.cuda.device_count(), 'ignite', ignite.__version__)"
       fi
     done
     section "peak memory per GPU on 2 GPUs: DDP vs FSDP vs DP, a 169M-parameter MLP with AdamW (target: FSDP <= 0.7 DDP)"
-    timeout 420 python benchmarks/bench_fsdp_memory.py --gpus 0,1 2>&1 | tail -15
+    timeout 240 python benchmarks/bench_fsdp_memory.py --gpus 0,1 2>&1 | tail -15
   else
     section "DDP vs DP and DDP vs FSDP memory: skipped (needs 2 GPUs, $ngpu here)"
   fi
   section "done"
+  fi  # jobs
 } > "$report" 2>&1
 rm -rf "$work"
 echo "wrote $report"

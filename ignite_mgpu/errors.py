@@ -8,7 +8,7 @@ import signal
 # The job's exit codes; the CLI's --help, the README and the supervisor quote this table.
 EXIT_CODES = {
     0: "success",
-    1: "a rank failed",
+    1: "a rank failed (or the checkpoint named by --resume is corrupt)",
     2: "usage or config error, found before anything started",
     3: "training diverged (non-finite loss)",
     130: "SIGINT (Ctrl-C)",

@@ -1,5 +1,5 @@
-"""Models by name: the built-in small CNN, any torchvision.models name, or a "package.module:factory" of the user's,
-called with ``model.args``."""
+"""Models by name: the built-in small CNN and MLP, any torchvision.models name, or a "package.module:factory" of
+the user's, called with ``model.args``."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ PACKAGE = Path(errors.__file__).parent
 
 
 def test_exit_codes():
-    assert exit_codes_text().startswith("0 success, 1 a rank failed, 2 usage or config error")
+    assert exit_codes_text().startswith("0 success, 1 a rank failed (or the checkpoint named by --resume is corrupt)")
     assert set(EXIT_CODES) == {0, 1, 2, 3, 130, 138, 143}
     assert TrainingInterrupted(signal.SIGINT, 7).exit_code == 130
     stopped = TrainingInterrupted(signal.SIGTERM, 7)

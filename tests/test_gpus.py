@@ -391,16 +391,16 @@ def fake_torch(initialized, count):
 
 def test_check_cuda_without_torch_or_before_init(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch", raising=False)
-    check_cuda_not_initialized([2, 3], {})
+    assert check_cuda_not_initialized([2, 3], {}) is None  # no torch yet: nothing can have seen other GPUs
     monkeypatch.setitem(sys.modules, "torch", fake_torch(False, 4))
-    check_cuda_not_initialized([2, 3], {})
+    assert check_cuda_not_initialized([2, 3], {}) is None  # CUDA not initialised: --gpus still takes effect
 
 
 def test_check_cuda_initialized_with_the_same_gpus(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", fake_torch(True, 2))
-    check_cuda_not_initialized([2, 3], {"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert check_cuda_not_initialized([2, 3], {"CUDA_VISIBLE_DEVICES": "2,3"}) is None  # already what it wants
     monkeypatch.setitem(sys.modules, "torch", fake_torch(True, 4))
-    check_cuda_not_initialized([0, 1, 2, 3], {})
+    assert check_cuda_not_initialized([0, 1, 2, 3], {}) is None
 
 
 @pytest.mark.parametrize(

@@ -74,7 +74,9 @@ def test_best_model_loads_into_torchvision_resnet(tmp_path):
     )
     best(evaluator)
     (path,) = tmp_path.glob("best_model_3_val_accuracy=0.5000.pt")
-    torchvision.models.resnet18(num_classes=10).load_state_dict(torch.load(path, weights_only=True))
+    plain = torchvision.models.resnet18(num_classes=10)
+    assert not plain.load_state_dict(torch.load(path, weights_only=True)).missing_keys  # no module. prefix
+    assert torch.equal(plain.fc.weight, model.fc.weight)
 
 
 @pytest.mark.parametrize(
