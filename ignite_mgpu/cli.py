@@ -163,8 +163,9 @@ def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | Non
 def devices(as_json: bool) -> None:
     """List every GPU: physical id, PCI bus, memory, utilisation, processes, and its CUDA index here."""
     from ignite_mgpu import gpus
+    from ignite_mgpu.devices import format_devices
 
-    click.echo(gpus.format_devices(gpus.query_gpus(), os.environ, as_json=as_json))
+    click.echo(format_devices(gpus.query_gpus(), os.environ, as_json=as_json))
 
 
 @main.command()

@@ -10,13 +10,12 @@ Without ``--gpus`` the exported value is kept as it is.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from ignite_mgpu.errors import ConfigError
 
@@ -27,10 +26,6 @@ _APPS_ARGV = ["nvidia-smi", "--query-compute-apps=gpu_bus_id,pid", "--format=csv
 _GRAMMAR = "all, none, auto (1 GPU), auto:N (N >= 1), or comma-separated physical GPU ids as nvidia-smi shows them"
 # GeForce RTX 40xx cards advertise PCIe peer-to-peer that hangs or corrupts NCCL collectives.
 _P2P_BROKEN = re.compile(r"RTX\s*40\d\d")
-_NO_GPU_TEXT = (
-    "No NVIDIA GPU found (nvidia-smi not available or shows none). "
-    "Training would use the CPU: backend gloo, 1 process by default (--nproc N to change)."
-)
 
 
 @dataclass(frozen=True)
@@ -174,7 +169,7 @@ def parse_gpus(spec: str) -> tuple[str, int | list[int] | None]:
     )
 
 
-def _ids(ids: list[int]) -> str:
+def format_ids(ids: list[int]) -> str:
     """Format ids compactly: [0, 1, 2, 3] -> "0-3", [2, 3] -> "2,3"."""
     if len(ids) > 2 and ids == list(range(ids[0], ids[0] + len(ids))):
         return f"{ids[0]}-{ids[-1]}"
@@ -194,7 +189,7 @@ def _rank(g: GpuInfo) -> tuple[int, int, int, int]:
     return (busy, g.memory_used_mb - g.memory_total_mb, g.utilization if g.utilization >= 0 else 101, g.index)
 
 
-def _visible(gpus: list[GpuInfo], environ: Mapping[str, str]) -> list[int] | None:
+def visible_ids(gpus: list[GpuInfo], environ: Mapping[str, str]) -> list[int] | None:
     """Physical ids CUDA sees under environ, in CUDA order; None when CUDA_VISIBLE_DEVICES holds UUIDs/MIG names."""
     value = environ.get("CUDA_VISIBLE_DEVICES")
     known = sorted(g.index for g in gpus)
@@ -229,7 +224,7 @@ def plan_gpus(spec: str | None, gpus: list[GpuInfo], environ: Mapping[str, str],
     messages: list[str] = []
     exported = environ.get("CUDA_VISIBLE_DEVICES")
     if spec is None:
-        visible = _visible(gpus, environ)
+        visible = visible_ids(gpus, environ)
         if not gpus or visible == []:
             return GpuPlan(None, {}, [])
         if visible is None:
@@ -251,7 +246,7 @@ def plan_gpus(spec: str | None, gpus: list[GpuInfo], environ: Mapping[str, str],
         if missing := [i for i in arg if i not in known]:
             which = "GPU" if len(known) == 1 else "GPUs"
             raise ConfigError(
-                f"--gpus {spec}: GPU {_ids(missing)} requested; this machine has {which} {_ids(known)} "
+                f"--gpus {spec}: GPU {format_ids(missing)} requested; this machine has {which} {format_ids(known)} "
                 "(physical ids as nvidia-smi shows them). Pick ids from `ignite-mgpu devices`."
             )
         selected = arg
@@ -264,10 +259,10 @@ def plan_gpus(spec: str | None, gpus: list[GpuInfo], environ: Mapping[str, str],
         count = arg if isinstance(arg, int) else min(nproc or 1, len(whole))
         if count > len(whole):
             mig = [g.index for g in gpus if g.mig]
-            has = f"{len(whole)} it can choose from ({_ids(mig)} in MIG mode)" if mig else str(len(whole))
+            has = f"{len(whole)} it can choose from ({format_ids(mig)} in MIG mode)" if mig else str(len(whole))
             raise ConfigError(
                 f"--gpus {spec} asks for {count} GPUs but this machine has {has} "
-                f"(GPUs {_ids([g.index for g in gpus])}); ask for at most {len(whole)} or "
+                f"(GPUs {format_ids([g.index for g in gpus])}); ask for at most {len(whole)} or "
                 f"{'name the ids of cards not in MIG mode' if mig else 'use --gpus all'}."
             )
         ranked = sorted(whole, key=_rank)
@@ -276,7 +271,7 @@ def plan_gpus(spec: str | None, gpus: list[GpuInfo], environ: Mapping[str, str],
         line = f"--gpus {spec} chose {', '.join(_describe(g) for g in chosen)}"
         messages.append(line + (f"; skipped {', '.join(_describe(g) for g in skipped)}." if skipped else "."))
         if busy := [g for g in chosen if g.n_processes > 0]:
-            messages.append(f"Not enough idle GPUs: GPU {_ids([g.index for g in busy])} already runs other work.")
+            messages.append(f"Not enough idle GPUs: GPU {format_ids([g.index for g in busy])} already runs other work.")
 
     wanted = "" if selected is None else ",".join(map(str, selected))
     if exported is not None and [p.strip() for p in exported.split(",")] != wanted.split(","):
@@ -308,8 +303,8 @@ def _refuse_mig(spec: str, selected: list[GpuInfo]) -> None:
     CUDA_VISIBLE_DEVICES does not select them."""
     if mig := [g.index for g in selected if g.mig]:
         raise ConfigError(
-            f"--gpus {spec}: GPU {_ids(mig)} is in MIG mode, so CUDA sees its MIG instances rather than the card, "
-            "and a physical id cannot select them. List the instances with `nvidia-smi -L` and export "
+            f"--gpus {spec}: GPU {format_ids(mig)} is in MIG mode, so CUDA sees its MIG instances rather than the "
+            "card, and a physical id cannot select them. List the instances with `nvidia-smi -L` and export "
             "CUDA_VISIBLE_DEVICES=MIG-<uuid>[,...] without --gpus (one process per instance), or disable MIG "
             "(nvidia-smi -i N -mig 0)."
         )
@@ -326,54 +321,6 @@ def _nccl_env(selected: list[GpuInfo], environ: Mapping[str, str], messages: lis
             f"{' '.join(f'{k}=1' for k in env)} (export a value yourself to override)."
         )
     return env
-
-
-def cuda_index_map(gpus: list[GpuInfo], environ: Mapping[str, str]) -> dict[int, int | None]:
-    """Map each physical id to its CUDA index under environ's CUDA_VISIBLE_DEVICES (None = hidden or unknown).
-
-    The mapping assumes CUDA_DEVICE_ORDER=PCI_BUS_ID, which the launcher sets whenever ``--gpus`` is given.
-    Without it CUDA numbers devices fastest-first, which agrees with nvidia-smi only when all GPUs are the
-    same model. When CUDA_VISIBLE_DEVICES holds UUIDs or MIG names every value is None (cannot tell).
-    """
-    visible = _visible(gpus, environ) or []
-    return {g.index: visible.index(g.index) if g.index in visible else None for g in gpus}
-
-
-def format_devices(gpus: list[GpuInfo], environ: Mapping[str, str], as_json: bool = False) -> str:
-    """Render the ``ignite-mgpu devices`` report: a table, or JSON with ``as_json``."""
-    cuda = cuda_index_map(gpus, environ)
-    cpu_only = all(v is None for v in cuda.values()) and _visible(gpus, environ) is not None
-    fallback = {"backend": "gloo", "nproc": 1} if cpu_only else None
-    if as_json:
-        rows = [{**asdict(g), "cuda_index": cuda[g.index]} for g in gpus]
-        return json.dumps({"gpus": rows, "cpu_fallback": fallback}, indent=2)
-    if not gpus:
-        return _NO_GPU_TEXT
-    unknown = _visible(gpus, environ) is None
-    unordered = len(gpus) > 1 and environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID"
-    table = [["GPU", "PCI bus id", "Name", "Memory used/total MiB", "Util", "Procs", "CUDA index"]]
-    for g in gpus:
-        idx = "?" if unknown else "-" if cuda[g.index] is None else f"{cuda[g.index]}{'*' if unordered else ''}"
-        procs = "?" if g.n_processes < 0 else str(g.n_processes)
-        util = "n/a" if g.utilization < 0 else f"{g.utilization}%"
-        memory = f"{g.memory_used_mb} / {g.memory_total_mb}"
-        table.append([str(g.index), g.pci_bus_id, g.name, memory, util, procs, idx])
-    widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in table]
-    exported = environ.get("CUDA_VISIBLE_DEVICES")
-    shown = "unset" if exported is None else repr(exported)
-    lines.append(f"CUDA index: device number under CUDA_VISIBLE_DEVICES={shown} ('-' = hidden).")
-    if unknown:
-        lines.append("'?': CUDA_VISIBLE_DEVICES names GPUs by UUID/MIG id, which this report does not map.")
-    if unordered:
-        lines.append("*: assumes CUDA_DEVICE_ORDER=PCI_BUS_ID (unset here; CUDA then orders fastest-first).")
-    if mig := [g.index for g in gpus if g.mig]:
-        lines.append(
-            f"GPU {_ids(mig)}: MIG mode; CUDA sees its MIG instances (nvidia-smi -L), which --gpus cannot select."
-        )
-    if cpu_only:
-        lines.append("Every GPU is hidden, so training would use the CPU (backend gloo, 1 process by default).")
-    return "\n".join(lines)
 
 
 def check_cuda_not_initialized(physical_ids: list[int] | None, environ: Mapping[str, str]) -> None:

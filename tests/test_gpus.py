@@ -13,12 +13,11 @@ from pathlib import Path
 import pytest
 
 from ignite_mgpu.config import ConfigError
+from ignite_mgpu.devices import cuda_index_map, format_devices
 from ignite_mgpu.gpus import (
     GpuInfo,
     GpuPlan,
     check_cuda_not_initialized,
-    cuda_index_map,
-    format_devices,
     parse_gpus,
     plan_gpus,
     query_gpus,
