@@ -144,19 +144,6 @@ def outcome(
     return Outcome(FAILED, f"a rank exited with codes {exit_codes}.")
 
 
-def summarize(
-    reports: list[dict[str, Any]],
-    exit_codes: list[int | None],
-    first_failure: tuple[int, int] | None = None,
-    signal_received: int = 0,
-    rank_offset: int = 0,
-    timeout: float = 300.0,
-) -> tuple[int, str]:
-    """``outcome`` as (exit code, message)."""
-    result = outcome(reports, exit_codes, first_failure, signal_received, rank_offset, timeout)
-    return result.code, result.message()
-
-
 def no_restart_reason(
     reports: list[dict[str, Any]],
     exit_codes: list[int | None],

@@ -8,8 +8,14 @@ import pytest
 
 from ignite_mgpu import supervisor
 from ignite_mgpu.launcher import LaunchPlan
-from ignite_mgpu.supervisor import Outcome, Restart, Supervisor, no_restart_reason, outcome, summarize
+from ignite_mgpu.supervisor import Outcome, Restart, Supervisor, no_restart_reason, outcome
 from ignite_mgpu.worker import error_report
+
+
+def summarize(*args, **kwargs):
+    """The job's exit code and the message printed for it."""
+    result = outcome(*args, **kwargs)
+    return result.code, result.message()
 
 
 def report(rank, code, message="", type_="RuntimeError", time=0.0, traceback="", user_error=False):
