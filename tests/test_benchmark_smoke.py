@@ -189,8 +189,9 @@ def test_binding_quick_run_prints_every_part(tmp_path):
         row[:3] for row in cells if len(row) == 5 and row[2] in ("hand-written", "ignite Engine", "ignite-mgpu")
     ]
     assert len(per_loop) == 12, stdout  # 2 workloads x 3 loops x (unpinned, cores)
-    over_engine = [row for row in cells if len(row) == 5 and row[3] == "≤ 1.01"]
+    over_engine = [row for row in cells if len(row) == 6 and row[3] == "≤ 1.01"]
     assert [row[:2] for row in over_engine] == [[w, b] for w in ("tiny MLP", "small CNN") for b in ("none", "cores")]
+    assert all(len(row[5].split()) == 2 for row in over_engine), stdout  # extra CPU µs and its interval
     assert (
         "Final weights bit-identical over every loop and binding (1 thread each): tiny MLP: yes, small CNN: yes."
         in (stdout)

@@ -143,8 +143,8 @@ def test_s25_output_dir_with_checkpoints_needs_resume(h: Harness, clean_run: tup
     shutil.copytree(clean_run[0], out)
     before = snapshot(out)
     r = h.run([*BASE, "--output-dir", str(out)], timeout=30)
-    assert r.rc == 2, r
-    assert "already holds checkpoints" in r.stderr, r
+    assert r.rc == 2, str(r)
+    assert "already holds checkpoints" in r.stderr, str(r)
     assert "--resume" in r.stderr
     assert snapshot(out) == before, "files of the earlier run were changed or deleted"
     assert not h.jobs[0].recorded_pids(), "a rank was spawned"
@@ -157,9 +157,9 @@ def test_s14_resume_auto_skips_a_truncated_newest_checkpoint(h: Harness, clean_r
     newest = out / "checkpoint_10.pt"
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
     r = h.run([*BASE, "--output-dir", str(out), "--resume", "auto", "train.epochs=2"], timeout=90)
-    assert r.rc == 0, r
-    assert re.search(r"checkpoint_10\.pt.*corrupt or truncated", r.stderr), r
-    assert re.search(r"resumed from \S*checkpoint_9\.pt at iteration 9", r.stderr), r
+    assert r.rc == 0, str(r)
+    assert re.search(r"checkpoint_10\.pt.*corrupt or truncated", r.stderr), str(r)
+    assert re.search(r"resumed from \S*checkpoint_9\.pt at iteration 9", r.stderr), str(r)
     assert "finished" in r.stderr
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert (last["epoch"], last["iteration"]) == (2, 20), last
@@ -186,9 +186,9 @@ def test_s14_resume_from_a_corrupt_path_exits_1(h: Harness, clean_run: tuple[Pat
     bad = out / "checkpoint_10.pt"
     bad.write_bytes(damage(bad.read_bytes()))
     r = h.run([*BASE, "--output-dir", str(out), "--resume", str(bad), "train.epochs=2"], timeout=30)
-    assert r.rc == 1, r
-    assert "corrupt or truncated" in r.stderr and "checkpoint_10.pt" in r.stderr, r
-    assert "Traceback" not in r.stderr, r
+    assert r.rc == 1, str(r)
+    assert "corrupt or truncated" in r.stderr and "checkpoint_10.pt" in r.stderr, str(r)
+    assert "Traceback" not in r.stderr, str(r)
     assert not h.jobs[0].recorded_pids(), "ranks were spawned for an unusable checkpoint"
 
 
@@ -198,7 +198,7 @@ def test_final_checkpoint_survives_the_epoch_end_save(h: Harness) -> None:
     out = h.root / "out"
     args = [*BASE, "--nproc", "1", "data.train_size=256", "--output-dir", str(out)]  # 4 iterations
     r = h.run(args, timeout=60)
-    assert r.rc == 0, r
+    assert r.rc == 0, str(r)
     assert sorted(checkpoints(out)) == [2, 4], sorted(p.name for p in out.iterdir())
     assert_last_good(out, 4)
 
@@ -210,11 +210,11 @@ def test_final_checkpoint_survives_the_epoch_end_save(h: Harness) -> None:
 def test_s1_rank_raises_reported_once_last_checkpoint_intact(h: Harness) -> None:
     out = h.root / "out"
     r = h.run([*BASE, "--output-dir", str(out)], fault="raise:1:5", timeout=45)
-    assert r.rc == 1, r
-    assert "rank 1 failed with RuntimeError: boom" in r.stderr, r
-    assert r.stderr.count("Traceback (most recent call last)") == 1, r
-    assert r.stderr.count('raise RuntimeError("boom")') == 1, r
-    assert "rank 0 failed" not in r.stderr, r
+    assert r.rc == 1, str(r)
+    assert "rank 1 failed with RuntimeError: boom" in r.stderr, str(r)
+    assert r.stderr.count("Traceback (most recent call last)") == 1, str(r)
+    assert r.stderr.count('raise RuntimeError("boom")') == 1, str(r)
+    assert "rank 0 failed" not in r.stderr, str(r)
     h.assert_no_leftovers()
     assert_last_good(out, 4)
 
@@ -226,8 +226,8 @@ def test_s1_checkpoint_in_progress_survives_another_ranks_failure(h: Harness) ->
     mid-save (the survivors stop by themselves at their next collective, or after a grace)."""
     out = h.root / "out"
     r = h.run([*BASE, "--output-dir", str(out)], fault="slowsave:0:4:3,raise:1:5", timeout=45)
-    assert r.rc == 1, r
-    assert "rank 1 failed with RuntimeError: boom" in r.stderr, r
+    assert r.rc == 1, str(r)
+    assert "rank 1 failed with RuntimeError: boom" in r.stderr, str(r)
     h.assert_no_leftovers()
     assert_last_good(out, 4)
 
@@ -236,14 +236,14 @@ def test_s1_checkpoint_in_progress_survives_another_ranks_failure(h: Harness) ->
 def test_s3_sigkilled_rank_then_resume_auto(h: Harness) -> None:
     out = h.root / "out"
     r = h.run([*BASE, "--output-dir", str(out)], fault="kill:1:5", timeout=45)
-    assert r.rc == 1, r
-    assert "rank 1 terminated with signal SIGKILL" in r.stderr, r
+    assert r.rc == 1, str(r)
+    assert "rank 1 terminated with signal SIGKILL" in r.stderr, str(r)
     h.assert_no_leftovers()
     assert_last_good(out, 4)
 
     r = h.run([*BASE, "--output-dir", str(out), "--resume", "auto", "train.epochs=2"], timeout=90, tag="b")
-    assert r.rc == 0, r
-    assert re.search(r"resumed from \S*checkpoint_4\.pt at iteration 4", r.stderr), r
+    assert r.rc == 0, str(r)
+    assert re.search(r"resumed from \S*checkpoint_4\.pt at iteration 4", r.stderr), str(r)
     assert "finished" in r.stderr
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert (last["epoch"], last["iteration"]) == (2, 20), last
@@ -254,8 +254,8 @@ def test_s3_sigkilled_rank_then_resume_auto(h: Harness) -> None:
 def test_s4_rank0_sigkilled_job_ends_promptly(h: Harness) -> None:
     out = h.root / "out"
     r = h.run([*BASE, "--output-dir", str(out)], fault="kill:0:5", timeout=45)
-    assert r.rc == 1, r
-    assert "rank 0 terminated with signal SIGKILL" in r.stderr, r
+    assert r.rc == 1, str(r)
+    assert "rank 0 terminated with signal SIGKILL" in r.stderr, str(r)
     h.assert_no_leftovers()
     assert_last_good(out, 4)
 
@@ -264,9 +264,9 @@ def test_s4_rank0_sigkilled_job_ends_promptly(h: Harness) -> None:
 def test_s20_nan_on_one_rank_stops_all_with_exit_3(h: Harness) -> None:
     out = h.root / "out"
     r = h.run([*BASE, "--output-dir", str(out)], fault="nan:1:7", timeout=30)
-    assert r.rc == 3, r
-    assert re.search(r"non-finite loss.* at iteration 7 on rank 1", r.stderr), r
-    assert "Traceback" not in r.stderr, r
+    assert r.rc == 3, str(r)
+    assert re.search(r"non-finite loss.* at iteration 7 on rank 1", r.stderr), str(r)
+    assert "Traceback" not in r.stderr, str(r)
     h.assert_no_leftovers()
     assert_last_good(out, 6)
 
@@ -275,9 +275,9 @@ def test_s20_nan_on_one_rank_stops_all_with_exit_3(h: Harness) -> None:
 def test_s27_hung_rank_hits_the_collective_timeout(h: Harness) -> None:
     out = h.root / "out"
     r = h.run([*BASE, "--output-dir", str(out), "--timeout", "10"], fault="sleep:1:3", timeout=60)
-    assert r.rc == 1, r
-    assert re.search(r"timed out after 10 s", r.stderr), r
-    assert "rank(s) 1 stopped answering" in r.stderr, r
+    assert r.rc == 1, str(r)
+    assert re.search(r"timed out after 10 s", r.stderr), str(r)
+    assert "rank(s) 1 stopped answering" in r.stderr, str(r)
     h.assert_no_leftovers()
     assert_last_good(out, 2)
 
@@ -286,9 +286,9 @@ def test_s27_hung_rank_hits_the_collective_timeout(h: Harness) -> None:
 def test_s28_model_constructor_raises_on_rank1(h: Harness) -> None:
     out = h.root / "out"
     r = h.run([*BASE, "--output-dir", str(out)], fault="init:1:0", timeout=30)
-    assert r.rc == 1, r
-    assert "rank 1 failed with RuntimeError: init boom" in r.stderr, r
-    assert r.stderr.count("Traceback (most recent call last)") == 1, r
+    assert r.rc == 1, str(r)
+    assert "rank 1 failed with RuntimeError: init boom" in r.stderr, str(r)
+    assert r.stderr.count("Traceback (most recent call last)") == 1, str(r)
     h.assert_no_leftovers()
 
 
@@ -296,8 +296,8 @@ def test_s28_model_constructor_raises_on_rank1(h: Harness) -> None:
 def test_dataloader_workers_do_not_outlive_a_failed_job(h: Harness) -> None:
     out = h.root / "out"
     r = h.run([*BASE, "--output-dir", str(out), "data.num_workers=2"], fault="raise:1:5", timeout=60)
-    assert r.rc == 1, r
-    assert "rank 1 failed with RuntimeError: boom" in r.stderr, r
+    assert r.rc == 1, str(r)
+    assert "rank 1 failed with RuntimeError: boom" in r.stderr, str(r)
     pids_dir = h.jobs[0].pids_dir
     # idist.auto_dataloader splits num_workers over the ranks: one worker process per rank here.
     workers = {rank: (pids_dir / f"children{rank}").read_text().split() for rank in (0, 1)}
@@ -315,9 +315,9 @@ def test_s2_data_loader_error_on_one_rank_unblocks_the_other(h: Harness) -> None
     data = ["data.name=imagefolder", f"data.root={root}", "data.image_size=8", "data.batch_size=8"]
     args = [*BASE, *data, "model.name=faultmod:make8", "model.num_classes=2", "data.num_workers=2"]
     r = h.run([*args, "--output-dir", str(h.root / "out")], timeout=45)  # fails the test beyond 45 s
-    assert r.rc == 1, r
+    assert r.rc == 1, str(r)
     assert len(re.findall(r"rank \d failed with", r.stderr)) == 1, r  # the rank that read the file, not its peer
-    assert "cannot read image" in r.stderr and "broken.png" in r.stderr, r
+    assert "cannot read image" in r.stderr and "broken.png" in r.stderr, str(r)
     assert "timed out" not in r.stderr, r  # the waiting rank was released, not timed out
     h.assert_no_leftovers(grace=2.0)
 
@@ -333,16 +333,16 @@ def test_s19_writer_killed_mid_save_keeps_the_previous_checkpoint(h: Harness) ->
     assert list(out.glob(".tmp-*.pt")), sorted(p.name for p in out.iterdir())  # the writer's private temp file
     os.kill(int((job.pids_dir / "rank0").read_text()), signal.SIGKILL)
     r = job.wait(timeout=45)
-    assert r.rc == 1, r
-    assert "rank 0 terminated with signal SIGKILL" in r.stderr, r
+    assert r.rc == 1, str(r)
+    assert "rank 0 terminated with signal SIGKILL" in r.stderr, str(r)
     h.assert_no_leftovers()
     assert sorted(checkpoints(out)) == [2], sorted(p.name for p in out.iterdir())
     assert_loads(out / "checkpoint_2.pt", 2)
     assert list(out.glob(".tmp-*.pt")), "the killed writer's temp file should still be there"
 
     r = h.run([*BASE, "--output-dir", str(out), "--resume", "auto"], timeout=90, tag="b")
-    assert r.rc == 0, r
-    assert re.search(r"resumed from \S*checkpoint_2\.pt at iteration 2", r.stderr), r
+    assert r.rc == 0, str(r)
+    assert re.search(r"resumed from \S*checkpoint_2\.pt at iteration 2", r.stderr), str(r)
     assert_last_good(out, 10)  # also: the stale temp file is gone
     h.assert_no_leftovers()
 
@@ -362,17 +362,17 @@ def test_s5_sigterm_checkpoints_at_a_common_iteration_then_resume(h: Harness) ->
     signalled = time.monotonic()
     os.kill(job.pid, signal.SIGTERM)
     r = job.wait(timeout=signalled - job.start + 15 + 30)
-    assert r.rc == 143, r
+    assert r.rc == 143, str(r)
     m = re.search(r"stopped by SIGTERM at iteration (\d+)", r.stderr)
-    assert m, r
+    assert m, str(r)
     stopped_at = int(m.group(1))
-    assert 2 <= stopped_at < 20, r
+    assert 2 <= stopped_at < 20, str(r)
     h.assert_no_leftovers()
     assert_last_good(out, stopped_at)  # one checkpoint written at the stop, complete
 
     r = h.run([*BASE, "--output-dir", str(out), "--resume", "auto", "train.epochs=2"], timeout=90, tag="b")
-    assert r.rc == 0, r
-    assert re.search(rf"resumed from \S*checkpoint_{stopped_at}\.pt at iteration {stopped_at}", r.stderr), r
+    assert r.rc == 0, str(r)
+    assert re.search(rf"resumed from \S*checkpoint_{stopped_at}\.pt at iteration {stopped_at}", r.stderr), str(r)
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert (last["epoch"], last["iteration"]) == (2, 20), last
     h.assert_no_leftovers()
@@ -388,8 +388,8 @@ def test_s5_sigterm_escalates_to_sigkill_when_a_rank_is_stuck(h: Harness) -> Non
     signalled = time.monotonic()
     os.kill(job.pid, signal.SIGTERM)
     r = job.wait(timeout=signalled - job.start + 5 + 30)
-    assert r.rc == 143, r
-    assert "did not stop within 5 s" in r.stderr, r
+    assert r.rc == 143, str(r)
+    assert "did not stop within 5 s" in r.stderr, str(r)
     h.assert_no_leftovers()
     assert_last_good(out, 2)
 
@@ -402,9 +402,9 @@ def test_s6_ctrl_c_to_the_process_group_exits_130(h: Harness) -> None:
     signalled = time.monotonic()
     os.killpg(job.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
     r = job.wait(timeout=signalled - job.start + 15 + 30)
-    assert r.rc == 130, r
-    assert "SIGINT" in r.stderr, r
-    assert "finished" not in r.stderr, r
+    assert r.rc == 130, str(r)
+    assert "SIGINT" in r.stderr, str(r)
+    assert "finished" not in r.stderr, str(r)
     h.assert_no_leftovers()
     found = checkpoints(out)
     assert found and max(found) < 20, sorted(found)
@@ -422,7 +422,7 @@ def test_s7_sigkilled_launcher_takes_its_workers_along(h: Harness) -> None:
     h.assert_no_leftovers(grace=30)
     # Nothing holds the output dir: the stale lock of the dead launcher does not block the resume.
     r = h.run([*BASE, "--output-dir", str(out), "--resume", "auto", "train.epochs=2"], timeout=90, tag="b")
-    assert r.rc == 0, r
+    assert r.rc == 0, str(r)
     assert "finished" in r.stderr
     h.assert_no_leftovers()
 
@@ -446,8 +446,8 @@ def test_s8_busy_master_port_exits_2_before_spawning(h: Harness, holder: str) ->
             store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # alive until the end
             port = store.port
         r = h.run([*BASE, "--output-dir", str(out), "--master-port", str(port)], timeout=15)
-    assert r.rc == 2, r
-    assert f"{port}" in r.stderr and "already in use" in r.stderr, r
+    assert r.rc == 2, str(r)
+    assert f"{port}" in r.stderr and "already in use" in r.stderr, str(r)
     assert not h.jobs[0].recorded_pids(), "a rank was spawned"
     assert not out.exists()
 
@@ -467,7 +467,7 @@ def test_s8_s9_two_jobs_without_port_share_the_host_on_loopback_only(h: Harness)
         time.sleep(0.1)
     results = [j.wait(timeout=160) for j in jobs]
     for r in results:
-        assert r.rc == 0, r
+        assert r.rc == 0, str(r)
         assert "finished" in r.stderr
     assert rendezvous == {"a": True, "b": True}, "no file rendezvous was seen"
     for tag in rendezvous:
@@ -491,8 +491,8 @@ def test_s30_second_launch_on_a_locked_output_dir_fails_fast(h: Harness) -> None
     results = [j.wait(timeout=15, what="the second launch") for j in seconds]
     assert first.running(), "test precondition: the first job finished before the second launches were refused"
     for r in results:
-        assert r.rc == 2, r
-        assert f"locked by pid {first.pid}" in r.stderr, r
+        assert r.rc == 2, str(r)
+        assert f"locked by pid {first.pid}" in r.stderr, str(r)
     assert not any(j.recorded_pids() for j in seconds), "the second launch spawned ranks"
     r = first.wait(timeout=120)
     assert r.rc == 0, r  # the first job is unharmed
@@ -529,10 +529,10 @@ def test_s10_s11_bad_input_exits_2_before_spawning(h: Harness, extra: list[str],
     extra = [str(bad_yaml) if x == "BAD_YAML" else x for x in extra]
     out = h.root / "out"
     r = h.run([*BASE, "--output-dir", str(out), *extra], timeout=30)
-    assert r.rc == 2, r
+    assert r.rc == 2, str(r)
     for text in expected:
         assert text in r.stderr, f"{text!r} not in the message\n{r}"
-    assert "Traceback" not in r.stderr, r
+    assert "Traceback" not in r.stderr, str(r)
     assert not out.exists(), "the output dir was created for a rejected job"
     assert not h.jobs[0].recorded_pids(), "a rank was spawned"
     spawned = [c for c in h.jobs[0].cmdlines.values() if "multiprocessing" in c]
@@ -565,7 +565,7 @@ def test_soak_memory_stays_flat_over_20k_iterations(h: Harness) -> None:
         "train.progress_bar=false",
     ]
     r = h.run(args, timeout=100)
-    assert r.rc == 0, r
+    assert r.rc == 0, str(r)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["epoch"] for row in rows] == list(range(1, 21))
     assert rows[-1]["iteration"] == 20_000

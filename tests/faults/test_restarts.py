@@ -89,13 +89,13 @@ def test_a_sigkilled_rank_heals_bitwise_identical(h: Harness, reference: Path) -
     ends with weights bitwise identical to the job never interrupted."""
     out = h.root / "out"
     r = h.run([*EXACT, "train.epochs=2", "--max-restarts", "1", "--output-dir", str(out)], 150, "once-kill:1:15")
-    assert r.rc == 0, r
-    assert r.stderr.count("rank 1 terminated with signal SIGKILL") == 1, r
+    assert r.rc == 0, str(r)
+    assert r.stderr.count("rank 1 terminated with signal SIGKILL") == 1, str(r)
     assert restart_line(r) == (
         "ignite-mgpu: restart 1 of 1 (dist.max_restarts) after rank 1 failed, in 1 s: resuming from "
         f"{out / 'checkpoint_12.pt'} at iteration 12; 2 iteration(s) lost (every rank had completed iteration 14)."
     )
-    assert re.search(r"resumed from \S*checkpoint_12\.pt at iteration 12", r.stderr), r
+    assert re.search(r"resumed from \S*checkpoint_12\.pt at iteration 12", r.stderr), str(r)
     h.assert_no_leftovers()
     assert_bitwise_equal(out / "checkpoint_20.pt", reference / "checkpoint_20.pt")
     assert rows(out) == [(1, 0), (2, 1)]  # one row per epoch; epoch 2 was trained after the restart
@@ -105,13 +105,13 @@ def test_a_sigkilled_rank_heals_bitwise_identical(h: Harness, reference: Path) -
 def test_a_kill_before_the_first_checkpoint_restarts_from_the_beginning(h: Harness, reference: Path) -> None:
     out = h.root / "out"
     r = h.run([*EXACT, "--max-restarts", "1", "--output-dir", str(out)], 120, "once-kill:1:3")
-    assert r.rc == 0, r
+    assert r.rc == 0, str(r)
     assert restart_line(r) == (
         "ignite-mgpu: restart 1 of 1 (dist.max_restarts) after rank 1 failed, in 1 s: from the beginning (no "
         "complete checkpoint yet); "
         "2 iteration(s) lost (every rank had completed iteration 2)."
     )
-    assert "--resume auto: no complete checkpoint in" in r.stderr and "starting a new run" in r.stderr, r
+    assert "--resume auto: no complete checkpoint in" in r.stderr and "starting a new run" in r.stderr, str(r)
     h.assert_no_leftovers()
     assert_bitwise_equal(out / "checkpoint_10.pt", reference / "checkpoint_10.pt")
     assert rows(out) == [(1, 1)]
@@ -121,10 +121,10 @@ def test_a_kill_before_the_first_checkpoint_restarts_from_the_beginning(h: Harne
 def test_when_the_restarts_run_out_every_failure_is_reported_and_the_job_exits_1(h: Harness) -> None:
     out = h.root / "out"
     r = h.run([*EXACT, "--max-restarts", "1", "--output-dir", str(out)], 120, "kill:1:5")  # in every attempt
-    assert r.rc == 1, r
+    assert r.rc == 1, str(r)
     assert r.stderr.count("rank 1 terminated with signal SIGKILL") == 2, r  # each failure, once
-    assert "resuming from" in restart_line(r) and "checkpoint_4.pt at iteration 4" in restart_line(r), r
-    assert r.stderr.rstrip().endswith("ignite-mgpu: gave up after 1 restart(s) (dist.max_restarts=1)."), r
+    assert "resuming from" in restart_line(r) and "checkpoint_4.pt at iteration 4" in restart_line(r), str(r)
+    assert r.stderr.rstrip().endswith("ignite-mgpu: gave up after 1 restart(s) (dist.max_restarts=1)."), str(r)
     assert len(h.jobs[0].recorded_pids()) == 4  # two ranks, started twice
     h.assert_no_leftovers()
     assert_last_good(out, 8)  # the second attempt resumed from 4, saved 8 and was killed in iteration 9
@@ -135,14 +135,14 @@ def test_a_user_error_is_not_restarted(h: Harness) -> None:
     """A full disk (the first checkpoint cannot be written) would fail again: no restart, exit 1 at once."""
     out = h.root / "out"
     r = h.run([*EXACT, "--max-restarts", "2", "--output-dir", str(out)], 60, "nospace:0:1")
-    assert r.rc == 1, r
-    assert "rank 0 failed with CheckpointError: saving checkpoint_4.pt failed" in r.stderr, r
-    assert "No space left on device" in r.stderr, r
-    assert "restart 1 of" not in r.stderr, r
+    assert r.rc == 1, str(r)
+    assert "rank 0 failed with CheckpointError: saving checkpoint_4.pt failed" in r.stderr, str(r)
+    assert "No space left on device" in r.stderr, str(r)
+    assert "restart 1 of" not in r.stderr, str(r)
     assert r.stderr.rstrip().endswith(
         "ignite-mgpu: not restarted: CheckpointError is an error in the configuration, the data or a checkpoint, "
         "which a restart would meet again (dist.max_restarts=2)."
-    ), r
+    ), str(r)
     assert len(h.jobs[0].recorded_pids()) == 2  # one attempt
     h.assert_no_leftovers()
 
@@ -152,12 +152,12 @@ def test_a_hung_rank_hits_the_collective_timeout_then_the_job_restarts(h: Harnes
     out = h.root / "out"
     args = [*EXACT, "--max-restarts", "1", "--timeout", "5", "--output-dir", str(out)]
     r = h.run(args, 150, "once-sleep:1:6")  # rank 1 hangs in iteration 6; rank 0 waits in its all-reduce
-    assert r.rc == 0, r
-    assert re.search(r"rank 0 timed out after 5 s \(dist.timeout\).*rank\(s\) 1 stopped answering", r.stderr), r
+    assert r.rc == 0, str(r)
+    assert re.search(r"rank 0 timed out after 5 s \(dist.timeout\).*rank\(s\) 1 stopped answering", r.stderr), str(r)
     assert restart_line(r).endswith(
         f"resuming from {out / 'checkpoint_4.pt'} at iteration 4; 1 iteration(s) lost (every rank had completed "
         "iteration 5)."
-    ), r
+    ), str(r)
     h.assert_no_leftovers()
     assert_last_good(out, 10)
     assert rows(out) == [(1, 1)]
@@ -178,7 +178,7 @@ def test_torchrun_restarts_the_same_resume_auto_command(h: Harness, reference: P
     torchrun += ["--master_port", str(free_port()), "-m", "ignite_mgpu"]
     args = ["train", "--backend", "gloo", *EXACT[5:], "--resume", "auto", "--output-dir", str(out)]
     r = h.run(args, 180, "once-kill:1:6", command=torchrun)
-    assert r.rc == 0, r
+    assert r.rc == 0, str(r)
     assert "--resume auto: no complete checkpoint in" in r.stderr, r  # the first start
     assert re.search(r"resumed from \S*checkpoint_4\.pt at iteration 4", r.stderr), r  # the restart
     h.assert_no_leftovers()
@@ -203,19 +203,19 @@ def test_slurm_preemption_checkpoints_requeues_and_the_requeued_job_resumes(h: H
     for pid in [job.pid, *job.recorded_pids()]:
         os.kill(pid, signal.SIGUSR1)
     r = job.wait(60)
-    assert r.rc == 138, r
-    assert "ignite-mgpu: SIGUSR1 received (pre-emption): every rank stops and writes a checkpoint" in r.stderr, r
+    assert r.rc == 138, str(r)
+    assert "ignite-mgpu: SIGUSR1 received (pre-emption): every rank stops and writes a checkpoint" in r.stderr, str(r)
     m = re.search(r"stopped by SIGUSR1 at iteration (\d+)", r.stderr)
-    assert m and 4 <= int(m.group(1)) < 20, r
+    assert m and 4 <= int(m.group(1)) < 20, str(r)
     stopped_at = int(m.group(1))
-    assert "ignite-mgpu: requeued SLURM job 4242 (scontrol requeue 4242)" in r.stderr, r
+    assert "ignite-mgpu: requeued SLURM job 4242 (scontrol requeue 4242)" in r.stderr, str(r)
     assert log.read_text() == "requeue 4242\n"  # once per job
     h.assert_no_leftovers()
     assert_last_good(out, stopped_at)
 
     r = h.run(args, 120, None, tag="b", extra={**slurm, "SLURM_RESTART_COUNT": "1"})  # the requeued job
-    assert r.rc == 0, r
-    assert re.search(rf"resumed from \S*checkpoint_{stopped_at}\.pt at iteration {stopped_at}", r.stderr), r
+    assert r.rc == 0, str(r)
+    assert re.search(rf"resumed from \S*checkpoint_{stopped_at}\.pt at iteration {stopped_at}", r.stderr), str(r)
     assert log.read_text() == "requeue 4242\n"
     assert rows(out) == [(1, 1 if stopped_at < 10 else 0), (2, 1)]  # SLURM_RESTART_COUNT
     h.assert_no_leftovers()
