@@ -39,25 +39,18 @@ def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> None:
         with idist.Parallel(backend=None if own_group else plan.backend, init_method=plan.init_method) as parallel:
             _say_where(plan)
             parallel.run(fn, *args)
-            _settle(idist)
+            if idist.get_world_size() > 1:
+                # A gloo thread releases the last collective's tensors a moment after wait() returned, and needs
+                # the GIL for it. A process that exits normally (started by torchrun or srun) can reach interpreter
+                # shutdown first; the thread then dies there ("terminate called without an active exception",
+                # SIGABRT) and a finished job counts as failed. Waiting here releases the GIL until every rank is
+                # done, so those threads finish first. (Spawned workers skip the shutdown with os._exit.)
+                idist.barrier()
     finally:
         if own_group:
             import torch.distributed as dist
 
             dist.destroy_process_group()
-
-
-def _settle(idist: Any) -> None:
-    """Every rank finished: one barrier before the group goes away.
-
-    A gloo worker thread drops the tensors of the collective it just completed a moment after the caller's
-    ``wait()`` returned, and needs the GIL for that. If the interpreter is already shutting down by then (the
-    normal exit of a process that torchrun or srun started), the thread dies there, "terminate called without an
-    active exception", and the finished job counts as failed (SIGABRT). Waiting in a barrier releases the GIL
-    until every rank is here, so those threads finish first. Spawned workers skip the teardown (``os._exit``).
-    """
-    if idist.get_world_size() > 1:
-        idist.barrier()
 
 
 def _join_torchelastic_attempt(backend: str) -> bool:

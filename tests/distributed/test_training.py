@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -236,34 +237,18 @@ def test_the_char_lm_example_trains_resumes_and_evaluates_from_the_cli_alone(tmp
     assert scores[0]["loss"] == pytest.approx(last["val_loss"], rel=1e-6)
 
 
+def torchrun(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node 2 ARGS`` on a free port, with this checkout importable."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([*cmd, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
 @pytest.mark.timeout(180)
 def test_torchrun_starts_the_same_job(tmp_path):
     out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "-m",
-        "ignite_mgpu",
-        "train",
-        *TINY,
-        "--output-dir",
-        str(out),
-        "--backend",
-        "gloo",
-    ]
-    result = subprocess.run(
-        cmd,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=170,
-        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
-    )
+    args = ["-m", "ignite_mgpu", "train", *TINY, "--output-dir", str(out), "--backend", "gloo"]
+    result = torchrun(args, tmp_path, 170)
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_checkpoint(list_checkpoints(out)[0])["run"]["world_size"] == 2
     assert len(metrics(out)) == 2
@@ -299,15 +284,7 @@ def test_under_torchrun_no_rank_shuts_down_before_every_rank_finished(tmp_path):
     one torchrun job in twenty here). So every rank waits for the others before its group goes away."""
     script = tmp_path / "job.py"
     script.write_text(LAST_TO_LEAVE)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    result = subprocess.run(
-        [*cmd, str(script), str(tmp_path)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
-    )
+    result = torchrun([str(script), str(tmp_path)], tmp_path, 100)
     assert result.returncode == 0, result.stderr[-3000:]
     rank0_done, rank1_exit = (float((tmp_path / name).read_text()) for name in ("rank0_done", "rank1_exit"))
     assert rank1_exit >= rank0_done, (rank0_done, rank1_exit)
@@ -338,7 +315,7 @@ def test_two_nodes_on_loopback(tmp_path):
         "--output-dir",
         str(tmp_path / "run"),
     ]
-    env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     nodes = [
         subprocess.Popen(
             [sys.executable, *common, "--node-rank", str(r)],
