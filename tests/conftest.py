@@ -99,30 +99,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def run_cli(args: list[str], cwd: Path, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m ignite_mgpu ARGS` in its own session; kill the whole group if it outlives `timeout`."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        full_env.pop(var, None)
+def run_in_session(cmd: list[str], timeout: float, cwd: Path | None = None, env: dict | None = None):
+    """Run ``cmd`` in its own session; kill its whole group (workers too) and fail if it outlives ``timeout``.
+    The result carries ``seconds``, its wall time."""
     start = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ignite_mgpu", *args],
-        cwd=cwd,
-        env=full_env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
+        cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"ignite-mgpu {' '.join(args)} did not finish in {timeout} s\n{err[-3000:]}")
+        pytest.fail(f"{' '.join(map(str, cmd))} did not finish in {timeout} s\n{out[-3000:]}\n{err[-3000:]}")
     result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     result.seconds = time.monotonic() - start  # type: ignore[attr-defined]
     return result
+
+
+def run_cli(args: list[str], cwd: Path, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m ignite_mgpu ARGS` in its own session; kill the whole group if it outlives `timeout`."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(var, None)
+    return run_in_session([sys.executable, "-m", "ignite_mgpu", *args], timeout, cwd, full_env)
 
 
 # Small, fast settings shared by the CLI tests: 256 + 101 synthetic 16x16 images.

@@ -8,14 +8,14 @@ Run: python -m pytest tests/test_benchmark_smoke.py -q
 
 import importlib.util
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.conftest import run_in_session
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_overhead.py"
 
@@ -31,21 +31,9 @@ def load_bench(monkeypatch):
 
 def run_quick(script, json_out, timeout):
     """``python SCRIPT --quick --json OUT`` in its own session (killed with its workers past ``timeout``): stdout."""
-    proc = subprocess.Popen(
-        [sys.executable, str(script), "--quick", "--json", str(json_out)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # on timeout, kill the benchmark's group; its workers die with their parent
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{script.name} --quick did not finish in {timeout} s\n{stdout}\n{stderr[-3000:]}")
-    assert proc.returncode == 0, stdout + stderr
-    return stdout
+    result = run_in_session([sys.executable, str(script), "--quick", "--json", str(json_out)], timeout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
 
 
 def _load_bench():
