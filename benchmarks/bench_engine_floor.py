@@ -1,6 +1,7 @@
 """Where the per-iteration CPU time goes, on one process without communication: a plain loop, ignite's bare
 ``Engine`` running the same step, ignite-mgpu's ``create_trainer`` (step, guard, sampler epochs) and the same with
-the ``EpochReport`` that ``ignite-mgpu train`` attaches (its data-wait timer runs every iteration).
+the ``EpochReport`` that ``ignite-mgpu train`` attaches, over the timed loader it trains from (the data-wait timer
+runs every iteration).
 
 All four train the same tiny MLP on the same in-memory batches with one thread pinned to one core, timed with the
 thread's CPU clock (``time.thread_time``), so neither other processes nor waiting count. Rounds alternate the four
@@ -26,6 +27,7 @@ from ignite.engine import Engine
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from ignite_mgpu.data import timed
 from ignite_mgpu.engine import create_trainer
 from ignite_mgpu.report import EpochReport
 
@@ -70,6 +72,7 @@ def ignite_mgpu_trainer(iters: int, report: bool) -> float:
     model, optimizer, loader, loss_fn = setup(iters)
     trainer = create_trainer(model, optimizer, loss_fn, device="cpu")
     if report:
+        loader = timed(loader)  # as create_dataloaders gives it to the default job
         with tempfile.TemporaryDirectory() as tmp:
             EpochReport(Path(tmp, "metrics.jsonl"), BATCH, Engine(lambda e, b: None), [torch.device("cpu")]).attach(
                 trainer

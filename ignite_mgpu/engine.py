@@ -74,7 +74,8 @@ def create_trainer(
 ) -> Engine:
     """A trainer Engine for a model already placed by ``prepare_model`` (DDP, DataParallel, FSDP or plain).
 
-    Each iteration: the batch to the device (every tensor in it), forward under autocast, ``loss / grad_accum_steps``
+    Each iteration: the batch to the device (every tensor in it; on the CPU it is used as the loader gives it, in CPU
+    memory), forward under autocast, ``loss / grad_accum_steps``
     backward (on accumulation steps inside DDP's ``no_sync``, or FSDP's gradient sync off), then on the last
     micro-batch unscale, clip (the global norm, also over FSDP's shards), optimizer and scheduler step. Windows
     restart every epoch; when the epoch length does not divide, the epoch's last window is shorter and its loss is
@@ -124,7 +125,7 @@ def create_trainer(
         if loss_fn is None:  # the model computes its own loss; DataParallel returns one per GPU: weigh them exactly
             out = batches.loss_of(batches.model_loss(model, batch))
             return reduce_replica_losses(out, model, batches.size(batch))
-        if isinstance(batch, Mapping):
+        if not isinstance(batch, (list, tuple)) and isinstance(batch, Mapping):  # the Mapping ABC check is slower
             inputs, targets = batches.split(batch)
             return loss_fn(batches.logits(model(**inputs)), targets)
         out = model(batch[0])
@@ -138,19 +139,26 @@ def create_trainer(
         (scaler.scale(scaled) if fp16 else scaled).backward()
         return loss
 
-    # Every call in here runs once per iteration: the fp32 path enters no context and skips the disabled scaler.
+    # A CPU job's batches are in CPU memory already: no per-step walk over the batch to find that out.
+    move = device.type != "cpu"
+
+    # Every line in here runs once per iteration (benchmarks/bench_instructions.py counts what they cost): the fp32
+    # path enters no context and skips the disabled scaler, and without accumulation the backward is inline.
     def train_step(engine: Engine, batch: Batch) -> torch.Tensor:
         if not inner.training:  # model.train() walks every submodule: only do it after an evaluation
             model.train()
-        batch = batches.to_device(batch, device, non_blocking)
-        window = 1
-        if grad_accum_steps > 1:
+        if move:
+            batch = batches.to_device(batch, device, non_blocking)
+        if grad_accum_steps == 1:
+            loss = compute_loss(batch)
+            (scaler.scale(loss) if fp16 else loss).backward()
+        else:
             # Windows restart every epoch: an epoch-end checkpoint or stop never holds half a window's gradients.
             last, window = accumulation_window(engine.state.iteration, engine.state.epoch_length, grad_accum_steps)
             if not last:
                 with no_sync():  # an accumulation step: gradients stay local until the last micro-batch
                     return forward_backward(batch, window).detach()
-        loss = forward_backward(batch, window)
+            loss = forward_backward(batch, window)
         if clip_grad_norm is not None:
             if fp16:
                 scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from datetime import timedelta
 
 import ignite.distributed as idist
@@ -74,6 +75,9 @@ class TrainingGuard:
     """
 
     MAX_INTERVAL = 1000  # iterations: bounds the losses kept between checks on very fast steps
+    # The losses since the last check are stacked into one tensor every STACK_EVERY iterations: a Python object
+    # held per iteration made every garbage collection longer, which cost more than the rest of the guard.
+    STACK_EVERY = 64
 
     def __init__(
         self,
@@ -99,12 +103,20 @@ class TrainingGuard:
         self._late = False
         self._next = 0  # iteration of the next scheduled check, set when an epoch starts
         self._since = 0.0  # perf_counter() at the last check or epoch start
-        self._losses: list[torch.Tensor] = []
+        self._losses: list[torch.Tensor] = []  # since the last check or stack
+        self._stacked: list[torch.Tensor] = []  # STACK_EVERY losses each, since the last check
         self._epoch_sum = 0.0
         self._epoch_count = 0.0
         self._timeout_set = False
+        self._engine: weakref.ref[Engine] | None = None
 
     def attach(self, engine: Engine) -> None:
+        """Attach to ``engine``, the one engine this guard watches."""
+        if self._engine is not None:
+            raise ValueError("this TrainingGuard is attached already: create one guard per engine.")
+        # The per-iteration handler takes no engine argument: ignite then calls it without resolving its own weak
+        # reference (a third of the cost of calling a handler); the guard keeps its own.
+        self._engine = weakref.ref(engine)
         engine.register_events(*GuardEvents)
         engine.state.running_loss = math.nan  # type: ignore[attr-defined]  # shown by the progress bar
         engine.add_event_handler(Events.STARTED, self._started)
@@ -114,7 +126,8 @@ class TrainingGuard:
         engine.add_event_handler(Events.EPOCH_COMPLETED, self._on_epoch_completed)
 
     def _started(self, engine: Engine) -> None:  # every run(), also a second one on the same engine
-        self._next, self._losses, self._saved_at, self._at_epoch_end = 0, [], time.monotonic(), (False, 0)
+        self._next, self._losses, self._stacked = 0, [], []
+        self._saved_at, self._at_epoch_end = time.monotonic(), (False, 0)
         if not self._late:  # attached now, so it runs after every epoch-end handler attached before run()
             self._late = True
             engine.add_event_handler(Events.EPOCH_COMPLETED, self._after_epoch_end)
@@ -157,14 +170,23 @@ class TrainingGuard:
         ends, length = accumulation_window(iteration, epoch_length, self.multiple_of)
         return ends and iteration // self.sync_every > (iteration - length) // self.sync_every
 
-    def _on_iteration(self, engine: Engine) -> None:
-        self._losses.append(engine.state.output)  # type: ignore[arg-type]  # the trainer returns the loss tensor
+    def _on_iteration(self) -> None:  # every iteration: as little as possible
+        engine: Engine = self._engine()  # type: ignore[misc, assignment]  # set by attach; it runs this, so it lives
+        state, losses = engine.state, self._losses
+        losses.append(state.output)  # type: ignore[arg-type]  # the trainer returns the loss tensor
+        if len(losses) == self.STACK_EVERY:
+            self._stacked.append(torch.stack(losses))
+            losses.clear()
         if not self._timeout_set:
             self._shorten_timeout()
-        iteration = engine.state.iteration
+        iteration = state.iteration
         stop.report_progress(iteration)  # one store into a shared page: how much a restart would lose
-        if iteration >= self._next or (self.sync_every and self._sync_due(iteration, engine.state.epoch_length)):
+        if iteration >= self._next or (self.sync_every and self._sync_due(iteration, state.epoch_length)):
             self.check(engine)
+
+    def pending(self) -> int:
+        """How many iterations' losses the next check will look at."""
+        return len(self._losses) + self.STACK_EVERY * len(self._stacked)
 
     def _on_epoch_completed(self, engine: Engine) -> None:
         self.check(engine)
@@ -183,10 +205,11 @@ class TrainingGuard:
 
     def check(self, engine: Engine) -> None:
         """Run the collective check now (on every rank at the same iteration). Raises TrainingStopped."""
-        if not self._losses:
+        if not self.pending():
             return  # every rank has the same iteration count, so all of them skip together
-        losses = torch.stack(self._losses).detach().double().cpu()
-        self._losses = []
+        parts = [*self._stacked, torch.stack(self._losses)] if self._losses else self._stacked
+        losses = torch.cat(parts).detach().double().cpu()
+        self._losses, self._stacked = [], []
         now = time.perf_counter()
         # A NaN or Inf anywhere makes the float64 sum non-finite: one number carries the non-finite check.
         unsaved = time.monotonic() - self._saved_at

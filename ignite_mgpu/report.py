@@ -47,6 +47,8 @@ class EpochReport:
         self.last: dict[str, Any] = {}
         self._wait = 0.0
         self._fetch_start = 0.0
+        self._timed: tuple[Any, float] | None = None  # (loader, its wait_seconds) when the epoch started
+        self._timer_attached = False
 
     def memory_tags(self) -> list[str]:
         """TensorBoard tags of the same entries: ``memory/rank<k>`` for processes, ``memory/gpu<k>`` for the GPUs
@@ -73,27 +75,45 @@ class EpochReport:
         os.replace(tmp, self.path)
 
     def attach(self, trainer: Engine) -> None:
+        trainer.add_event_handler(Events.STARTED, self._started)
         trainer.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
-        trainer.add_event_handler(Events.GET_BATCH_STARTED, self._fetch_started)
-        trainer.add_event_handler(Events.GET_BATCH_COMPLETED, self._fetch_completed)
         trainer.add_event_handler(Events.EPOCH_COMPLETED, self._epoch_completed)
+
+    def _started(self, engine: Engine) -> None:
+        # The data wait: a TimedDataLoader (the default job's) counts it; any other loader is timed by two handlers
+        # per iteration, around ignite's fetch of the batch.
+        if not hasattr(engine.state.dataloader, "wait_seconds") and not self._timer_attached:
+            self._timer_attached = True
+            engine.add_event_handler(Events.GET_BATCH_STARTED, self._fetch_started)
+            engine.add_event_handler(Events.GET_BATCH_COMPLETED, self._fetch_completed)
 
     def _epoch_started(self, engine: Engine) -> None:
         self._wait, self._first_iteration = 0.0, engine.state.iteration
+        loader: Any = engine.state.dataloader
+        self._timed = (loader, loader.wait_seconds) if hasattr(loader, "wait_seconds") else None
         for d in self.devices:
             if d.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(d)
 
-    def _fetch_started(self, engine: Engine) -> None:
+    def _fetch_started(self) -> None:  # no engine argument: ignite then calls it without resolving a weak reference
         self._fetch_start = time.perf_counter()
 
-    def _fetch_completed(self, engine: Engine) -> None:
+    def _fetch_completed(self) -> None:
         self._wait += time.perf_counter() - self._fetch_start
+
+    def _epoch_wait(self, engine: Engine) -> float:
+        """Seconds this epoch waited for its batches."""
+        if self._timed is None:
+            return self._wait
+        loader, before = self._timed
+        # ignite's DeterministicEngine replaces the loader once, after the first epoch started: a new count from 0.
+        now: Any = engine.state.dataloader  # a TimedDataLoader, as when the epoch started
+        return now.wait_seconds - (before if now is loader else 0.0)
 
     def _epoch_completed(self, engine: Engine) -> None:
         seconds = engine.state.times["EPOCH_COMPLETED"] or 1e-9  # training time of this epoch, without handlers
         iterations = engine.state.iteration - self._first_iteration
-        local = torch.tensor([self._wait / seconds, *_peak_memory_mb(self.devices)], dtype=torch.float64)
+        local = torch.tensor([self._epoch_wait(engine) / seconds, *_peak_memory_mb(self.devices)], dtype=torch.float64)
         rows = (
             torch.as_tensor(idist.all_gather(local)).view(idist.get_world_size(), -1).cpu()
             if idist.get_world_size() > 1

@@ -20,6 +20,13 @@ def test_every_tensor_moves_nested_ones_too_and_the_rest_stays():
     assert moved["name"] == "b" and batches.size(moved) == 2
 
 
+def test_a_tensor_already_on_the_device_is_kept_as_it_is():
+    x, y = torch.ones(2), torch.zeros(2, dtype=torch.long)
+    moved = batches.to_device([x, y], torch.device("cpu"), non_blocking=True)
+    assert moved[0] is x and moved[1] is y and isinstance(moved, list)
+    assert batches.to_device((x,), torch.device("meta"))[0].is_meta  # another device: moved
+
+
 def test_split_a_sequence_or_a_mapping():
     x, y = torch.ones(4, 2), torch.zeros(4)
     assert batches.split((x, y, "extra"))[1] is y

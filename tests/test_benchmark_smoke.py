@@ -216,3 +216,53 @@ def test_fsdp_memory_quick_run_prints_the_table(tmp_path):
     ]
     assert "FSDP / DDP on 2 processes, largest rank:" in proc.stdout
     assert [len(r["peak_memory_mb"]) for r in json.loads(out.read_text())["rows"]] == [1, 1, 2, 2]
+
+
+@pytest.fixture
+def instructions(monkeypatch):
+    """bench_instructions.py imported in this process (its thread variables restored after)."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("bench_instructions", SCRIPT.with_name("bench_instructions.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(120)
+def test_instruction_loops_run_natively_and_end_with_the_same_weights(instructions, tmp_path):
+    """The three loops of bench_instructions.py (its --quick plan, one process, outside valgrind, where the toggles
+    do nothing) run and end bit-identical: a ratio of their counts compares the same work."""
+    spec = {"dir": str(tmp_path), "nproc": 1, "workloads": ["mlp"], "plan": instructions.QUICK}
+    instructions.inside(spec)
+    assert json.loads((tmp_path / "differences.json").read_text()) == {"mlp": []}
+    assert (tmp_path / "rank0.pid").read_text().strip().isdigit()
+
+
+def test_instruction_counts_are_read_per_rank_and_refused_for_other_weights(instructions, tmp_path):
+    spec = {"dir": str(tmp_path), "nproc": 2, "workloads": ["mlp"], "plan": {"mlp": [1, 10, 10]}}
+    for rank, pid in enumerate((101, 202)):
+        (tmp_path / f"rank{rank}.pid").write_text(f"{pid}\n")
+        (tmp_path / f"callgrind.out.{pid}").write_text("events: Ir\nsummary: 0\ntotals: 0\n")  # the dump at exit
+        for part, total in enumerate((22_000_000, 22_500_000, 22_600_000 + rank * 200_000), start=1):
+            # As callgrind writes them: a header with the summary, ... , the totals at the end.
+            (tmp_path / f"callgrind.out.{pid}.{part}").write_text(
+                f"events: Ir\nsummary: {total}\nfn=x\ntotals: {total}\n"
+            )
+    result = instructions.parse_dumps(tmp_path, spec)
+    assert result["rank 0"]["mlp"] == {"hand-written": 2.2e6, "ignite Engine": 2.25e6, "ignite-mgpu": 2.26e6}
+    rows = [
+        line.split("|")
+        for line in instructions.report(result, spec["plan"], 2, {"mlp": []})
+        if line.startswith("| tiny")
+    ]
+    assert [(r[2].strip(), r[8].strip(), r[9].strip()) for r in rows] == [
+        ("0", "1.0044", "met"),
+        ("1", "1.0133", "**not met**"),
+    ]
+    refused = instructions.report(result, spec["plan"], 2, {"mlp": ["0.weight differs"]})
+    assert "| tiny MLP | 0 | refused: 0.weight differs |" in refused and "tiny MLP: **no**." in refused[-1]
+    (tmp_path / "callgrind.out.202.3").unlink()  # a rank that dumped fewer windows than it ran: no figure at all
+    with pytest.raises(SystemExit, match="rank 1: callgrind wrote 2 window dumps, expected 3"):
+        instructions.parse_dumps(tmp_path, spec)

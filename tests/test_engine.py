@@ -102,6 +102,22 @@ def test_the_fp32_step_enters_no_context(precision, entered):
     assert len(calls) == entered  # bf16: one autocast per forward; fp32: not even a no-op context
 
 
+def test_a_cpu_step_uses_the_batch_as_the_loader_gives_it(monkeypatch):
+    """On the CPU the batch is in CPU memory already: the training step does not walk it (a cost on every step); the
+    evaluator still moves what it gets."""
+    from ignite_mgpu import batches
+
+    walked = []
+    to_device = batches.to_device
+    monkeypatch.setattr(batches, "to_device", lambda b, *a, **k: (walked.append(1), to_device(b, *a, **k))[1])
+    model = linear()
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), device="cpu")
+    trainer.run(data(n=32), max_epochs=1)
+    assert walked == [] and trainer.state.iteration == 4
+    create_evaluator(model, {}, device="cpu").run(data(n=16))
+    assert walked == [1, 1]
+
+
 def test_loss_goes_down_and_scheduler_steps():
     model = linear()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)

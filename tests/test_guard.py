@@ -58,7 +58,7 @@ def guard_checks(monkeypatch, guard, step_seconds, n, epochs):
 
     checked = []
     check = guard.check
-    monkeypatch.setattr(guard, "check", lambda e: (guard._losses and checked.append(e.state.iteration), check(e)))
+    monkeypatch.setattr(guard, "check", lambda e: (guard.pending() and checked.append(e.state.iteration), check(e)))
     trainer = Engine(step)
     guard.attach(trainer)
     trainer.run(range(n), max_epochs=epochs)
@@ -93,7 +93,7 @@ def test_guard_restarts_its_schedule_when_the_engine_runs_again():
     check = guard.check
 
     def record(engine):
-        if guard._losses:
+        if guard.pending():
             checked.append(engine.state.iteration)
         check(engine)
 
@@ -101,6 +101,38 @@ def test_guard_restarts_its_schedule_when_the_engine_runs_again():
     trainer.run(range(8), max_epochs=1)
     trainer.run(range(8), max_epochs=1)  # a finished engine starts again from iteration 0
     assert checked == [6, 8, 6, 8]
+
+
+def test_a_non_finite_loss_is_found_among_the_stacked_ones():
+    """Losses are stacked every STACK_EVERY iterations between checks: the first bad one is still named exactly, and
+    the epoch's train_loss is the mean over every iteration."""
+    from ignite.engine import Engine
+
+    every = TrainingGuard.STACK_EVERY
+    bad = every + 5  # in the second stack, before the check
+    trainer = Engine(lambda e, b: torch.tensor(float("nan") if e.state.iteration == bad else e.state.iteration))
+    guard = TrainingGuard(every=3 * every)
+    guard.attach(trainer)
+    stopped = f"iteration {bad} on rank 0; every rank stopped at iteration {3 * every}"
+    with pytest.raises(TrainingDiverged, match=stopped):
+        trainer.run(range(4 * every), max_epochs=1)
+    finite = Engine(lambda e, b: torch.tensor(float(e.state.iteration)))
+    counting = TrainingGuard(every=2 * every + 7)
+    counting.attach(finite)
+    seen = []
+    finite.add_event_handler(Events.ITERATION_COMPLETED(once=2 * every + 6), lambda: seen.append(counting.pending()))
+    n = 3 * every
+    finite.run(range(n), max_epochs=1)
+    assert seen == [2 * every + 6] and finite.state.metrics["train_loss"] == (n + 1) / 2
+
+
+def test_a_guard_watches_one_engine():
+    from ignite.engine import Engine
+
+    guard = TrainingGuard()
+    guard.attach(Engine(lambda e, b: torch.tensor(1.0)))
+    with pytest.raises(ValueError, match="attached already: create one guard per engine"):
+        guard.attach(Engine(lambda e, b: torch.tensor(1.0)))
 
 
 def test_guard_treats_an_overflowing_loss_sum_as_divergence():

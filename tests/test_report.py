@@ -56,6 +56,40 @@ def test_one_line_per_epoch_agreeing_with_the_engines(tmp_path):
     assert last["restarts"] == 0
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_data_wait_is_counted_by_a_timed_loader_or_by_two_handlers(tmp_path, deterministic, monkeypatch):
+    """The default job's TimedDataLoader counts the wait without a per-iteration handler (also after ignite's
+    DeterministicEngine rebuilt it); any other loader gets the two handlers around the fetch. Either way, a loader
+    that sleeps 80 ms per batch around a trivial step waits for most of the epoch."""
+    from ignite_mgpu.data import TimedDataLoader, timed
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic mode sets: restored after the test
+    mode = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        for loader in (timed(DataLoader(SlowItems(), batch_size=8)), DataLoader(SlowItems(), batch_size=8)):
+            waits, handlers, kind = data_wait(tmp_path, loader, deterministic)
+            assert [w > 0.5 for w in waits] == [True, True], waits
+            assert handlers == (0 if isinstance(loader, TimedDataLoader) else 1)
+            assert kind is type(loader)  # rebuilt by DeterministicEngine: the same kind of loader
+    finally:
+        torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
+    assert loader.batch_size == 8 and len(list(timed(loader))) == 2 and timed(loader).wait_seconds > 0.1
+
+
+def data_wait(tmp_path, loader, deterministic):
+    """Each epoch's data_wait_share, the handlers on GET_BATCH_STARTED, the kind of loader the trainer ran."""
+    model = linear()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = create_trainer(model, sgd, nn.CrossEntropyLoss(), device="cpu", deterministic=deterministic)
+    evaluator = create_evaluator(model, {"loss": Loss(nn.CrossEntropyLoss())}, device="cpu")
+    (tmp_path / "m.jsonl").unlink(missing_ok=True)
+    EpochReport(tmp_path / "m.jsonl", 8, evaluator, [torch.device("cpu")]).attach(trainer)
+    trainer.run(loader, max_epochs=2)
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    handlers = len(trainer._event_handlers[Events.GET_BATCH_STARTED])
+    return [r["data_wait_share"] for r in rows], handlers, type(trainer.state.dataloader)
+
+
 def test_tensorboard_tags_name_each_gpu_of_one_process_or_each_rank(monkeypatch):
     gpus = [torch.device("cuda", k) for k in range(3)]  # device objects only: no CUDA needed
     assert EpochReport("unused", 8, None, gpus).memory_tags() == ["memory/gpu0", "memory/gpu1", "memory/gpu2"]  # dp

@@ -435,7 +435,7 @@ def guard_schedule_worker(local_rank: int, out: str) -> None:
     guard = TrainingGuard(period=0.05)
     checked: list[int] = []
     check = guard.check
-    guard.check = lambda e: (guard._losses and checked.append(e.state.iteration), check(e))  # type: ignore[method-assign]
+    guard.check = lambda e: (guard.pending() and checked.append(e.state.iteration), check(e))  # type: ignore[method-assign]
     trainer = Engine(step)
     guard.attach(trainer)
     trainer.run(range(60), max_epochs=2)
