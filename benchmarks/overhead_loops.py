@@ -103,15 +103,12 @@ def hand_steps(built: tuple[Any, ...], epochs: int, window: int | None) -> Gener
     return weights(net)
 
 
-def engine_steps(built: tuple[Any, ...], epochs: int, window: int) -> Generator[None, None, dict[str, Any]]:
-    """The reference: (a)'s step run by ignite's bare ``Engine`` (handlers: ``set_epoch``, and the pause after every
-    ``window`` iterations, an ``Engine.interrupt``; the next ``run`` resumes). Its distance to (a) is what ignite's
-    loop costs; (b)'s distance to it is what ignite-mgpu's step and handlers add."""
-    from ignite.engine import Engine, Events
+def engine_step(built: tuple[Any, ...]) -> Any:
+    """(a)'s step as an ignite process function: what the bare-Engine reference runs. ``built`` is
+    ``hand_built(cfg)``."""
+    _, _, model, _, optimizer, scheduler, loss_fn = built
 
-    sampler, loader, model, net, optimizer, scheduler, loss_fn = built
-
-    def step(engine: Engine, batch: Any) -> Any:
+    def step(engine: Any, batch: Any) -> Any:
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(batch[0]), batch[1])
         loss.backward()
@@ -119,7 +116,17 @@ def engine_steps(built: tuple[Any, ...], epochs: int, window: int) -> Generator[
         scheduler.step()
         return loss.detach()
 
-    engine, paused = Engine(step), [False]
+    return step
+
+
+def engine_steps(built: tuple[Any, ...], epochs: int, window: int) -> Generator[None, None, dict[str, Any]]:
+    """The reference: (a)'s step run by ignite's bare ``Engine`` (handlers: ``set_epoch``, and the pause after every
+    ``window`` iterations, an ``Engine.interrupt``; the next ``run`` resumes). Its distance to (a) is what ignite's
+    loop costs; (b)'s distance to it is what ignite-mgpu's step and handlers add."""
+    from ignite.engine import Engine, Events
+
+    sampler, loader, model, net, optimizer, scheduler, loss_fn = built
+    engine, paused = Engine(engine_step(built)), [False]
 
     def pause(e: Engine) -> None:  # a plain handler: a filtered event (every=) costs 13 Python calls per iteration
         if e.state.iteration % window == 0:
