@@ -108,7 +108,8 @@ def make_jpegs(root: Path, train: int, val: int, size: int = 96, classes: int = 
 
 def overhead_session(tmp: Path, variant: str, iters: dict[str, int], epochs: int) -> dict[str, Any]:
     """One bench_overhead session (the three loops taking turns) on 2 processes: ``none`` (unpinned), ``cores``
-    (ignite-mgpu's binding) or ``pinned`` (bench_overhead.py's own: each rank's training thread on a core)."""
+    (ignite-mgpu's binding: the training thread on the rank's share, gloo's threads on the job's CPUs) or ``pinned``
+    (bench_overhead.py's own: each rank's training thread on a core, pinned after the group started)."""
     from overhead_session import run_session
 
     binding = "cores" if variant == "cores" else "none"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ignite_mgpu import stop
-from ignite_mgpu.binding import apply_binding, current
+from ignite_mgpu.binding import apply_binding, current, free_group_threads, thread_ids
 from ignite_mgpu.errors import FAILED, TrainingStopped, is_user_error
 
 if TYPE_CHECKING:
@@ -34,9 +34,11 @@ def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> None:
     stop.set_collective_timeout(plan.timeout)
     for name in ("launcher.Parallel", "auto.auto_dataloader", "auto.auto_model", "auto.auto_optim"):
         logging.getLogger(f"ignite.distributed.{name}").setLevel(logging.WARNING)  # ignite keeps existing loggers
+    before_group = thread_ids()
     own_group = plan.external and plan.backend is not None and _join_torchelastic_attempt(plan.backend)
     try:
         with idist.Parallel(backend=None if own_group else plan.backend, init_method=plan.init_method) as parallel:
+            free_group_threads(before_group)  # cores: gloo's threads communicate on the job's CPUs
             _say_where(plan)
             parallel.run(fn, *args)
             if idist.get_world_size() > 1:

@@ -73,7 +73,7 @@ def test_cores_keeps_a_thread_count_the_user_set():
     plan = plan_binding("cores", 2, range(4), {"OMP_NUM_THREADS": "3"}, flat(range(4)), None)
     assert cpus_of(plan) == ["0-1", "2-3"] and all(r.threads is None for r in plan.ranks)
     assert plan.reason == "cpu binding: cores (as asked; OMP_NUM_THREADS=3 kept)"
-    assert plan.ranks[0].describe() == "CPUs 0-1 (cores), threads as set"
+    assert plan.ranks[0].describe() == "CPUs 0-1 (cores), threads as set, process-group threads on 0-3"
 
 
 def test_cores_with_more_processes_than_cpus_is_refused():
@@ -291,6 +291,47 @@ def test_apply_binds_every_thread_sets_the_threads_and_undo_restores():
         undo()
     assert os.sched_getaffinity(0) == before and torch.get_num_threads() == threads_before
     assert binding.current() is None and binding.cpu_share(1) == len(before)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs: a share and another")
+def test_the_process_groups_threads_get_the_jobs_cpus_and_no_other_thread_does():
+    before, cpu, other = os.sched_getaffinity(0), min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))
+    release, masks, threads = threading.Event(), {}, []
+
+    def start(name, own=None):  # a thread still running when free_group_threads looks
+        ready = threading.Event()
+
+        def body():
+            if own is not None:
+                os.sched_setaffinity(0, own)  # a thread that chose its CPUs itself
+            ready.set()
+            release.wait(10)
+            masks[name] = os.sched_getaffinity(0)
+
+        threads.append(threading.Thread(target=body))
+        threads[-1].start()
+        ready.wait(10)
+
+    undo = apply_binding(RankBinding((cpu,), None, 1, "cores", tuple(sorted(before))))
+    try:
+        start("before the group")  # e.g. a thread an import started: it stays on the share
+        started = binding.thread_ids()
+        start("the group's")  # inherits the share from the training thread
+        start("its own mask", own={other})
+        binding.free_group_threads(started)
+        assert os.sched_getaffinity(0) == {cpu}  # the training thread keeps its share
+    finally:
+        release.set()
+        for t in threads:
+            t.join(10)
+        undo()
+    assert masks == {"before the group": {cpu}, "the group's": before, "its own mask": {other}}
+    assert os.sched_getaffinity(0) == before
+
+
+def test_numa_keeps_the_process_groups_threads_next_to_the_gpu(two_sockets):
+    plan = job("numa", [0, 2], two_sockets)
+    assert all(r.group_cpus is None for r in plan.ranks) and "process-group" not in plan.ranks[0].describe()
 
 
 def test_numa_needs_to_know_each_ranks_gpu(two_sockets, monkeypatch):

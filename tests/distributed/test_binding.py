@@ -1,5 +1,6 @@
 """--cpu-binding in real 2-process gloo jobs: each rank and its loader workers run on the rank's share with its
-threads, binding leaves the weights bit for bit as they were, and a restricted affinity is kept.
+threads (the process group's threads on the job's CPUs), binding leaves the weights bit for bit as they were, and a
+restricted affinity is kept.
 
 Run: python -m pytest tests/distributed/test_binding.py -q   (needs 2 CPUs; each test has a hard timeout)
 """
@@ -42,14 +43,16 @@ def _write_affinity(path: str, worker_id: int) -> None:
 
 
 def record_binding(local_rank: int, out: str) -> None:
-    """The job: every thread's CPUs (gloo's too, started after the binding), the intra-op threads, and the CPUs of
-    a data-loader worker this rank forks."""
+    """The job: every thread's name and CPUs (gloo's too, started after the binding), the intra-op threads, and the
+    CPUs of a data-loader worker this rank forks."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    masks = []
+    masks = {}
     for tid in os.listdir("/proc/self/task"):
         status = Path(f"/proc/self/task/{tid}/status").read_text().splitlines()
-        masks.append(next(line.split(":", 1)[1].strip() for line in status if line.startswith("Cpus_allowed_list")))
+        mask = next(line.split(":", 1)[1].strip() for line in status if line.startswith("Cpus_allowed_list"))
+        name = "main" if int(tid) == os.getpid() else Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        masks[f"{name} {tid}"] = mask
     loader_file = Path(out, f"loader{local_rank}.json")
     ds = TensorDataset(torch.zeros(4, 1))
     list(DataLoader(ds, batch_size=2, num_workers=1, worker_init_fn=partial(_write_affinity, str(loader_file))))
@@ -69,7 +72,10 @@ def test_each_rank_and_its_loader_workers_run_on_its_share(tmp_path, monkeypatch
     for r in (0, 1):
         want = expected.ranks[r]
         seen = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert {frozenset(parse_cpulist(mask)) for mask in seen["masks"]} == {frozenset(want.cpus)}  # every thread
+        masks = {name: set(parse_cpulist(mask)) for name, mask in seen["masks"].items()}
+        group = {name for name in masks if name.startswith(("gloo_tcp_loop", "pt_gloo_runloop", "pt_tcpstore"))}
+        assert group and all(masks[name] == os.sched_getaffinity(0) for name in group), seen  # on the job's CPUs
+        assert all(mask == set(want.cpus) for name, mask in masks.items() if name not in group), seen  # main too
         assert seen["threads"] == want.threads and seen["omp"] == str(want.threads)
         assert json.loads((tmp_path / f"loader{r}.json").read_text()) == list(want.cpus)
         assert f"rank {r}: {want.describe()}" in err  # each rank's first line
