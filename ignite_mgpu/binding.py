@@ -338,8 +338,9 @@ def free_group_threads(started_before: set[int]) -> None:
     """Give the threads started since ``started_before`` (``thread_ids()`` before joining the process group: the
     group's threads) the CPUs the binding planned for them.
 
-    Measured on 2 gloo processes on 2 cores (benchmarks/README.md): with gloo's threads bound beside the training
-    thread, the tiny MLP's step took up to 1.28x as long as unbound; with only the training thread bound, 0.75-0.96x.
+    Measured on 2 gloo processes on 2 cores (bench_binding.py runs E and F, the README's Performance section): with
+    gloo's threads bound beside the training thread the tiny MLP's step took 1.26-1.28x as long as unbound; with
+    them left free, 0.90-0.95x.
     """
     if _current is None or _current.cpus is None or _current.group_cpus is None:
         return
