@@ -125,7 +125,7 @@ def engine_steps(built: tuple[Any, ...], epochs: int, window: int) -> Generator[
     loop costs; (b)'s distance to it is what ignite-mgpu's step and handlers add."""
     from ignite.engine import Engine, Events
 
-    sampler, loader, model, net, optimizer, scheduler, loss_fn = built
+    sampler, loader, model, net = built[:4]
     engine, paused = Engine(engine_step(built)), [False]
 
     def pause(e: Engine) -> None:  # a plain handler: a filtered event (every=) costs 13 Python calls per iteration

@@ -75,17 +75,16 @@ def create_trainer(
     """A trainer Engine for a model already placed by ``prepare_model`` (DDP, DataParallel, FSDP or plain).
 
     Each iteration: the batch to the device (every tensor in it; on the CPU it is used as the loader gives it, in CPU
-    memory), forward under autocast, ``loss / grad_accum_steps``
-    backward (on accumulation steps inside DDP's ``no_sync``, or FSDP's gradient sync off), then on the last
-    micro-batch unscale, clip (the global norm, also over FSDP's shards), optimizer and scheduler step. Windows
-    restart every epoch; when the epoch length does not divide, the epoch's last window is shorter and its loss is
-    divided by its own length, so its gradient is the mean over its micro-batches. A batch is ``(inputs, targets,
-    *extra)`` or a mapping (targets under "labels" or "targets", the rest passed as the model's keyword arguments);
-    ``loss_fn(predictions, targets)`` gets a tensor output or its ``logits``. With ``loss_fn=None`` the model
-    computes the loss itself: ``model(x, y)``, or ``model(**batch)`` for a mapping, returning the loss, a mapping
-    with "loss" or an object with ``.loss`` (as Hugging Face models do); DataParallel's per-GPU loss vector is
-    reduced exactly. ``engine.state.output`` is the detached loss; a ``TrainingGuard`` stops every rank together on
-    a non-finite loss or a stop signal, and the sampler's ``set_epoch`` is called every epoch.
+    memory), forward under autocast, ``loss / grad_accum_steps`` backward (on accumulation steps inside DDP's
+    ``no_sync``, or FSDP's gradient sync off), then on the last micro-batch unscale, clip (the global norm, also over
+    FSDP's shards), optimizer and scheduler step. Windows restart every epoch; when the epoch length does not divide,
+    the epoch's last window is shorter and its loss is divided by its own length, so its gradient is the mean over its
+    micro-batches. A batch is ``(inputs, targets, *extra)`` or a mapping (targets under "labels" or "targets", the rest
+    passed as the model's keyword arguments); ``loss_fn(predictions, targets)`` gets a tensor output or its ``logits``.
+    With ``loss_fn=None`` the model computes the loss itself: ``model(x, y)``, or ``model(**batch)`` for a mapping,
+    returning the loss, a mapping with "loss" or an object with ``.loss`` (as Hugging Face models do); DataParallel's
+    per-GPU loss vector is reduced exactly. ``engine.state.output`` is the detached loss; a ``TrainingGuard`` stops
+    every rank together on a non-finite loss or a stop signal, and the sampler's ``set_epoch`` is called every epoch.
 
     Args:
         precision: "fp32", "bf16" (autocast on CUDA and CPU) or "fp16" (CUDA only, with a GradScaler).
