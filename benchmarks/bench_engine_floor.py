@@ -27,9 +27,9 @@ from ignite.engine import Engine
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ignite_mgpu.data import timed
-from ignite_mgpu.engine import create_trainer
-from ignite_mgpu.report import EpochReport
+from ignite_mgpu.train.data import timed
+from ignite_mgpu.train.engine import create_trainer
+from ignite_mgpu.train.epoch_log import EpochReport
 
 BATCH, FEATURES, CLASSES = 16, 192, 10  # the benchmark's tiny MLP input: 3 x 8 x 8 images, 16 per process
 

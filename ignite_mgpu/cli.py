@@ -162,8 +162,8 @@ def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | Non
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def devices(as_json: bool) -> None:
     """List every GPU: physical id, PCI bus, memory, utilisation, processes, and its CUDA index here."""
-    from ignite_mgpu import gpus
-    from ignite_mgpu.devices import format_devices
+    from ignite_mgpu.processes import gpus
+    from ignite_mgpu.processes.devices import format_devices
 
     click.echo(format_devices(gpus.query_gpus(), os.environ, as_json=as_json))
 
@@ -186,7 +186,7 @@ def report(run_dirs: tuple[str, ...], out: str | None, as_json: bool) -> None:
     (pip install -e ".[plot]") only the table is printed. Reads files only: safe while a run is going.
     """
     with _errors_to_exit():
-        from ignite_mgpu import runs
+        from ignite_mgpu.runs import read as runs
 
         found = runs.read_runs(run_dirs)
         image, note = runs.write_image(found, out)

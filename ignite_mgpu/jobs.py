@@ -8,13 +8,14 @@ import functools
 import sys
 from pathlib import Path
 
-from ignite_mgpu import launcher, scheduler
 from ignite_mgpu.config import Config, run_dir, validate
 from ignite_mgpu.errors import CheckpointError, ConfigError
 from ignite_mgpu.preflight import prepared
-from ignite_mgpu.supervisor import Restart
+from ignite_mgpu.processes import cluster as scheduler
+from ignite_mgpu.processes import launcher
+from ignite_mgpu.processes.supervisor import Restart
 
-TRAINING = "ignite_mgpu.train:training"
+TRAINING = "ignite_mgpu.train.job:training"
 
 
 def _refused(err: ConfigError | CheckpointError) -> int:
@@ -62,9 +63,9 @@ def evaluate(cfg: Config, checkpoint: str | Path, as_json: bool = False) -> int:
     """Score the weights in ``checkpoint`` on ``cfg``'s validation split, on the processes ``cfg.dist`` asks for;
     rank 0 prints the metrics. The checkpoint is checked against the model before any worker starts."""
     from ignite_mgpu.checkpoint.load import load_checkpoint
-    from ignite_mgpu.data import build_datasets, example_inputs
-    from ignite_mgpu.models import create_model
-    from ignite_mgpu.train import evaluation
+    from ignite_mgpu.train.data import build_datasets, example_inputs
+    from ignite_mgpu.train.job import evaluation
+    from ignite_mgpu.train.models import create_model
 
     try:
         validate(cfg)

@@ -18,10 +18,10 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from ignite_mgpu import plugins
 from ignite_mgpu.config import Config, run_dir
 from ignite_mgpu.errors import ConfigError, CorruptCheckpointError
-from ignite_mgpu.launcher import LaunchPlan, make_plan, started_externally
+from ignite_mgpu.processes.launcher import LaunchPlan, make_plan, started_externally
+from ignite_mgpu.train import plugins
 
 
 def is_leader(cfg: Config, environ: Mapping[str, str] = os.environ) -> bool:
@@ -33,7 +33,7 @@ def is_leader(cfg: Config, environ: Mapping[str, str] = os.environ) -> bool:
 
 def check_job(cfg: Config) -> None:
     """What the config names must exist: the model, and the packages the chosen options need."""
-    from ignite_mgpu.models import check_model
+    from ignite_mgpu.train.models import check_model
 
     check_model(cfg.model)
     if plugins.is_factory(cfg.train.loss):
@@ -81,8 +81,8 @@ def check_fsdp_blocks(cfg: Config) -> None:
     initialisation). A factory that cannot build there is checked by the workers instead, with the same message."""
     import torch
 
-    from ignite_mgpu.fsdp import check_blocks
-    from ignite_mgpu.models import create_model
+    from ignite_mgpu.train.fsdp import check_blocks
+    from ignite_mgpu.train.models import create_model
 
     try:
         with torch.device("meta"):
@@ -96,8 +96,8 @@ def check_datasets(cfg: Config, world_size: int) -> None:
     """Empty splits, a global batch that does not split over ``world_size``, too few samples per process, and a
     dataset whose batches the loss cannot use. A dataset factory runs here once, so that its mistakes are reported
     once, before any worker starts."""
-    from ignite_mgpu import batches
-    from ignite_mgpu.data import GENERATED, build_datasets, check_sizes, first_batch
+    from ignite_mgpu.train import batches
+    from ignite_mgpu.train.data import GENERATED, build_datasets, check_sizes, first_batch
 
     if cfg.data.name in GENERATED:  # sizes known from the config: only the workers generate the data
         sizes = range(cfg.data.train_size), range(cfg.data.val_size)

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ignite_mgpu import fit, launcher, preflight
+from ignite_mgpu import fit, preflight
 from ignite_mgpu.config import load_config
+from ignite_mgpu.processes import launcher
 
 
 @pytest.fixture
@@ -30,7 +31,7 @@ def config(tmp_path, *overrides):
 def test_fit_runs_the_default_job_under_the_lock(launched, tmp_path):
     assert fit(config(tmp_path, "dist.nproc=2")) == 0
     plan, (target, cfg), locked, _ = launched[0]
-    assert target == "ignite_mgpu.train:training" and plan.world_size == 2 and locked
+    assert target == "ignite_mgpu.train.job:training" and plan.world_size == 2 and locked
     assert not (tmp_path / "out" / ".lock").exists()  # released when the job ended
 
 
@@ -160,7 +161,7 @@ def test_a_restart_of_the_default_job_resumes_the_newest_complete_checkpoint(lau
     first = restart(1)
     assert first.checkpoint is None and first.iteration == 0  # none written yet: from the beginning
     target, cfg, restarts = first.args
-    assert target == "ignite_mgpu.train:training" and cfg.resume == "auto" and restarts == 3
+    assert target == "ignite_mgpu.train.job:training" and cfg.resume == "auto" and restarts == 3
     out = tmp_path / "out"
     torch.save({"model": {}}, out / "checkpoint_8.pt")
     (out / "checkpoint_12.pt").write_bytes(b"PK\x03\x04 truncated")  # the newest is incomplete: skipped

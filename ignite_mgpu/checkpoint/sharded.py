@@ -60,7 +60,7 @@ def save_sharded(to_save: Mapping[str, Any], folder: Path) -> None:
     import ignite.distributed as idist
     import torch.distributed.checkpoint as dcp
 
-    from ignite_mgpu.fsdp import module_and_optimizer, sharded_state
+    from ignite_mgpu.train.fsdp import module_and_optimizer, sharded_state
 
     rank, tmp = idist.get_rank(), folder.with_name(TEMP_PREFIX + folder.name)
     module, optimizer = module_and_optimizer(to_save["model"], to_save.get("optimizer"))
@@ -133,7 +133,7 @@ def load_sharded(
     import torch.distributed.checkpoint as dcp
 
     from ignite_mgpu.checkpoint.load import check_model_state
-    from ignite_mgpu.fsdp import load_sharded_state, module_and_optimizer, sharded_state
+    from ignite_mgpu.train.fsdp import load_sharded_state, module_and_optimizer, sharded_state
 
     state = read_checkpoint(folder / TRAIN_STATE, idist.device())
     absent = [k for k in to_load if k not in SHARDED and k not in state]

@@ -72,7 +72,7 @@ def test_rng_states_become_plain_types_and_come_back():
 def test_old_checkpoints_with_numpy_rng_state_still_load(tmp_path):
     from ignite.engine import DeterministicEngine
 
-    from ignite_mgpu.engine import PortableDeterministicEngine
+    from ignite_mgpu.train.engine import PortableDeterministicEngine
 
     old = DeterministicEngine(lambda e, b: None)
     old.run(range(4), max_epochs=1)
