@@ -7,7 +7,7 @@ All four train the same tiny MLP on the same in-memory batches with one thread p
 thread's CPU clock (``time.thread_time``), so neither other processes nor waiting count. Rounds alternate the four
 loops; the figure is each loop's fastest round, and "extra" is its difference to the plain loop.
 
-Run: python benchmarks/bench_engine_floor.py [--rounds 7] [--iters 2000]
+Run: python benchmarks/overhead/bench_engine_floor.py [--rounds 7] [--iters 2000]
 """
 
 from __future__ import annotations
