@@ -51,8 +51,8 @@ def _dirs_without_nvidia_smi(path: str) -> str:
 def _cpu_only(request, _no_leaked_environment, monkeypatch):
     """Every test without the ``gpu`` marker runs as on a machine without GPUs, also on a GPU server: CUDA hidden
     in this process (torch.cuda may have counted the GPUs already) and in every process it starts, NVML and
-    nvidia-smi unreachable. Tests that need devices inject a recorded snapshot (tests/processes/test_gpus.py). It depends on
-    _no_leaked_environment so that monkeypatch is undone before the leak check runs."""
+    nvidia-smi unreachable. Tests that need devices inject a recorded snapshot (tests/processes/test_gpus.py). It
+    depends on _no_leaked_environment so that monkeypatch is undone before the leak check runs."""
     if "gpu" in request.keywords:
         return
     import torch

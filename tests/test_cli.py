@@ -242,14 +242,14 @@ def test_evaluation_places_the_model_like_training(tmp_path, monkeypatch, capsys
     # One process: the model is only moved to the device, never wrapped by idist.auto_model (which would pick
     # DataParallel on a machine with several GPUs).
     from ignite_mgpu.config import load_config
-    from ignite_mgpu.train import job as train
+    from ignite_mgpu.train import job
     from ignite_mgpu.train.models import create_model
 
     cfg = load_config(None, ["data.val_size=32", "train.keep_cpu_memory=false", f"output_dir={tmp_path}"])
     torch.save(create_model(cfg.model, torch.zeros(1, 3, 32, 32)).state_dict(), tmp_path / "weights.pt")
-    monkeypatch.setattr(train, "setup_logging", lambda rank: None)  # leave pytest's logging alone
-    monkeypatch.setattr(train.idist, "auto_model", lambda *a, **k: pytest.fail("evaluation used idist.auto_model"))
-    train.evaluation(0, cfg, str(tmp_path / "weights.pt"), True)
+    monkeypatch.setattr(job, "setup_logging", lambda rank: None)  # leave pytest's logging alone
+    monkeypatch.setattr(job.idist, "auto_model", lambda *a, **k: pytest.fail("evaluation used idist.auto_model"))
+    job.scoring(0, cfg, str(tmp_path / "weights.pt"), True)
     assert '"samples": 32' in capsys.readouterr().out
 
 

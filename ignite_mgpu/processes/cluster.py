@@ -1,5 +1,7 @@
-"""What an outer scheduler (torchrun, SLURM) tells a job and asks of it: how often it restarted the job, and the
-pre-emption requeue (``scontrol requeue $SLURM_JOB_ID``) once every rank has checkpointed. Torch-free."""
+"""Everything an outer launcher (torchrun, SLURM) tells a job through its environment, read in one place: whether
+it started this process, the process's rank and the job's size, the job's id, how often it restarted the job; the
+environment a worker gets (what torchrun would give it), and the pre-emption requeue (``scontrol requeue
+$SLURM_JOB_ID``). Torch-free."""
 
 from __future__ import annotations
 
@@ -8,6 +10,73 @@ import signal
 import subprocess
 from collections.abc import Callable, Mapping
 from typing import Any
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # torchrun (torch.distributed.run) sets all three
+KEPT_SLURM_VARS = ("SLURM_RESTART_COUNT",)  # the one SLURM variable a spawned worker keeps (restarts)
+
+
+def started_externally(environ: Mapping[str, str] = os.environ) -> bool:
+    """torchrun or srun (a SLURM step of several tasks) started this process: it joins their group, spawns nothing."""
+    if all(k in environ for k in TORCHRUN_VARS):
+        return True
+    return "SLURM_JOB_ID" in environ and int(environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in environ
+
+
+def global_rank(environ: Mapping[str, str] = os.environ) -> int:
+    """This process's rank in the job as torchrun (RANK) or SLURM (SLURM_PROCID) numbers it; 0 when neither does."""
+    return int(environ.get("RANK", environ.get("SLURM_PROCID", "0")))
+
+
+def local_rank(environ: Mapping[str, str] = os.environ) -> int:
+    return int(environ.get("LOCAL_RANK", "0"))
+
+
+def is_first_process(environ: Mapping[str, str] = os.environ) -> bool:
+    """The job's first process, which alone checks and locks the output folder and requeues a pre-empted job."""
+    return global_rank(environ) == 0
+
+
+def job_size(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
+    """(processes in the job, processes on this node) as torchrun or SLURM started them."""
+    world = int(environ.get("WORLD_SIZE", environ.get("SLURM_NTASKS", "1")))
+    # SLURM writes "4(x2)" for 4 tasks on each of 2 nodes.
+    local = int(environ.get("LOCAL_WORLD_SIZE", environ.get("SLURM_NTASKS_PER_NODE", str(world))).split("(")[0])
+    return world, local
+
+
+def job_id(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The id every process and every requeue of the job shares (SLURM_JOB_ID, torchrun's --rdzv-id), or None."""
+    found = environ.get("SLURM_JOB_ID") or environ.get("TORCHELASTIC_RUN_ID")
+    return found if found and found != "none" else None  # torchrun without --rdzv-id says "none"
+
+
+def torchrun_store(environ: Mapping[str, str] = os.environ) -> tuple[str, int, str] | None:
+    """(host, port, restart count) of torchrun's agent store when this process should use it, else None."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def worker_environment(
+    rank: int, local: int, world_size: int, local_world_size: int, node_rank: int, master_addr: str, master_port: int
+) -> dict[str, str]:
+    """The variables a spawned worker gets: the ones torchrun gives its processes, so ``idist`` and
+    ``init_process_group()`` read them as they would under torchrun."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "GROUP_RANK": str(node_rank),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
+
+
+def slurm_task_variables(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The SLURM variables a spawned worker must drop: inside an allocation ignite would read the launcher's SLURM
+    task from them, not the worker's rank."""
+    return [v for v in environ if v.startswith("SLURM_") and v not in KEPT_SLURM_VARS]
 
 
 def outer_restarts(environ: Mapping[str, str] = os.environ) -> int:

@@ -7,7 +7,9 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict
 
-from ignite_mgpu.processes.gpus import GpuInfo, format_ids, visible_ids
+from ignite_mgpu.processes.gpu_selection import visible_ids
+from ignite_mgpu.processes.gpus import GpuInfo
+from ignite_mgpu.text import format_ids
 
 _NO_GPU_TEXT = (
     "No NVIDIA GPU found (nvidia-smi not available or shows none). "

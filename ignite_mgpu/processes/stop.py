@@ -69,7 +69,7 @@ def set_status_file(path: str | Path | None) -> None:
     _status = memoryview(_map).cast("q")
 
 
-def report_progress(iteration: int) -> None:
+def note_progress(iteration: int) -> None:
     """This rank completed ``iteration`` (called after every iteration)."""
     if _status is not None:
         _status[0] = iteration

@@ -1,6 +1,6 @@
 """The process supervisor: one spawned worker per local rank (``worker.worker_main``); the first failure or a
-signal stops them all, ``outcome`` turns how each ended into one exit code and one message, and ``no_restart_reason``
-tells whether a restart (``dist.max_restarts``) can cure it. Both are pure functions."""
+signal stops them all; a failure that a restart can cure (``outcome.no_restart_reason``) restarts them, up to
+``dist.max_restarts`` times, with a backoff. How the job ended is ``outcome.outcome``'s to say."""
 
 from __future__ import annotations
 
@@ -14,17 +14,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, signal_exit_code
 from ignite_mgpu.processes import stop
+from ignite_mgpu.processes.outcome import Failure, Outcome, no_restart_reason, outcome
+from ignite_mgpu.processes.plan import LaunchPlan, Restart
 from ignite_mgpu.processes.worker import worker_main
-
-if TYPE_CHECKING:
-    from ignite_mgpu.processes.launcher import LaunchPlan
 
 # After the first failure the other ranks get this long to exit by themselves (a peer that lost its connection
 # does at once; the failing rank's report is written by then); longer only while one of them writes a checkpoint.
@@ -33,142 +31,9 @@ BACKOFF, MAX_BACKOFF = 1.0, 30.0  # seconds before restart k: BACKOFF * 2**(k-1)
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-@dataclass
-class Outcome:
-    """How an attempt ended: the exit code, the cause (one sentence or the error), advice, the traceback, and the
-    rank(s) that failed, for the restart's line."""
-
-    code: int
-    cause: str = ""
-    advice: str = ""
-    details: str = ""
-    failed: str = ""  # "rank 1", "rank(s) 1, 3"
-
-    def message(self, advice: bool = True) -> str:
-        text = f"{self.cause} {self.advice}" if advice and self.advice else self.cause
-        return f"{text}\n{self.details}" if self.details else text
-
-
-@dataclass
-class Restart:
-    """What a job's restart hook returns for restart k: the new arguments of ``fn`` and where they resume."""
-
-    args: tuple
-    checkpoint: str | None = None  # the checkpoint the restarted job resumes from (None: from its beginning)
-    iteration: int = 0  # that checkpoint's iteration
-    resumes: bool = True  # False: a plain function run again (launch()), nothing known about its progress
-
-
 def _print(message: str) -> None:
     if message:
         print(f"ignite-mgpu: {message}", file=sys.stderr, end="" if message.endswith("\n") else "\n", flush=True)
-
-
-def _is_stop(code: int) -> bool:
-    return code > 128  # 128 + N: stopped by signal N (SIGINT, SIGTERM, the pre-emption signal)
-
-
-def outcome(
-    reports: list[dict[str, Any]],
-    exit_codes: list[int | None],
-    first_failure: tuple[int, int] | None = None,
-    signal_received: int = 0,
-    rank_offset: int = 0,
-    timeout: float = 300.0,
-) -> Outcome:
-    """The job's exit code and what to tell the user, from how every worker ended.
-
-    Args:
-        reports: the error files of the workers that failed (``worker.error_report``).
-        exit_codes: every local worker's exit code (negative: killed by that signal).
-        first_failure: (local rank, exit code) of the first worker that ended with a non-zero code.
-        signal_received: the signal the launcher itself received (0: none).
-        rank_offset: the global rank of local rank 0 (multi-node).
-        timeout: ``dist.timeout``, named in the message for a collective that timed out.
-    """
-    stopped = [r for r in reports if _is_stop(r["code"])]
-    if signal_received:
-        # The workers were told with SIGTERM; name the signal the user actually sent.
-        name = signal.Signals(signal_received).name
-        message = stopped[0]["message"].replace("SIGTERM", name) if stopped else f"stopped by {name}"
-        return Outcome(signal_exit_code(signal_received), f"{message}.")
-    if all(c == 0 for c in exit_codes):
-        return Outcome(SUCCESS)
-    if len(stopped) == len(exit_codes):  # every worker was signalled directly (e.g. by a scheduler)
-        return Outcome(int(stopped[0]["code"]), f"{stopped[0]['message']}.")
-    diverged = [r for r in reports if r["code"] == DIVERGED]
-    if diverged:
-        return Outcome(DIVERGED, f"training diverged: {diverged[0]['message']}")
-    if first_failure and first_failure[1] == -signal.SIGABRT and not reports:
-        # NCCL's watchdog aborts a process whose collective outlived the timeout (no error file is written): the
-        # ranks that aborted were waiting; the silent ones, those that did not abort, are what to look at.
-        aborted = [rank_offset + i for i, c in enumerate(exit_codes) if c == -signal.SIGABRT]
-        silent = [rank_offset + i for i, c in enumerate(exit_codes) if c != -signal.SIGABRT]
-        return Outcome(
-            FAILED,
-            f"rank(s) {', '.join(map(str, aborted))} aborted (SIGABRT), which is how NCCL's watchdog ends a "
-            f"process whose collective waited longer than dist.timeout ({timeout:.0f} s); rank(s) "
-            f"{', '.join(map(str, silent)) or '?'} never arrived (stuck or hung).",
-            "Find what they were doing (data loader, I/O, a rank-dependent branch); --resume auto continues from "
-            "the last checkpoint.",
-            failed=f"rank(s) {', '.join(map(str, silent))}",
-        )
-    if first_failure and first_failure[1] < 0:  # killed (OOM killer, kill -9): no error file of its own
-        local_rank, code = first_failure
-        hint = " (the kernel's OOM killer sends SIGKILL when memory runs out)" if code == -signal.SIGKILL else ""
-        return Outcome(
-            FAILED,
-            f"rank {rank_offset + local_rank} terminated with signal {signal.Signals(-code).name}{hint}; stopped "
-            "the other ranks.",
-            "Resume from the last checkpoint with --resume auto.",
-            failed=f"rank {rank_offset + local_rank}",
-        )
-    failed = [r for r in reports if r["code"] == FAILED]
-    timeouts = [r for r in failed if "timed out" in r["message"].lower() or "timeout" in r["type"].lower()]
-    if failed and len(timeouts) == len(failed):
-        waiting = {r["rank"] for r in timeouts}
-        silent = [rank_offset + i for i in range(len(exit_codes)) if rank_offset + i not in waiting]
-        first = min(timeouts, key=lambda r: r["time"])
-        return Outcome(
-            FAILED,
-            f"rank {first['rank']} timed out after {timeout:.0f} s (dist.timeout) waiting in a collective; "
-            f"rank(s) {', '.join(map(str, silent)) or '?'} stopped answering (stuck or hung). "
-            f"Error: {first['message'].splitlines()[0] if first['message'] else ''}",
-            failed=f"rank(s) {', '.join(map(str, silent))}",
-        )
-    if failed:
-        # The earliest error is the cause; later ones are usually peers losing their connection to it.
-        first = min(failed, key=lambda r: r["time"])
-        cause = f"rank {first['rank']} failed with {first['type']}: {first['message']}"
-        return Outcome(FAILED, cause, "", first["traceback"], f"rank {first['rank']}")
-    return Outcome(FAILED, f"a rank exited with codes {exit_codes}.")
-
-
-def no_restart_reason(
-    reports: list[dict[str, Any]],
-    exit_codes: list[int | None],
-    first_failure: tuple[int, int] | None = None,
-    signal_received: int = 0,
-) -> str | None:
-    """None when a restart can cure how the attempt ended (an exception that is not a user error, a crash, a
-    rank killed, a collective timeout); otherwise why not, for the log."""
-    if signal_received or any(_is_stop(r["code"]) for r in reports):
-        return "the job was asked to stop"
-    if all(c == 0 for c in exit_codes):
-        return "the job succeeded"
-    if any(r["code"] == DIVERGED for r in reports):
-        return "training diverged, and a restart from the last checkpoint would diverge again"
-    if first_failure and first_failure[1] in (-signal.SIGINT, -signal.SIGTERM):
-        return f"a rank was stopped by {signal.Signals(-first_failure[1]).name}"
-    if first_failure and first_failure[1] < 0:
-        return None  # killed: the kernel's OOM killer, kill -9, NCCL's watchdog
-    failed = sorted((r for r in reports if r["code"] == FAILED), key=lambda r: r["time"])
-    if failed and failed[0].get("user_error"):
-        return (
-            f"{failed[0]['type']} is an error in the configuration, the data or a checkpoint, which a restart "
-            "would meet again"
-        )
-    return None
 
 
 class Supervisor:
@@ -280,11 +145,11 @@ class Supervisor:
             self._signal_all(signal.SIGKILL)
             for p in self.procs:
                 p.join(5)
-        reports = self._read_reports(folder)
+        failures = self._read_failures(folder)
         exit_codes = [p.exitcode for p in self.procs]
         offset = plan.node_rank * plan.nproc
-        result = outcome(reports, exit_codes, self.first_failure, self.signal_received, offset, plan.timeout)
-        reason = no_restart_reason(reports, exit_codes, self.first_failure, self.signal_received)
+        result = outcome(failures, exit_codes, self.first_failure, self.signal_received, offset, plan.timeout)
+        reason = no_restart_reason(failures, exit_codes, self.first_failure, self.signal_received)
         reached = min((status[0] for status in self._statuses(folder)), default=0)
         return result, reason, reached
 
@@ -346,9 +211,9 @@ class Supervisor:
         return [s for s in found if s is not None]
 
     @staticmethod
-    def _read_reports(folder: Path) -> list[dict[str, Any]]:
-        reports = []
+    def _read_failures(folder: Path) -> list[Failure]:
+        failures = []
         for f in folder.glob("rank*.json"):
             with contextlib.suppress(ValueError, OSError):
-                reports.append(json.loads(f.read_text()))
-        return reports
+                failures.append(json.loads(f.read_text()))
+        return failures

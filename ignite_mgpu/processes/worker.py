@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ignite_mgpu.errors import FAILED, TrainingStopped, is_user_error
-from ignite_mgpu.processes import stop
+from ignite_mgpu.processes import cluster, stop
 from ignite_mgpu.processes.binding import apply_binding, current, free_group_threads, thread_ids
 
 if TYPE_CHECKING:
-    from ignite_mgpu.processes.launcher import LaunchPlan
+    from ignite_mgpu.processes.plan import LaunchPlan
 
 
 def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> None:
@@ -35,7 +35,7 @@ def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> None:
     for name in ("launcher.Parallel", "auto.auto_dataloader", "auto.auto_model", "auto.auto_optim"):
         logging.getLogger(f"ignite.distributed.{name}").setLevel(logging.WARNING)  # ignite keeps existing loggers
     before_group = thread_ids()
-    own_group = plan.external and plan.backend is not None and _join_torchelastic_attempt(plan.backend)
+    own_group = plan.external and plan.backend is not None and _join_torchrun_attempt(plan.backend)
     try:
         with idist.Parallel(backend=None if own_group else plan.backend, init_method=plan.init_method) as parallel:
             free_group_threads(before_group)  # cores: gloo's threads communicate on the job's CPUs
@@ -55,25 +55,25 @@ def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> None:
             dist.destroy_process_group()
 
 
-def _join_torchelastic_attempt(backend: str) -> bool:
+def _join_torchrun_attempt(backend: str) -> bool:
     """Under torchrun, join the process group through this restart's own namespace of the agent's store.
 
     torchrun keeps one store for the whole job, and the env:// rendezvous adds no per-restart prefix: processes
     it restarted would read the previous processes' addresses (gloo: "connectFullMesh failed ... Connection
     refused"). ignite then takes the group as it finds it. False when torchrun did not start this process.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    agent_store = cluster.torchrun_store()
+    if agent_store is None:
         return False
     import torch
     import torch.distributed as dist
 
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # as ignite does when it creates the group
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"ignite_mgpu/restart{restart}/", client)
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        torch.cuda.set_device(cluster.local_rank())  # as ignite does when it creates the group
+    host, port, restart = agent_store
+    store = dist.PrefixStore(f"ignite_mgpu/restart{restart}/", dist.TCPStore(host, port, is_master=False))
+    world_size, _ = cluster.job_size()
+    dist.init_process_group(backend, store=store, rank=cluster.global_rank(), world_size=world_size)
     return True
 
 
@@ -117,8 +117,8 @@ def _set_pdeathsig() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
-def error_report(rank: int, err: BaseException) -> dict[str, Any]:
-    """What a failed worker tells the supervisor: its rank, when, the error, its exit code."""
+def failure_record(rank: int, err: BaseException) -> dict[str, Any]:
+    """What a failed worker tells the supervisor in its failure file: its rank, when, the error, its exit code."""
     return {
         "rank": rank,
         "time": time.time(),
@@ -134,20 +134,16 @@ def worker_main(local_rank: int, plan: LaunchPlan, fn: Callable[..., Any], args:
     """The spawned process's entry: set up the process, run ``fn``, exit with its code (an error file on failure)."""
     _set_pdeathsig()
     os.setpgid(0, 0)  # own process group: Ctrl-C reaches only the launcher, which then stops the workers
-    for var in [v for v in os.environ if v.startswith("SLURM_") and v != "SLURM_RESTART_COUNT"]:
+    for var in cluster.slurm_task_variables():
         del os.environ[var]  # inside an allocation ignite would read the launcher's SLURM task, not this rank
     rank = plan.node_rank * plan.nproc + local_rank
     os.environ.update(plan.env)
     # Before anything imports torch here (unless unpickling the job function already did: then it resizes the pool).
     apply_binding(plan.binding.rank(local_rank))
     os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(plan.world_size),
-        LOCAL_WORLD_SIZE=str(plan.nproc),
-        GROUP_RANK=str(plan.node_rank),
-        MASTER_ADDR=plan.master_addr,
-        MASTER_PORT=str(plan.master_port or 29500),
+        cluster.worker_environment(
+            rank, local_rank, plan.world_size, plan.nproc, plan.node_rank, plan.master_addr, plan.master_port or 29500
+        )
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_signal)
@@ -157,10 +153,10 @@ def worker_main(local_rank: int, plan: LaunchPlan, fn: Callable[..., Any], args:
     code = 0
     try:
         run_in_group(plan, fn, args)
-    except BaseException as err:  # every failure becomes an error file and an exit code
-        report = error_report(rank, err)
-        code = report["code"]
-        Path(error_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    except BaseException as err:  # every failure becomes a failure file and an exit code
+        record = failure_record(rank, err)
+        code = record["code"]
+        Path(error_dir, f"rank{rank}.json").write_text(json.dumps(record))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown: a broken process group must not hang the exit

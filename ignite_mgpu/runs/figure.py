@@ -1,17 +1,22 @@
 """The picture of one or several runs for ``ignite-mgpu report``: loss, accuracy, throughput and data wait per epoch,
-and the peak memory of each GPU or process in the last epoch. matplotlib is the optional extra ``plot``."""
+and the peak memory of each GPU or process in the last epoch, written to an image file. matplotlib is the optional
+extra ``plot``, imported only when drawing."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.runs.folder import REPORT_IMAGE
 from ignite_mgpu.runs.read import Run, memory_kind, memory_names
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+PLOT_EXTRA = 'pip install -e ".[plot]"'
 TITLES = {
     "loss": "Loss (train: solid, validation: dashed)",
     "accuracy": "Validation accuracy",
@@ -19,6 +24,37 @@ TITLES = {
     "wait": "Data-loader wait",
     "memory": "Peak memory",  # the figure's title adds the epoch and max/min
 }
+
+
+def image_path(runs: list[Run], out: str | None) -> Path:
+    """Where the image goes: ``--out`` (.png added without a suffix), else RUN_DIR/report.png for one run and
+    report.png in the current folder for several."""
+    if out:
+        path = Path(out)
+        return path if path.suffix else path.with_suffix(".png")
+    return runs[0].path / REPORT_IMAGE if len(runs) == 1 else Path(REPORT_IMAGE)
+
+
+def write_image(runs: list[Run], out: str | None) -> tuple[Path | None, str]:
+    """Draw the runs into an image file; returns its path and a line to print, or (None, why) without matplotlib.
+
+    Raises:
+        ConfigError: the image cannot be written there (a folder, no permission, a format matplotlib lacks).
+    """
+    path = image_path(runs, out)
+    try:
+        figure = draw_report(runs)
+    except ImportError as err:
+        return None, (
+            f"no image drawn: matplotlib cannot be imported ({err}). `{PLOT_EXTRA}` (or `pip install matplotlib`) "
+            "adds it; the table has the same figures."
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path, dpi=80)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot write the image to {path}: {err}. Choose another --out (a .png file).") from err
+    return path, f"wrote {path}"
 
 
 def draw_report(runs: list[Run]) -> Figure:

@@ -1,5 +1,5 @@
 """Reading runs back for ``ignite-mgpu report``: the complete lines of ``metrics.jsonl``, the strategy and process
-count from ``config.yaml``, the text table and the JSON. Torch-free: it reads JSON and YAML only; ``plot.py`` draws."""
+count from ``config.yaml``. Torch-free: it reads JSON and YAML only (``table`` prints them, ``figure`` draws)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from ignite_mgpu.errors import ConfigError
-
-TABLE_EPOCHS = 10  # the text table shows the last epochs; --json has every one
-PLOT_EXTRA = 'pip install -e ".[plot]"'
+from ignite_mgpu.runs.folder import CONFIG, METRICS
+from ignite_mgpu.text import plural
 
 
 @dataclass
@@ -29,7 +28,7 @@ class Run:
 
     def series(self, key: str) -> list[float]:
         """``key`` of every epoch as floats; NaN where it is missing, null or not a number (a gap in a plot)."""
-        return [_number(row.get(key)) for row in self.epochs]
+        return [as_number(row.get(key)) for row in self.epochs]
 
     def has(self, key: str) -> bool:
         """Whether any epoch has a finite ``key`` (e.g. val_accuracy: not every task has one)."""
@@ -42,7 +41,7 @@ class Run:
     @property
     def memory(self) -> list[float]:
         """Peak memory (MB) of each GPU or process in the last epoch."""
-        return [_number(mb) for mb in self.last.get("peak_memory_mb") or []]
+        return [as_number(mb) for mb in self.last.get("peak_memory_mb") or []]
 
     @property
     def memory_per(self) -> str | None:
@@ -73,21 +72,17 @@ class Run:
         if not self.strategy:
             return f"{self.name} ({self.config_note or 'no dist.strategy in config.yaml'})"
         if self.strategy == "dp":
-            return f"{self.name} (dp, 1 process, {_count(len(self.memory), 'GPU')})"
+            return f"{self.name} (dp, 1 process, {plural(len(self.memory), 'GPU')})"
         where = f" on {self.nnodes} nodes" if self.nnodes > 1 else ""
         cpu = ", CPU" if self.memory_per == "process" else ""
-        return f"{self.name} ({self.strategy}, {_count(self.processes, 'process')}{where}{cpu})"
+        return f"{self.name} ({self.strategy}, {plural(self.processes, 'process')}{where}{cpu})"
 
 
 def _positive_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "es" if noun.endswith("s") else "s")
-
-
-def _number(value: Any) -> float:
+def as_number(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
@@ -115,7 +110,7 @@ def _read_dist(folder: Path) -> tuple[dict[str, Any], str]:
     """config.yaml's dist section, read leniently (a config of another version still labels its run)."""
     import yaml  # PyYAML comes with OmegaConf
 
-    path = folder / "config.yaml"
+    path = folder / CONFIG
     if not path.is_file():
         return {}, "no config.yaml"
     try:
@@ -133,7 +128,7 @@ def read_run(folder: str | Path) -> Run:
         ConfigError: no such folder, or no readable metrics.jsonl with a complete line in it.
     """
     folder = Path(folder)
-    metrics = folder / "metrics.jsonl"
+    metrics = folder / METRICS
     if not folder.is_dir():
         raise ConfigError(f"{folder}: no such folder. Give the run's output_dir, the folder with metrics.jsonl.")
     if not metrics.is_file():
@@ -165,81 +160,6 @@ def read_runs(folders: Sequence[str | Path]) -> list[Run]:
     return runs
 
 
-def image_path(runs: list[Run], out: str | None) -> Path:
-    """Where the image goes: ``--out`` (.png added without a suffix), else RUN_DIR/report.png for one run and
-    report.png in the current folder for several."""
-    if out:
-        path = Path(out)
-        return path if path.suffix else path.with_suffix(".png")
-    return runs[0].path / "report.png" if len(runs) == 1 else Path("report.png")
-
-
-def write_image(runs: list[Run], out: str | None) -> tuple[Path | None, str]:
-    """Draw the runs into an image file; returns its path and a line to print, or (None, why) without matplotlib.
-
-    Raises:
-        ConfigError: the image cannot be written there (a folder, no permission, a format matplotlib lacks).
-    """
-    path = image_path(runs, out)
-    try:
-        from ignite_mgpu.runs.figure import draw_report
-
-        figure = draw_report(runs)
-    except ImportError as err:
-        return None, (
-            f"no image drawn: matplotlib cannot be imported ({err}). `{PLOT_EXTRA}` (or `pip install matplotlib`) "
-            "adds it; the table has the same figures."
-        )
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(path, dpi=80)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot write the image to {path}: {err}. Choose another --out (a .png file).") from err
-    return path, f"wrote {path}"
-
-
-def _cell(value: float, fmt: str, scale: float = 1.0) -> str:
-    return format(value * scale, fmt) if math.isfinite(value) else "-"
-
-
-def _row(row: dict[str, Any]) -> list[str]:
-    peak = [_number(mb) for mb in row.get("peak_memory_mb") or []]
-    return [
-        str(row["epoch"]),
-        _cell(_number(row.get("train_loss")), ".4f"),
-        _cell(_number(row.get("val_loss")), ".4f"),
-        _cell(_number(row.get("val_accuracy")), ".4f"),
-        _cell(_number(row.get("samples_per_s")), ".1f"),
-        _cell(_number(row.get("time_per_iter_ms")), ".3f"),
-        _cell(_number(row.get("data_wait_share")), ".2f", 100),
-        _cell(max(peak, default=math.nan), ".1f"),
-        _cell(_number(row.get("memory_imbalance")), ".3f"),
-    ]
-
-
-COLUMNS = ("epoch", "train_loss", "val_loss", "val_acc", "samples/s", "ms/it", "data_wait_%", "peak_MB", "max/min")
-
-
-def format_table(runs: list[Run]) -> str:
-    """The text table: per run a header, one row per epoch (the last TABLE_EPOCHS) and the last epoch's memory.
-    Figures are the file's, at its own precision (losses and accuracy at 4 decimals); "-" for NaN or missing."""
-    blocks = []
-    for run in runs:
-        ignored = f" ({run.incomplete_lines} incomplete line(s) ignored)" if run.incomplete_lines else ""
-        lines = [f"{run.label}: {run.path}{ignored}"]
-        hidden = len(run.epochs) - TABLE_EPOCHS
-        if hidden > 0:
-            lines.append(f"  ({hidden} earlier epoch(s) not shown; --json has every epoch)")
-        rows = [list(COLUMNS)] + [_row(row) for row in run.epochs[-TABLE_EPOCHS:]]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-        lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-        names = memory_names(run)
-        entries = " | ".join(f"{n} {_cell(mb, '.1f')}" for n, mb in zip(names, run.memory, strict=True))
-        lines.append(f"  peak memory, epoch {run.last['epoch']}, MB ({memory_kind(run)}): {entries or '-'}")
-        blocks.append("\n".join(lines))
-    return "\n\n".join(blocks)
-
-
 def memory_names(run: Run) -> list[str]:
     """A name for each memory entry: "cuda:k" for the GPUs of one dp process, else "rank k"."""
     return [f"cuda:{k}" if run.strategy == "dp" else f"rank {k}" for k in range(len(run.memory))]
@@ -247,32 +167,3 @@ def memory_names(run: Run) -> list[str]:
 
 def memory_kind(run: Run) -> str:
     return {"gpu": "GPU, peak allocated", "process": "process, peak RSS"}.get(run.memory_per or "", "GPU or process")
-
-
-def _finite_or_none(value: Any) -> Any:
-    """JSON without NaN: NaN and Infinity become null (json.loads of our own lines gives floats for them)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, list):
-        return [_finite_or_none(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
-    return value
-
-
-def to_json(runs: list[Run], image: Path | None) -> str:
-    """One JSON object for scripts: every epoch of every run (NaN as null) and the image's path (null if none)."""
-    found = [
-        {
-            "run": str(r.path),
-            "label": r.label,
-            "strategy": r.strategy,
-            "processes": r.processes if r.strategy else None,
-            "nnodes": r.nnodes if r.strategy else None,
-            "peak_memory_per": r.memory_per,
-            "incomplete_lines": r.incomplete_lines,
-            "epochs": r.epochs,
-        }
-        for r in runs
-    ]
-    return json.dumps(_finite_or_none({"runs": found, "image": str(image) if image else None}), allow_nan=False)

@@ -13,6 +13,7 @@ from torch import nn
 
 from ignite_mgpu.errors import ConfigError
 
+Batch = Any  # a sequence (inputs, targets, *extra) or a mapping, of tensors and other values
 TARGET_KEYS = ("labels", "targets")  # where a mapping batch holds its targets (Hugging Face names them "labels")
 
 

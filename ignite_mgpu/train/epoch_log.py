@@ -1,5 +1,6 @@
-"""The epoch report: after each epoch (and its validation) one JSON line in ``metrics.jsonl`` and a short table on
-rank 0 (losses, accuracy, throughput, data-wait share, peak memory per GPU or process); optionally TensorBoard."""
+"""The epoch log: after each epoch (and its validation) one JSON line in ``metrics.jsonl`` and a short table on rank 0
+(losses, accuracy, throughput, data-wait share, peak memory per GPU or process); optionally TensorBoard. What
+``ignite-mgpu report`` reads back (``runs/``)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _peak_memory_mb(model_devices: list[torch.device]) -> list[float]:
     return [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]  # Linux reports KiB
 
 
-class EpochReport:
+class EpochLog:
     """After each epoch (and its validation): one JSON line in ``metrics.jsonl`` and a short table on rank 0.
 
     Fields: epoch, iteration, train_loss (mean over ranks), val_loss, val_accuracy (classification only),
@@ -154,18 +155,18 @@ class EpochReport:
             )  # fmt: skip
 
 
-def attach_tensorboard(trainer: Engine, report: EpochReport, logdir: Path) -> None:
-    """Every number of the epoch report as a TensorBoard scalar, and the peak memory of each rank (or GPU) as one
+def attach_tensorboard(trainer: Engine, epoch_log: EpochLog, logdir: Path) -> None:
+    """Every number of the epoch log as a TensorBoard scalar, and the peak memory of each rank (or GPU) as one
     scalar each (rank 0; needs the tensorboard package)."""
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(logdir))
 
     def write(engine: Engine) -> None:
-        for key, value in report.last.items():
+        for key, value in epoch_log.last.items():
             if isinstance(value, (int, float)) and key not in ("epoch", "iteration"):
                 writer.add_scalar(key, value, engine.state.epoch)
-        for tag, mb in zip(report.memory_tags(), report.last["peak_memory_mb"], strict=False):
+        for tag, mb in zip(epoch_log.memory_tags(), epoch_log.last["peak_memory_mb"], strict=False):
             writer.add_scalar(tag, mb, engine.state.epoch)
         writer.flush()
 

@@ -9,6 +9,7 @@ import math
 import time
 import weakref
 from datetime import timedelta
+from typing import NamedTuple
 
 import ignite.distributed as idist
 import torch
@@ -21,6 +22,24 @@ from ignite_mgpu.processes import stop
 class GuardEvents(EventEnum):
     STOPPING = "stopping"  # fired on every rank before a stop on a signal: attach the last checkpoint here
     CHECKPOINT = "checkpoint"  # a periodic checkpoint is due: every rank, the same iteration, a window's end
+
+
+class RankCheck(NamedTuple):
+    """What one rank tells the others at a check (gathered as one float64 row per rank)."""
+
+    stop_signal: float  # the first stop signal this rank received, 0: none
+    loss_sum: float  # of its losses since the last check: non-finite when any of them is
+    losses: float  # how many losses (iterations) that sum holds
+    seconds: float  # training time since the last check
+    unsaved_seconds: float  # since the last checkpoint
+
+
+def gather_checks(local: RankCheck) -> list[RankCheck]:
+    """Every rank's row, in rank order (one small all_gather; none in a single process)."""
+    if idist.get_world_size() == 1:
+        return [local]
+    rows = torch.as_tensor(idist.all_gather(torch.tensor(local, dtype=torch.float64))).view(-1, len(RankCheck._fields))
+    return [RankCheck(*row) for row in rows.tolist()]
 
 
 def accumulation_window(iteration: int, epoch_length: int | None, size: int) -> tuple[bool, int]:
@@ -59,19 +78,19 @@ class TrainingGuard:
     yields the loss averaged over ranks: ``engine.state.running_loss`` (since the last check) and
     ``engine.state.metrics["train_loss"]`` (epoch).
 
-    When it checks: every ``every`` iterations; with ``every=0`` about once per ``period`` seconds of training,
-    an interval that every rank derives from the same gathered timings (on a tiny model a check every 20 steps
-    cost 2-3 % of the step time). Also at each epoch end and on every multiple of ``sync_every`` (give the
-    checkpoint interval: nothing is then ever saved after an unchecked NaN). Checks fall on the ends of
-    accumulation windows of ``multiple_of`` iterations (``accumulation_window``), so a stop always falls on an
+    When it checks: every ``check_every`` iterations; with ``check_every=0`` about once per ``period`` seconds of
+    training, an interval that every rank derives from the same gathered timings (a collective per step costs a
+    tiny model a few percent of its step time). Also at each epoch end and on every multiple of
+    ``checkpoint_every_iters`` (nothing is then ever saved after an unchecked NaN). Checks fall on the ends of
+    accumulation windows of ``grad_accum_steps`` iterations (``accumulation_window``), so a stop always falls on an
     optimizer step.
 
-    ``GuardEvents.CHECKPOINT`` fires after a check on a multiple of ``sync_every`` (the end of the window holding
-    it) and once ``checkpoint_minutes`` have passed since the last one: the ranks decide from the gathered rows,
-    so they agree. A checkpoint or a stop decided at an epoch's last iteration waits until every other handler of
-    that epoch's end (validation, the epoch report) has run: a checkpoint of a finished epoch is resumed after
-    that epoch, whose end would otherwise never run. Every iteration is noted for the supervisor
-    (``stop.report_progress``), which names the work a restart loses.
+    ``GuardEvents.CHECKPOINT`` fires after a check on a multiple of ``checkpoint_every_iters`` (the end of the window
+    holding it) and once ``checkpoint_every_minutes`` have passed since the last one: the ranks decide from the
+    gathered rows, so they agree. A checkpoint or a stop decided at an epoch's last iteration waits until every
+    other handler of that epoch's end (validation, the epoch log) has run: a checkpoint of a finished epoch is
+    resumed after that epoch, whose end would otherwise never run. Every iteration is noted for the supervisor
+    (``stop.note_progress``), which names the work a restart loses.
     """
 
     MAX_INTERVAL = 1000  # iterations: bounds the losses kept between checks on very fast steps
@@ -81,22 +100,25 @@ class TrainingGuard:
 
     def __init__(
         self,
-        every: int = 0,
+        check_every: int = 0,
         *,
         period: float = 1.0,
-        sync_every: int = 0,
-        multiple_of: int = 1,
-        checkpoint_minutes: float | None = None,
+        checkpoint_every_iters: int = 0,
+        grad_accum_steps: int = 1,
+        checkpoint_every_minutes: float | None = None,
     ) -> None:
-        minutes_ok = checkpoint_minutes is None or checkpoint_minutes > 0
-        if every < 0 or period <= 0 or sync_every < 0 or multiple_of < 1 or not minutes_ok:
+        minutes = checkpoint_every_minutes
+        minutes_ok = minutes is None or minutes > 0
+        if check_every < 0 or period <= 0 or checkpoint_every_iters < 0 or grad_accum_steps < 1 or not minutes_ok:
             raise ValueError(
-                f"TrainingGuard(every={every}, period={period}, sync_every={sync_every}, multiple_of={multiple_of}, "
-                f"checkpoint_minutes={checkpoint_minutes}): use every >= 0 (0: about every `period` seconds), "
-                "period > 0, sync_every >= 0, multiple_of >= 1, checkpoint_minutes None or > 0."
+                f"TrainingGuard(check_every={check_every}, period={period}, checkpoint_every_iters="
+                f"{checkpoint_every_iters}, grad_accum_steps={grad_accum_steps}, checkpoint_every_minutes={minutes}): "
+                "use check_every >= 0 (0: about every `period` seconds), period > 0, checkpoint_every_iters >= 0, "
+                "grad_accum_steps >= 1, checkpoint_every_minutes None or > 0."
             )
-        self.every, self.period, self.sync_every, self.multiple_of = every, period, sync_every, multiple_of
-        self.checkpoint_seconds = 60.0 * checkpoint_minutes if checkpoint_minutes else 0.0
+        self.check_every, self.period = check_every, period
+        self.checkpoint_every_iters, self.grad_accum_steps = checkpoint_every_iters, grad_accum_steps
+        self.checkpoint_seconds = 60.0 * minutes if minutes else 0.0
         self._saved_at = time.monotonic()  # the last periodic checkpoint (or the start)
         self._saved_iteration = -1
         self._at_epoch_end: tuple[bool, int] = (False, 0)  # (checkpoint, stop signal) due once the epoch has ended
@@ -155,20 +177,20 @@ class TrainingGuard:
             self._next = self._schedule(engine.state.iteration, 1, engine.state.epoch_length)
 
     def _schedule(self, iteration: int, interval: int, epoch_length: int | None) -> int:
-        """The next check after ``iteration``: the next multiple of ``every``, or (auto) about ``interval`` later,
+        """The next check after ``iteration``: the next multiple of ``check_every``, or (auto) about ``interval`` later,
         moved to the end of the accumulation window it falls in."""
-        if self.every:
-            after = (iteration // self.every + 1) * self.every
+        if self.check_every:
+            after = (iteration // self.check_every + 1) * self.check_every
         else:
             after = iteration + min(max(interval, 1), self.MAX_INTERVAL)
-        return next_window_end(after, epoch_length, self.multiple_of)
+        return next_window_end(after, epoch_length, self.grad_accum_steps)
 
     def _sync_due(self, iteration: int, epoch_length: int | None) -> bool:
-        """A multiple of ``sync_every`` lies in the accumulation window that ends at ``iteration``."""
-        if self.multiple_of == 1:
-            return iteration % self.sync_every == 0
-        ends, length = accumulation_window(iteration, epoch_length, self.multiple_of)
-        return ends and iteration // self.sync_every > (iteration - length) // self.sync_every
+        """A multiple of ``checkpoint_every_iters`` lies in the accumulation window that ends at ``iteration``."""
+        if self.grad_accum_steps == 1:
+            return iteration % self.checkpoint_every_iters == 0
+        ends, length = accumulation_window(iteration, epoch_length, self.grad_accum_steps)
+        return ends and iteration // self.checkpoint_every_iters > (iteration - length) // self.checkpoint_every_iters
 
     def _on_iteration(self) -> None:  # every iteration: as little as possible
         engine: Engine = self._engine()  # type: ignore[misc, assignment]  # set by attach; it runs this, so it lives
@@ -180,8 +202,8 @@ class TrainingGuard:
         if not self._timeout_set:
             self._shorten_timeout()
         iteration = state.iteration
-        stop.report_progress(iteration)  # one store into a shared page: how much a restart would lose
-        if iteration >= self._next or (self.sync_every and self._sync_due(iteration, state.epoch_length)):
+        stop.note_progress(iteration)  # one store into a shared page: how much a restart would lose
+        if iteration >= self._next or (self.checkpoint_every_iters and self._sync_due(iteration, state.epoch_length)):
             self.check(engine)
 
     def pending(self) -> int:
@@ -213,31 +235,27 @@ class TrainingGuard:
         now = time.perf_counter()
         # A NaN or Inf anywhere makes the float64 sum non-finite: one number carries the non-finite check.
         unsaved = time.monotonic() - self._saved_at
-        local = torch.tensor(
-            [stop.stop_requested(), float(losses.sum()), len(losses), now - self._since, unsaved], dtype=torch.float64
-        )
+        local = RankCheck(stop.stop_requested(), float(losses.sum()), len(losses), now - self._since, unsaved)
         self._since = now
-        rows = (
-            torch.as_tensor(idist.all_gather(local)).view(-1, 5).tolist()
-            if idist.get_world_size() > 1
-            else [local.tolist()]
-        )
-        if not all(math.isfinite(row[1]) for row in rows):
+        rows = gather_checks(local)
+        if not all(math.isfinite(row.loss_sum) for row in rows):
             self._diverged(engine, losses)
         iteration, epoch_length = engine.state.iteration, engine.state.epoch_length
         epoch_end = bool(epoch_length) and iteration % epoch_length == 0  # type: ignore[operator]
-        signum = int(max(row[0] for row in rows))
+        signum = int(max(row.stop_signal for row in rows))
         if signum and not epoch_end:
             self._stop(engine, signum)
-        total, count = sum(row[1] for row in rows), sum(row[2] for row in rows)
+        total, count = sum(row.loss_sum for row in rows), sum(row.losses for row in rows)
         engine.state.running_loss = total / count  # type: ignore[attr-defined]
         self._epoch_sum += total
         self._epoch_count += count
-        seconds_per_iteration = max(row[3] / row[2] for row in rows)  # the same rows, so the same result everywhere
+        # The same rows on every rank, so the same interval everywhere.
+        seconds_per_iteration = max(row.seconds / row.losses for row in rows)
         interval = round(self.period / max(seconds_per_iteration, 1e-9))
         self._next = self._schedule(iteration, interval, epoch_length)
-        due = bool(self.sync_every) and self._sync_due(iteration, epoch_length)
-        due = due or bool(self.checkpoint_seconds) and max(row[4] for row in rows) >= self.checkpoint_seconds
+        due = bool(self.checkpoint_every_iters) and self._sync_due(iteration, epoch_length)
+        unsaved_most = max(row.unsaved_seconds for row in rows)
+        due = due or bool(self.checkpoint_seconds) and unsaved_most >= self.checkpoint_seconds
         if epoch_end:
             self._at_epoch_end = (self._at_epoch_end[0] or due, signum)
         elif due:

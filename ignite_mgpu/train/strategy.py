@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-STRATEGIES = ("ddp", "dp", "fsdp")
+from ignite_mgpu.config import STRATEGIES
 
 
 def prepare_model(

@@ -62,7 +62,7 @@ def test_two_processes_end_like_one_and_evaluate_exactly(tmp_path):
 
     # 101 validation samples on 2 ranks: the reduced metrics equal one process scoring every sample once.
     cfg = tiny_config(two)
-    from ignite_mgpu.train.data import build_datasets
+    from ignite_mgpu.train.datasets import build_datasets
     from ignite_mgpu.train.models import create_model
 
     val = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed).val

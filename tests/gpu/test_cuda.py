@@ -173,7 +173,7 @@ def test_loaders_pin_memory_and_copies_are_non_blocking_on_cuda(tmp_path, monkey
     code = (
         "import torch, ignite.distributed as idist\n"
         "from ignite_mgpu.config import load_config\n"
-        "from ignite_mgpu.train.data import create_dataloaders\n"
+        "from ignite_mgpu.train.loaders import create_dataloaders\n"
         "cfg = load_config(overrides=['data.train_size=64', 'data.val_size=16', 'data.batch_size=16'])\n"
         "train, val = create_dataloaders(cfg.data, 10, 0)\n"
         "x, y = next(iter(train))\n"

@@ -11,18 +11,11 @@ import pytest
 import torch
 
 from ignite_mgpu.config import ConfigError, DistConfig
-from ignite_mgpu.processes import binding, gpus
-from ignite_mgpu.processes.binding import (
-    RankBinding,
-    Topology,
-    apply_binding,
-    format_cpulist,
-    parse_cpulist,
-    plan_binding,
-    plan_for_job,
-    read_topology,
-)
-from ignite_mgpu.processes.launcher import make_plan
+from ignite_mgpu.processes import binding, gpus, topology
+from ignite_mgpu.processes.binding import RankBinding, apply_binding, plan_binding, plan_for_job
+from ignite_mgpu.processes.plan import make_plan
+from ignite_mgpu.processes.topology import Topology, parse_cpulist, read_topology
+from ignite_mgpu.text import format_ids
 from tests.processes.test_gpus import TOPO
 
 
@@ -34,21 +27,21 @@ def flat(cpus, nodes=None, smt_offset=None):
 
 
 def cpus_of(plan):
-    return [format_cpulist(r.cpus) for r in plan.ranks]
+    return [format_ids(r.cpus) for r in plan.ranks]
 
 
 def test_cpulists_round_trip():
     assert parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
     assert parse_cpulist("") == set()
-    assert format_cpulist({0, 1, 2, 3, 8, 10, 11}) == "0-3,8,10-11"
-    assert format_cpulist([5]) == "5"
+    assert format_ids({0, 1, 2, 3, 8, 10, 11}) == "0-3,8,10,11"
+    assert format_ids([5]) == "5"
 
 
 @pytest.mark.parametrize(
     "allowed, nproc, expected, threads",
     [
         (range(8), 2, ["0-3", "4-7"], [4, 4]),
-        (range(8), 3, ["0-2", "3-5", "6-7"], [3, 3, 2]),  # the first ranks take the remainder
+        (range(8), 3, ["0-2", "3-5", "6,7"], [3, 3, 2]),  # the first ranks take the remainder
         ({0, 2, 4, 6, 9}, 2, ["0,2,4", "6,9"], [3, 2]),  # non-contiguous: contiguous in the allowed order
         ({1}, 1, ["1"], [1]),
     ],
@@ -66,14 +59,14 @@ def test_cores_keeps_smt_siblings_together_and_counts_physical_cores():
     assert cpus_of(plan) == ["0-3,8-11", "4-7,12-15"]
     assert [(r.threads, r.share) for r in plan.ranks] == [(4, 8), (4, 8)]  # a thread per core; the siblings count
     many = plan_binding("cores", 12, range(16), {}, smt, None)  # more ranks than cores: single CPUs
-    assert cpus_of(many)[:2] == ["0-1", "2-3"] and len(many.ranks) == 12
+    assert cpus_of(many)[:2] == ["0,1", "2,3"] and len(many.ranks) == 12
 
 
 def test_cores_keeps_a_thread_count_the_user_set():
     plan = plan_binding("cores", 2, range(4), {"OMP_NUM_THREADS": "3"}, flat(range(4)), None)
-    assert cpus_of(plan) == ["0-1", "2-3"] and all(r.threads is None for r in plan.ranks)
+    assert cpus_of(plan) == ["0,1", "2,3"] and all(r.threads is None for r in plan.ranks)
     assert plan.reason == "cpu binding: cores (as asked; OMP_NUM_THREADS=3 kept)"
-    assert plan.ranks[0].describe() == "CPUs 0-1 (cores), threads as set, process-group threads on 0-3"
+    assert plan.ranks[0].describe() == "CPUs 0,1 (cores), threads as set, process-group threads on 0-3"
 
 
 def test_cores_with_more_processes_than_cpus_is_refused():
@@ -81,7 +74,7 @@ def test_cores_with_more_processes_than_cpus_is_refused():
         plan_binding("cores", 3, {4, 5}, {}, flat({4, 5}), None)
     assert str(err.value) == (
         "--cpu-binding cores (dist.cpu_binding) cannot apply here: 3 processes need a CPU each, but this job may use "
-        "2 CPUs (4-5: the affinity it was started with). Fix: lower --nproc, allow the job more CPUs (taskset, the "
+        "2 CPUs (4,5: the affinity it was started with). Fix: lower --nproc, allow the job more CPUs (taskset, the "
         "cgroup or SLURM allocation), or use --cpu-binding none to let the processes share the CPUs."
     )
 
@@ -105,7 +98,7 @@ def test_none_is_todays_behaviour():
             2,
             None,
             "none",
-            "cpu binding: none (auto: the job's affinity is already restricted to CPUs 0-1)",
+            "cpu binding: none (auto: the job's affinity is already restricted to CPUs 0,1)",
         ),
         (
             {},
@@ -200,7 +193,7 @@ def test_topology_without_numa_information(tmp_path):
 
 @pytest.fixture
 def two_sockets(tmp_path, monkeypatch):
-    monkeypatch.setattr(binding, "SYS", str(fake_sys(tmp_path)))
+    monkeypatch.setattr(topology, "SYS", str(fake_sys(tmp_path)))
     monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
     return set(range(32))
 
@@ -238,7 +231,7 @@ def test_auto_on_a_gpu_machine_with_several_nodes_is_numa(two_sockets):
 
 def test_unknown_gpu_node_falls_back_to_nvidia_smi_topo(tmp_path, monkeypatch):
     unknown = {bus: "-1" for bus in GPU_NODES}  # the firmware does not say
-    monkeypatch.setattr(binding, "SYS", str(fake_sys(tmp_path, gpu_nodes=unknown)))
+    monkeypatch.setattr(topology, "SYS", str(fake_sys(tmp_path, gpu_nodes=unknown)))
     monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
     recorded = gpus.query_numa_affinity
     monkeypatch.setattr(gpus, "query_numa_affinity", lambda run=None: recorded(lambda argv: TOPO))
@@ -256,7 +249,7 @@ def test_unknown_gpu_node_falls_back_to_nvidia_smi_topo(tmp_path, monkeypatch):
 
 
 def test_numa_without_numa_information_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(binding, "SYS", str(tmp_path))  # an empty /sys
+    monkeypatch.setattr(topology, "SYS", str(tmp_path))  # an empty /sys
     monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
     with pytest.raises(ConfigError, match=r"this machine exposes no NUMA information \(no node\*/cpulist"):
         job("numa", [0, 1], {0, 1, 2, 3})

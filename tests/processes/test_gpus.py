@@ -1,4 +1,5 @@
-"""Tests for ignite_mgpu.processes.gpus: the --gpus grammar, GPU planning and the devices report, fed recorded nvidia-smi output.
+"""Tests for ignite_mgpu.processes.gpus: the --gpus grammar, GPU planning and the devices report, fed recorded
+nvidia-smi output.
 
 Run: python -m pytest tests/processes/test_gpus.py -q   (no GPU and no torch import needed)
 """
@@ -14,15 +15,8 @@ import pytest
 
 from ignite_mgpu.config import ConfigError
 from ignite_mgpu.processes.devices import cuda_index_map, format_devices
-from ignite_mgpu.processes.gpus import (
-    GpuInfo,
-    GpuPlan,
-    check_cuda_not_initialized,
-    parse_gpus,
-    plan_gpus,
-    query_gpus,
-    query_numa_affinity,
-)
+from ignite_mgpu.processes.gpu_selection import GpuPlan, check_cuda_not_initialized, parse_gpus, plan_gpus
+from ignite_mgpu.processes.gpus import GpuInfo, query_gpus, query_numa_affinity
 
 # 4x A100 box: GPU 0 runs 2 jobs (70 GiB used), GPU 1 one job, GPUs 2 and 3 idle.
 A100_GPUS = """\

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from ignite_mgpu.cli import main
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.runs import read as runs
+from ignite_mgpu.runs.table import TABLE_EPOCHS, format_table
 from tests.conftest import REPO
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -57,8 +58,8 @@ def assert_table_equals_metrics(table, path):
     """Every figure in the text table equals metrics.jsonl's, at the table's precision."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     lines = [line.split() for line in table.splitlines() if line.split() and line.split()[0].isdigit()]
-    assert [int(cells[0]) for cells in lines] == [r["epoch"] for r in rows][-runs.TABLE_EPOCHS :]
-    for cells, row in zip(lines, rows[-runs.TABLE_EPOCHS :], strict=True):
+    assert [int(cells[0]) for cells in lines] == [r["epoch"] for r in rows][-TABLE_EPOCHS:]
+    for cells, row in zip(lines, rows[-TABLE_EPOCHS:], strict=True):
         expected = [
             row["train_loss"],
             row["val_loss"],
@@ -94,7 +95,7 @@ def test_the_table_has_the_files_figures(tmp_path):
 
 def test_a_long_run_shows_its_last_epochs(tmp_path):
     run = make_run(tmp_path / "long", [epoch(n) for n in range(1, 14)])
-    table = runs.format_table(runs.read_runs([run]))
+    table = format_table(runs.read_runs([run]))
     assert "(3 earlier epoch(s) not shown; --json has every epoch)" in table
     assert_table_equals_metrics(table, run / "metrics.jsonl")
 

@@ -1,5 +1,6 @@
 """keep_freed_memory: glibc keeps what PyTorch frees, so a CPU step stops page-faulting its tensors in again.
-The effect is measured in fresh interpreters (mallopt cannot be undone); `python -m pytest tests/train/test_allocator.py`."""
+The effect is measured in fresh interpreters (mallopt cannot be undone).
+`python -m pytest tests/train/test_allocator.py`."""
 
 import os
 import platform

@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.train.engine import create_evaluator, create_trainer
+from ignite_mgpu.train.engine import create_trainer
+from ignite_mgpu.train.evaluator import create_evaluator
 from ignite_mgpu.train.optim import create_lr_scheduler
 from ignite_mgpu.train.strategy import unwrap
 from tests.helpers import LossModel, data, linear
@@ -252,7 +253,7 @@ def test_deterministic_mode_stays_strict_when_ignite_relaxes_it_on_cuda(determin
 
 
 def test_validation_metrics_follow_the_loss_and_accumulate_on_the_training_device():
-    from ignite_mgpu.train.engine import validation_metrics
+    from ignite_mgpu.train.evaluator import validation_metrics
 
     cpu = torch.device("cpu")
     classification = validation_metrics(nn.CrossEntropyLoss(), cpu)
@@ -293,7 +294,7 @@ def test_mapping_batches_train_like_tuple_batches(kind):
 
 
 def test_model_loss_evaluation_is_the_exact_mean_over_samples():
-    from ignite_mgpu.train.engine import validation_metrics
+    from ignite_mgpu.train.evaluator import validation_metrics
 
     model = HFStyle()
     batches_of = mapping_data(n=30, batch=8)  # 8, 8, 8, 6: a plain mean of batch means would be off

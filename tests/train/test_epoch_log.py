@@ -1,4 +1,4 @@
-"""The epoch report in one process: one JSON line per epoch in metrics.jsonl whose figures agree with the engines,
+"""The epoch log in one process: one JSON line per epoch in metrics.jsonl whose figures agree with the engines,
 and the data-wait share that tells a slow loader. The 2-rank version is in tests/distributed/test_training.py.
 `python -m pytest tests/train/test_epoch_log.py`."""
 
@@ -13,8 +13,9 @@ from ignite.metrics import Accuracy, Loss
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ignite_mgpu.train.engine import create_evaluator, create_trainer
-from ignite_mgpu.train.epoch_log import EpochReport
+from ignite_mgpu.train.engine import create_trainer
+from ignite_mgpu.train.epoch_log import EpochLog
+from ignite_mgpu.train.evaluator import create_evaluator
 from tests.helpers import data, linear
 
 
@@ -23,11 +24,11 @@ def train_with_report(tmp_path, loader, epochs=2):
     trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), device="cpu")
     evaluator = create_evaluator(model, {"accuracy": Accuracy(), "loss": Loss(nn.CrossEntropyLoss())}, device="cpu")
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(data(n=16)))
-    report = EpochReport(tmp_path / "metrics.jsonl", loader.batch_size, evaluator, [torch.device("cpu")])
-    report.attach(trainer)
+    epoch_log = EpochLog(tmp_path / "metrics.jsonl", loader.batch_size, evaluator, [torch.device("cpu")])
+    epoch_log.attach(trainer)
     trainer.run(loader, max_epochs=epochs)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    return trainer, evaluator, report, rows
+    return trainer, evaluator, epoch_log, rows
 
 
 class SlowItems(Dataset):
@@ -41,10 +42,10 @@ class SlowItems(Dataset):
 
 def test_one_line_per_epoch_agreeing_with_the_engines(tmp_path):
     # 10 ms per sample: epochs long enough that the rounded epoch time (1 ms) hardly changes the rates.
-    trainer, evaluator, report, rows = train_with_report(tmp_path, DataLoader(SlowItems(), batch_size=8))
+    trainer, evaluator, epoch_log, rows = train_with_report(tmp_path, DataLoader(SlowItems(), batch_size=8))
     assert [r["epoch"] for r in rows] == [1, 2] and [r["iteration"] for r in rows] == [2, 4]
     last = rows[-1]
-    assert last == report.last
+    assert last == epoch_log.last
     assert last["train_loss"] == pytest.approx(trainer.state.metrics["train_loss"])
     assert last["val_loss"] == pytest.approx(evaluator.state.metrics["loss"])
     assert last["val_accuracy"] == pytest.approx(evaluator.state.metrics["accuracy"])
@@ -52,7 +53,7 @@ def test_one_line_per_epoch_agreeing_with_the_engines(tmp_path):
     assert last["time_per_iter_ms"] == pytest.approx(1000 * last["epoch_time_s"] / 2, rel=0.01)
     assert len(last["peak_memory_mb"]) == 1 and last["peak_memory_mb"][0] > 50  # this process's RSS
     assert last["memory_imbalance"] == 1.0 and 0 <= last["data_wait_share"] <= 1
-    assert last["peak_memory_per"] == "process" and report.memory_tags() == ["memory/rank0"]
+    assert last["peak_memory_per"] == "process" and epoch_log.memory_tags() == ["memory/rank0"]
     assert last["restarts"] == 0
 
 
@@ -61,7 +62,7 @@ def test_the_data_wait_is_counted_by_a_timed_loader_or_by_two_handlers(tmp_path,
     """The default job's TimedDataLoader counts the wait without a per-iteration handler (also after ignite's
     DeterministicEngine rebuilt it); any other loader gets the two handlers around the fetch. Either way, a loader
     that sleeps 80 ms per batch around a trivial step waits for most of the epoch."""
-    from ignite_mgpu.train.data import TimedDataLoader, timed
+    from ignite_mgpu.train.loaders import TimedDataLoader, timed
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic mode sets: restored after the test
     mode = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
@@ -83,7 +84,7 @@ def data_wait(tmp_path, loader, deterministic):
     trainer = create_trainer(model, sgd, nn.CrossEntropyLoss(), device="cpu", deterministic=deterministic)
     evaluator = create_evaluator(model, {"loss": Loss(nn.CrossEntropyLoss())}, device="cpu")
     (tmp_path / "m.jsonl").unlink(missing_ok=True)
-    EpochReport(tmp_path / "m.jsonl", 8, evaluator, [torch.device("cpu")]).attach(trainer)
+    EpochLog(tmp_path / "m.jsonl", 8, evaluator, [torch.device("cpu")]).attach(trainer)
     trainer.run(loader, max_epochs=2)
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     handlers = len(trainer._event_handlers[Events.GET_BATCH_STARTED])
@@ -92,9 +93,9 @@ def data_wait(tmp_path, loader, deterministic):
 
 def test_tensorboard_tags_name_each_gpu_of_one_process_or_each_rank(monkeypatch):
     gpus = [torch.device("cuda", k) for k in range(3)]  # device objects only: no CUDA needed
-    assert EpochReport("unused", 8, None, gpus).memory_tags() == ["memory/gpu0", "memory/gpu1", "memory/gpu2"]  # dp
+    assert EpochLog("unused", 8, None, gpus).memory_tags() == ["memory/gpu0", "memory/gpu1", "memory/gpu2"]  # dp
     monkeypatch.setattr(idist, "get_world_size", lambda: 2)
-    assert EpochReport("unused", 8, None, gpus[1:2]).memory_tags() == ["memory/rank0", "memory/rank1"]
+    assert EpochLog("unused", 8, None, gpus[1:2]).memory_tags() == ["memory/rank0", "memory/rank1"]
 
 
 def test_a_slow_loader_shows_in_the_data_wait_share(tmp_path):
@@ -110,13 +111,13 @@ def test_a_resumed_run_records_each_epoch_once(tmp_path):
     # drops epoch 3, whose row the resumed run writes again, with its restart count.
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"epoch": e, "restarts": 0}) + "\n" for e in (1, 2, 3)) + '{"epoch": 4, "tr')
-    report = EpochReport(path, 8, None, [torch.device("cpu")], restarts=1)
-    report.drop_epochs_after(2)
+    epoch_log = EpochLog(path, 8, None, [torch.device("cpu")], restarts=1)
+    epoch_log.drop_epochs_after(2)
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
         {"epoch": 1, "restarts": 0},
         {"epoch": 2, "restarts": 0},
     ]
-    report.drop_epochs_after(0)  # restarted from the beginning
+    epoch_log.drop_epochs_after(0)  # restarted from the beginning
     assert path.read_text() == "" and not list(tmp_path.glob(".*tmp"))
-    EpochReport(tmp_path / "none.jsonl", 8, None, [torch.device("cpu")]).drop_epochs_after(3)  # nothing to do
+    EpochLog(tmp_path / "none.jsonl", 8, None, [torch.device("cpu")]).drop_epochs_after(3)  # nothing to do
     assert not (tmp_path / "none.jsonl").exists()

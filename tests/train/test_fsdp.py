@@ -9,12 +9,10 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from ignite_mgpu.checkpoint.load import check_model_state
+from ignite_mgpu.checkpoint.state import FullModelState, FullOptimizerState, checkpoint_objects
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.train.fsdp import (
-    FullModelState,
-    FullOptimizerState,
     check_blocks,
-    checkpoint_objects,
     default_blocks,
     find_fsdp,
     mixed_precision,

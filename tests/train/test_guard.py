@@ -1,5 +1,6 @@
 """The guard in one process: the collective stop on a non-finite loss or a signal, and when it checks (a fake
-clock). Its multi-rank agreement runs in tests/distributed/test_training.py. `python -m pytest tests/train/test_guard.py`."""
+clock). Its multi-rank agreement runs in tests/distributed/test_training.py.
+`python -m pytest tests/train/test_guard.py`."""
 
 import signal
 
@@ -68,7 +69,7 @@ def guard_checks(monkeypatch, guard, step_seconds, n, epochs):
 def test_guard_checks_about_once_per_period_and_on_checkpoint_iterations(monkeypatch):
     # 1/16 s per step and a 10/16 s period: after the first step, a check every 10 steps, plus the checkpoint
     # iterations (multiples of 20) and the epoch ends.
-    guard = TrainingGuard(period=0.625, sync_every=20)
+    guard = TrainingGuard(period=0.625, checkpoint_every_iters=20)
     assert guard_checks(monkeypatch, guard, 0.0625, n=25, epochs=2) == [1, 11, 20, 25, 35, 40, 50]
 
 
@@ -77,16 +78,16 @@ def test_guard_interval_adapts_and_respects_the_accumulation_window(monkeypatch)
     assert guard_checks(monkeypatch, slow, 1.0, n=5, epochs=1) == [1, 2, 3, 4, 5]
     fast = TrainingGuard(period=100.0)  # about 1600 steps per period: capped at MAX_INTERVAL
     assert guard_checks(monkeypatch, fast, 0.0625, n=2500, epochs=1) == [1, 1001, 2001, 2500]
-    windows = TrainingGuard(period=0.625, multiple_of=4)  # 10 steps, rounded up to a multiple of 4
+    windows = TrainingGuard(period=0.625, grad_accum_steps=4)  # 10 steps, rounded up to a multiple of 4
     assert guard_checks(monkeypatch, windows, 0.0625, n=40, epochs=1) == [4, 16, 28, 40]
-    fixed = TrainingGuard(every=6, sync_every=4)
+    fixed = TrainingGuard(check_every=6, checkpoint_every_iters=4)
     assert guard_checks(monkeypatch, fixed, 0.0625, n=13, epochs=1) == [4, 6, 8, 12, 13]
 
 
 def test_guard_restarts_its_schedule_when_the_engine_runs_again():
     from ignite.engine import Engine
 
-    guard = TrainingGuard(every=6)
+    guard = TrainingGuard(check_every=6)
     trainer = Engine(lambda e, b: torch.tensor(1.0))
     guard.attach(trainer)
     checked = []
@@ -111,13 +112,13 @@ def test_a_non_finite_loss_is_found_among_the_stacked_ones():
     every = TrainingGuard.STACK_EVERY
     bad = every + 5  # in the second stack, before the check
     trainer = Engine(lambda e, b: torch.tensor(float("nan") if e.state.iteration == bad else e.state.iteration))
-    guard = TrainingGuard(every=3 * every)
+    guard = TrainingGuard(check_every=3 * every)
     guard.attach(trainer)
     stopped = f"iteration {bad} on rank 0; every rank stopped at iteration {3 * every}"
     with pytest.raises(TrainingDiverged, match=stopped):
         trainer.run(range(4 * every), max_epochs=1)
     finite = Engine(lambda e, b: torch.tensor(float(e.state.iteration)))
-    counting = TrainingGuard(every=2 * every + 7)
+    counting = TrainingGuard(check_every=2 * every + 7)
     counting.attach(finite)
     seen = []
     finite.add_event_handler(Events.ITERATION_COMPLETED(once=2 * every + 6), lambda: seen.append(counting.pending()))
@@ -139,7 +140,7 @@ def test_guard_treats_an_overflowing_loss_sum_as_divergence():
     from ignite.engine import Engine
 
     trainer = Engine(lambda e, b: torch.tensor(1e308, dtype=torch.float64))  # finite, but two of them are not
-    TrainingGuard(every=2).attach(trainer)
+    TrainingGuard(check_every=2).attach(trainer)
     with pytest.raises(TrainingDiverged, match=r"\(the loss sum overflowed\); every rank stopped at iteration 2"):
         trainer.run(range(4), max_epochs=1)
 
@@ -160,9 +161,11 @@ def test_accumulation_windows_restart_every_epoch():
 
 
 def test_checks_fall_on_window_ends_when_the_epoch_does_not_divide(monkeypatch):
-    windows = TrainingGuard(period=0.3125, multiple_of=3)  # 1/16 s steps: about every 5 steps, moved to a window end
+    windows = TrainingGuard(
+        period=0.3125, grad_accum_steps=3
+    )  # 1/16 s steps: about every 5 steps, moved to a window end
     assert guard_checks(monkeypatch, windows, 0.0625, n=10, epochs=2) == [3, 9, 10, 16, 20]
-    fixed = TrainingGuard(every=6, multiple_of=3, sync_every=3)
+    fixed = TrainingGuard(check_every=6, grad_accum_steps=3, checkpoint_every_iters=3)
     assert guard_checks(monkeypatch, fixed, 0.0625, n=10, epochs=2) == [3, 6, 9, 10, 13, 16, 19, 20]
 
 
@@ -197,7 +200,7 @@ def events(monkeypatch, guard, step_seconds, n, epochs, stop_at=None):
 def test_iteration_checkpoints_fall_at_the_end_of_the_window_holding_the_multiple(monkeypatch):
     # every_iters=4 with windows of 3 in epochs of 10: multiples 4, 8 | 12, 16, 20 -> window ends 6, 9 | 13, 16, 20;
     # the one at an epoch's last iteration waits for that epoch's other end handlers (validation, report).
-    guard = TrainingGuard(every=100, sync_every=4, multiple_of=3)
+    guard = TrainingGuard(check_every=100, checkpoint_every_iters=4, grad_accum_steps=3)
     assert events(monkeypatch, guard, 0.0625, n=10, epochs=2) == [
         ("checkpoint", 6),
         ("checkpoint", 9),
@@ -211,24 +214,24 @@ def test_iteration_checkpoints_fall_at_the_end_of_the_window_holding_the_multipl
 
 def test_time_based_checkpoints_are_decided_together_at_a_check(monkeypatch):
     # 1 s steps, a check every step, a checkpoint every 3 s (0.05 min): the clock restarts at every checkpoint.
-    guard = TrainingGuard(every=1, checkpoint_minutes=0.05)
+    guard = TrainingGuard(check_every=1, checkpoint_every_minutes=0.05)
     seen = events(monkeypatch, guard, 1.0, n=12, epochs=1)
     assert seen == [("checkpoint", 3), ("checkpoint", 6), ("checkpoint", 9), ("epoch end", 1), ("checkpoint", 12)]
-    with pytest.raises(ValueError, match="checkpoint_minutes None or > 0"):
-        TrainingGuard(checkpoint_minutes=0)
+    with pytest.raises(ValueError, match="checkpoint_every_minutes None or > 0"):
+        TrainingGuard(checkpoint_every_minutes=0)
 
 
 def test_a_stop_at_an_epochs_last_iteration_waits_for_the_epochs_end(monkeypatch):
     # Resuming from a checkpoint of a finished epoch continues with the next one: its evaluation and report must
     # have run before the stop's checkpoint is written.
-    seen = events(monkeypatch, TrainingGuard(every=1), 0.1, n=10, epochs=2, stop_at=10)
+    seen = events(monkeypatch, TrainingGuard(check_every=1), 0.1, n=10, epochs=2, stop_at=10)
     assert seen == [
         ("epoch end", 1),
         ("stopping", 10),
         ("stopped", "stopped by SIGTERM at iteration 10; every rank stopped at the same iteration"),
     ]
     stop.reset()
-    seen = events(monkeypatch, TrainingGuard(every=1), 0.1, n=10, epochs=2, stop_at=7)
+    seen = events(monkeypatch, TrainingGuard(check_every=1), 0.1, n=10, epochs=2, stop_at=7)
     assert seen[-2:] == [
         ("stopping", 7),
         ("stopped", "stopped by SIGTERM at iteration 7; every rank stopped at the same iteration"),
@@ -240,7 +243,7 @@ def test_every_check_tells_the_supervisor_how_far_training_got(tmp_path):
 
     stop.set_status_file(tmp_path / "status0")
     trainer = Engine(lambda e, b: torch.tensor(1.0))
-    TrainingGuard(every=4).attach(trainer)
+    TrainingGuard(check_every=4).attach(trainer)
     trainer.run(range(10), max_epochs=1)
     assert stop.read_status(tmp_path / "status0") == (10, False)
     with stop.saving():

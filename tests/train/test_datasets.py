@@ -1,19 +1,12 @@
-"""Datasets and samplers: deterministic synthetic data, exact (unpadded) validation split, size checks.
-`python -m pytest tests/train/test_data.py`."""
+"""Datasets: deterministic synthetic data, size checks, torchvision and image folders, the user's factories.
+`python -m pytest tests/train/test_datasets.py`."""
 
 import pytest
 import torch
 from PIL import Image
 
 from ignite_mgpu.config import ConfigError, DataConfig
-from ignite_mgpu.train import data
-from ignite_mgpu.train.data import (
-    SyntheticImages,
-    UnpaddedDistributedSampler,
-    auto_num_workers,
-    build_datasets,
-    check_sizes,
-)
+from ignite_mgpu.train.datasets import SyntheticImages, build_datasets, check_sizes, example_inputs, first_batch
 
 
 def test_synthetic_is_deterministic_and_class_dependent():
@@ -24,14 +17,6 @@ def test_synthetic_is_deterministic_and_class_dependent():
     assert not torch.equal(a.images, val.images)  # a different split, same class patterns
     means = torch.stack([a.images[a.targets == c].mean(0) for c in a.targets.unique()])
     assert means.std(0).mean() > 0.05  # class means differ: learnable, not pure noise
-
-
-@pytest.mark.parametrize("n, world", [(101, 2), (10, 3), (4, 4), (3, 4)])
-def test_validation_sampler_counts_every_sample_once(n, world):
-    ds = list(range(n))
-    seen = [i for r in range(world) for i in UnpaddedDistributedSampler(ds, world, r, shuffle=False)]
-    assert sorted(seen) == ds
-    assert sum(len(UnpaddedDistributedSampler(ds, world, r, shuffle=False)) for r in range(world)) == n
 
 
 def test_size_checks():
@@ -68,34 +53,6 @@ def test_torchvision_dataset_missing_without_download(tmp_path):
         build_datasets(DataConfig(name="mnist", root=str(tmp_path)), 10, 0)
 
 
-@pytest.mark.parametrize(
-    "name, share, threads, cuda, expected",
-    [
-        ("synthetic", 8, 1, True, 0),  # already in memory: nothing to load
-        ("imagefolder", 8, 8, True, 7),  # CUDA: the training process counts as one CPU
-        ("imagefolder", 8, 8, False, 0),  # CPU: its threads use the whole share
-        ("imagefolder", 8, 4, False, 4),
-        ("fake", 1, 1, True, 0),
-    ],
-)
-def test_auto_num_workers_hands_out_the_cpus_training_leaves(name, share, threads, cuda, expected):
-    assert auto_num_workers(name, share, threads, cuda) == expected
-
-
-def test_auto_num_workers_reaches_the_loaders(monkeypatch, caplog):
-    monkeypatch.setattr(data, "cpu_share", lambda local: 3)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    cfg = DataConfig(name="fake", num_workers="auto", image_size=8, train_size=16, val_size=8, batch_size=8)
-    with caplog.at_level("INFO", logger="ignite_mgpu.train.data"):
-        train, val = data.create_dataloaders(cfg, 2, 0)
-    assert train.num_workers == val.num_workers == 2 and train.persistent_workers and not train.pin_memory
-    assert "data.num_workers=auto: 2 loader worker(s) per process (3 CPU(s) of its own, 1 intra-op thread(s))" in (
-        caplog.text
-    )
-    fixed = data.create_dataloaders(DataConfig(name="fake", image_size=8, train_size=16, batch_size=8), 2, 0)[0]
-    assert fixed.num_workers == 0 and not fixed.persistent_workers
-
-
 # --- dataset factories ----------------------------------------------------------------------------------------
 
 PKG = "tests.plugins_pkg.factories"
@@ -112,8 +69,8 @@ def test_a_factory_with_arguments_from_yaml_and_dotted_overrides(tmp_path):
 
 def test_a_factory_may_return_a_mapping_and_its_collate_function():
     splits = build_datasets(DataConfig(name=f"{PKG}:dicts", args={"collate": True}), 3, 0)
-    assert splits.collate_fn is not None and data.first_batch(splits.train, splits.collate_fn)["n"] == 2
-    assert list(data.example_inputs(splits.train, splits.collate_fn)) == ["x", "n"]  # the targets are not inputs
+    assert splits.collate_fn is not None and first_batch(splits.train, splits.collate_fn)["n"] == 2
+    assert list(example_inputs(splits.train, splits.collate_fn)) == ["x", "n"]  # the targets are not inputs
 
 
 @pytest.mark.parametrize(
