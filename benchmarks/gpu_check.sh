@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The one-shot GPU check, for the day a GPU machine is lent (about 15 minutes, once): every `gpu`-marked test, then
 # the default job's throughput per precision on one GPU and, with 2+ GPUs, peak memory per GPU for DDP vs DP and
-# DDP vs FSDP vs DP (bench_fsdp_memory.py), into one report file. Two stages, each bounded to fit one device command
-# (at most 10 minutes): `tests` (pytest -m gpu, cut at 330 s) and `jobs` (the runs; about 2 minutes on one GPU, at
-# most 8 with two). These bounds are estimates: no GPU has run the script yet.
+# DDP vs FSDP vs DP (fsdp/bench_fsdp_memory.py), into one report file. Two stages, each bounded to fit one device
+# command (at most 10 minutes): `tests` (pytest -m gpu, cut at 330 s) and `jobs` (the runs; estimated at about 2
+# minutes on one GPU, at most 8 with two: benchmarks/README.md says what has been run).
 #
 #   bash benchmarks/gpu_check.sh tests [REPORT]    # default REPORT: gpu_check_<stage>.txt (in $OUT if set)
 #   bash benchmarks/gpu_check.sh jobs [REPORT]
@@ -70,7 +70,7 @@ torch.cuda.device_count(), 'ignite', ignite.__version__)"
       fi
     done
     section "peak memory per GPU on 2 GPUs: DDP vs FSDP vs DP, a 169M-parameter MLP with AdamW (target: FSDP <= 0.7 DDP)"
-    timeout 240 python benchmarks/bench_fsdp_memory.py --gpus 0,1 2>&1 | tail -15
+    timeout 240 python benchmarks/fsdp/bench_fsdp_memory.py --gpus 0,1 2>&1 | tail -15
   else
     section "DDP vs DP and DDP vs FSDP memory: skipped (needs 2 GPUs, $ngpu here)"
   fi

@@ -1,12 +1,13 @@
-"""benchmarks/bench_overhead.py still runs and still refuses ratios for runs that did different work; bench_binding.py
-still runs all its parts.
+"""Every benchmark still runs: benchmarks/overhead/bench_overhead.py still refuses ratios for runs that did different
+work, binding/bench_binding.py still runs all its parts, and the others print their tables.
 
 Timings are never asserted here (see benchmarks/README.md): only that the quick runs finish, print every loop and
-pass their bitwise checks, and that a weight mismatch withholds the ratio.
+pass their bitwise checks, and that a weight mismatch withholds the ratio. The helpers are imported as
+``benchmarks.<folder>.<module>`` (pytest puts the repository root on sys.path), the scripts run by path.
 Run: python -m pytest tests/test_benchmark_smoke.py -q
 """
 
-import importlib.util
+import importlib
 import json
 import subprocess
 import sys
@@ -15,18 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.overhead import loops, report, session
 from tests.conftest import run_in_session
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_overhead.py"
-
-
-@pytest.fixture
-def load_bench(monkeypatch):
-    """Import the benchmark script in this process; the thread variables it sets on import are restored after."""
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        monkeypatch.setenv(var, "1")  # the values the script sets: monkeypatch then restores the test's own
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # its sibling modules
-    return _load_bench
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPT = BENCHMARKS / "overhead" / "bench_overhead.py"
 
 
 def run_quick(script, json_out, timeout):
@@ -34,13 +28,6 @@ def run_quick(script, json_out, timeout):
     result = run_in_session([sys.executable, str(script), "--quick", "--json", str(json_out)], timeout)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_overhead", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow
@@ -64,13 +51,12 @@ def test_quick_run_prints_both_loops_and_identical_weights(tmp_path):
     assert summary["calls"]["mlp"]["ignite-mgpu"] > summary["calls"]["mlp"]["hand-written"] > 0
 
 
-def test_bitwise_difference_names_the_tensor(load_bench):
-    bench = load_bench()
+def test_bitwise_difference_names_the_tensor():
     a = {"w": torch.zeros(3), "b": torch.ones(2)}
-    assert bench.bitwise_difference(a, {k: v.clone() for k, v in a.items()}) is None
-    assert "w differs" in bench.bitwise_difference(a, {"w": torch.tensor([0.0, 0.0, 1e-7]), "b": torch.ones(2)})
-    assert "w differs" in bench.bitwise_difference(a, {"w": torch.tensor([0.0, -0.0, 0.0]), "b": torch.ones(2)})
-    assert "different keys" in bench.bitwise_difference(a, {"w": torch.zeros(3)})
+    assert loops.bitwise_difference(a, {k: v.clone() for k, v in a.items()}) is None
+    assert "w differs" in loops.bitwise_difference(a, {"w": torch.tensor([0.0, 0.0, 1e-7]), "b": torch.ones(2)})
+    assert "w differs" in loops.bitwise_difference(a, {"w": torch.tensor([0.0, -0.0, 0.0]), "b": torch.ones(2)})
+    assert "different keys" in loops.bitwise_difference(a, {"w": torch.zeros(3)})
 
 
 def record(workload, difference, times):
@@ -79,13 +65,12 @@ def record(workload, difference, times):
     return {"workload": workload, "round": 0, "window": 2, "difference": difference, "turns": turns}
 
 
-def test_report_refuses_a_ratio_when_weights_differ(load_bench):
-    bench = load_bench()
+def test_report_refuses_a_ratio_when_weights_differ():
     runs = [
         record("mlp", "0.weight differs", {"hand-written": [1.0, 1.0], "ignite-mgpu": [1.5, 1.5]}),
         record("cnn", None, {"hand-written": [2.0, 4.0], "ignite-mgpu": [2.0, 4.0], "ignite Engine": [1.0, 3.0]}),
     ]
-    table, summary = bench.report({2: {"runs": runs, "calls": {}}}, None, [0.1, 0.1, 0.1], quick=True)
+    table, summary = report.report({2: {"runs": runs, "calls": {}}}, None, [0.1, 0.1, 0.1], quick=True)
     sections = table.split("\n\n")[:3]  # ms / iteration, CPU time, over the bare Engine
     timed, cpu, over = ([line.split("|") for line in part.splitlines()[2:]] for part in sections)
     rows = {tuple(c.strip() for c in row[1:4]): row for row in timed}
@@ -108,26 +93,24 @@ def test_report_refuses_a_ratio_when_weights_differ(load_bench):
     assert [row.split("|")[5].strip() for row in refused_cpu] == [""]  # no CPU difference for refused runs either
 
 
-def test_verdict_needs_the_whole_interval_on_one_side(load_bench):
-    bench = load_bench()
-    assert bench.verdict(1.01, 1.02, 0.0, 1.03) == "yes"
-    assert bench.verdict(1.04, 1.06, 0.0, 1.03) == "**no**"
-    assert bench.verdict(1.02, 1.04, 0.0, 1.03).startswith("undecided")
-    assert bench.verdict(0.99, 1.01, 0.98, 1.02) == "yes"  # the scaling target is a band
+def test_verdict_needs_the_whole_interval_on_one_side():
+    assert report.verdict(1.01, 1.02, 0.0, 1.03) == "yes"
+    assert report.verdict(1.04, 1.06, 0.0, 1.03) == "**no**"
+    assert report.verdict(1.02, 1.04, 0.0, 1.03).startswith("undecided")
+    assert report.verdict(0.99, 1.01, 0.98, 1.02) == "yes"  # the scaling target is a band
 
 
-def test_loops_take_turns_and_end_with_the_same_weights(load_bench):
+def test_loops_take_turns_and_end_with_the_same_weights():
     """(a) and the bare-Engine reference, paused every 3 iterations, reach the weights of uninterrupted (a)."""
-    bench = load_bench()
-    cfg = bench.make_config("mlp", 6, 2, "unused", 1)
-    straight = bench.finish(bench.hand_steps(bench.hand_built(cfg), 2, None))
-    hand, engine = (steps(bench.hand_built(cfg), 2, 3) for steps in (bench.hand_steps, bench.engine_steps))
+    cfg = loops.make_config("mlp", 6, 2, "unused", 1)
+    straight = loops.finish(loops.hand_steps(loops.hand_built(cfg), 2, None))
+    hand, engine = (steps(loops.hand_built(cfg), 2, 3) for steps in (loops.hand_steps, loops.engine_steps))
     for _ in range(4):  # 12 iterations: 4 turns each
         next(hand)
         next(engine)
-    assert bench.bitwise_difference(straight, bench.finish(hand)) is None
-    assert bench.bitwise_difference(straight, bench.finish(engine)) is None
-    assert bench.window_size(500) == 100 and bench.window_size(7) == 1 and bench.window_size(40) == 8
+    assert loops.bitwise_difference(straight, loops.finish(hand)) is None
+    assert loops.bitwise_difference(straight, loops.finish(engine)) is None
+    assert session.window_size(500) == 100 and session.window_size(7) == 1 and session.window_size(40) == 8
 
 
 @pytest.mark.timeout(120)
@@ -149,7 +132,7 @@ def test_engine_floor_prints_all_four_loops():
 
 @pytest.mark.timeout(120)
 def test_cpu_allocator_benchmark_prints_both_modes():
-    script = SCRIPT.with_name("bench_cpu_allocator.py")
+    script = BENCHMARKS / "allocator" / "bench_cpu_allocator.py"
     proc = subprocess.run(
         [sys.executable, str(script), "--rounds", "1", "--steps", "2", "--batch", "8"],
         capture_output=True,
@@ -168,7 +151,7 @@ def test_cpu_allocator_benchmark_prints_both_modes():
 def test_binding_quick_run_prints_every_part(tmp_path):
     """bench_binding.py --quick (about a minute on 2 CPU cores): every row of its three parts, and the checks."""
     out = tmp_path / "binding.json"
-    stdout = run_quick(SCRIPT.with_name("bench_binding.py"), out, timeout=180)
+    stdout = run_quick(BENCHMARKS / "binding" / "bench_binding.py", out, timeout=180)
     cells = [[c.strip() for c in line.split("|")[1:-1]] for line in stdout.splitlines() if line.startswith("| ")]
     jobs = [row[0] for row in cells if row[0].startswith(("ignite-mgpu --cpu-binding", "DDP tutorial", "auto / none"))]
     assert jobs[0] == "ignite-mgpu --cpu-binding auto" and jobs[2].startswith("DDP tutorial loop"), stdout
@@ -201,7 +184,7 @@ def test_binding_quick_run_prints_every_part(tmp_path):
 @pytest.mark.timeout(150)
 def test_fsdp_memory_quick_run_prints_the_table(tmp_path):
     """bench_fsdp_memory.py --quick: 4 short CLI jobs (DDP and FSDP on 1 and 2 processes) and the table."""
-    script = SCRIPT.parent / "bench_fsdp_memory.py"
+    script = BENCHMARKS / "fsdp" / "bench_fsdp_memory.py"
     out = tmp_path / "memory.json"
     proc = subprocess.run(
         [sys.executable, str(script), "--quick", "--json", str(out)], capture_output=True, text=True, timeout=140
@@ -220,14 +203,10 @@ def test_fsdp_memory_quick_run_prints_the_table(tmp_path):
 
 @pytest.fixture
 def instructions(monkeypatch):
-    """bench_instructions.py imported in this process (its thread variables restored after)."""
+    """bench_instructions.py imported in this process (the thread variables it sets on import restored after)."""
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        monkeypatch.setenv(var, "1")
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bench_instructions", SCRIPT.with_name("bench_instructions.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+        monkeypatch.setenv(var, "1")  # the values the script sets: monkeypatch then restores the test's own
+    return importlib.import_module("benchmarks.instructions.bench_instructions")
 
 
 @pytest.mark.timeout(120)

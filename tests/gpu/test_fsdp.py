@@ -2,7 +2,7 @@
 (benchmarks/gpu_check.sh runs them). Each needs 2 GPUs (FSDP on one process shards nothing) and skips otherwise:
 fp32/bf16/fp16 (FSDP's mixed precision, fp16 through the GradScaler), CPU offload, full and sharded checkpoints
 resumed on GPUs and across strategies, evaluation on GPUs. The memory table (DDP vs FSDP vs DP per GPU) is
-benchmarks/bench_fsdp_memory.py --gpus 0,1, which gpu_check.sh runs."""
+benchmarks/fsdp/bench_fsdp_memory.py --gpus 0,1, which gpu_check.sh runs."""
 
 from __future__ import annotations
 

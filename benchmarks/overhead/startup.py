@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from overhead_loops import LOOPS
-from overhead_session import ENTRY_SCRIPT
+from benchmarks.overhead.loops import LOOPS
+from benchmarks.overhead.session import ENTRY_SCRIPT
 
 
 def reference_worker(rank: int, out: str) -> None:

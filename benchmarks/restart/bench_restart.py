@@ -3,7 +3,7 @@ job stopped, and from a SIGKILL to the first iteration of the restarted group, w
 
 Runs the real CLI (2 gloo processes, the fault model of tests/faults/faultmod.py, which notes the time of the
 fault and of each process's first training steps) and samples the workers' pids every 5 ms.
-Run: `python benchmarks/bench_restart.py [--repeat 5] [--package-root DIR]` (about 10 s per job on 2 cores);
+Run: `python benchmarks/restart/bench_restart.py [--repeat 5] [--package-root DIR]` (about 10 s per job on 2 cores);
 ``--package-root`` measures another checkout (e.g. the release before restarts existed) with the same fault model.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAULTS = ROOT / "tests" / "faults"
 JOB = [
     "train",

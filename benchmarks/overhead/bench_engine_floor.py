@@ -7,7 +7,7 @@ All four train the same tiny MLP on the same in-memory batches with one thread p
 thread's CPU clock (``time.thread_time``), so neither other processes nor waiting count. Rounds alternate the four
 loops; the figure is each loop's fastest round, and "extra" is its difference to the plain loop.
 
-Run: python benchmarks/bench_engine_floor.py [--rounds 7] [--iters 2000]
+Run: python benchmarks/overhead/bench_engine_floor.py [--rounds 7] [--iters 2000]
 """
 
 from __future__ import annotations
@@ -15,12 +15,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its thread pool
+# This checkout's ignite_mgpu is the one measured: the repository root goes first on sys.path, as in every benchmark.
+if str(Path(__file__).resolve().parents[2]) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 from ignite.engine import Engine

@@ -2,9 +2,9 @@
 process starts with: a wide MLP (169M parameters), AdamW, 3 steps on tiny synthetic data, 1 and 2 processes. It
 runs `ignite-mgpu train` for each and prints the table of `peak_memory_mb` from each run's metrics.jsonl.
 
-    python benchmarks/bench_fsdp_memory.py                # about 2 minutes on 2 CPU cores; needs ~10 GB of memory
-    python benchmarks/bench_fsdp_memory.py --quick        # a 0.2M-parameter MLP: checks the script in ~30 s
-    python benchmarks/bench_fsdp_memory.py --gpus 0,1     # the same on GPUs: peak allocated CUDA memory per GPU
+    python benchmarks/fsdp/bench_fsdp_memory.py                # about 2 minutes on 2 CPU cores; needs ~10 GB of memory
+    python benchmarks/fsdp/bench_fsdp_memory.py --quick        # a 0.2M-parameter MLP: checks the script in ~30 s
+    python benchmarks/fsdp/bench_fsdp_memory.py --gpus 0,1     # the same on GPUs: peak allocated CUDA memory per GPU
 
 On the CPU the figure is each process's peak RSS, on GPUs CUDA's peak allocated memory of each GPU. The target
 (issue #16): 2-process FSDP's per-rank peak at most 0.7 of DDP's.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from torch import nn
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the jobs run here: model.name imports benchmarks.fsdp
 TARGET = 0.7
 
 
@@ -36,7 +36,7 @@ def wide_mlp(num_classes: int = 10, width: int = 4096, depth: int = 11, inputs: 
 def run(strategy: str, nproc: int, width: int, depth: int, gpus: str | None, work: Path) -> dict:
     out = work / f"{strategy}-{nproc}"
     args = [
-        "model.name=benchmarks.bench_fsdp_memory:wide_mlp",
+        "model.name=benchmarks.fsdp.bench_fsdp_memory:wide_mlp",
         f"model.args={{width: {width}, depth: {depth}}}",
         "data.image_size=8",
         "data.train_size=64",

@@ -4,7 +4,7 @@ faults per step and peak RSS of the default small CNN on one thread, with glibc'
 mallopt cannot be undone in a process, so every measurement runs in a fresh interpreter, pinned to one core; rounds
 alternate the order (default, keep; keep, default; ...). The ratio column is default / keep of each round.
 
-Run: python benchmarks/bench_cpu_allocator.py [--rounds 5] [--steps 20] [--batch 128 1024]
+Run: python benchmarks/allocator/bench_cpu_allocator.py [--rounds 5] [--steps 20] [--batch 128 1024]
 """
 
 from __future__ import annotations
@@ -15,6 +15,11 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
+
+# This checkout's ignite_mgpu is the one measured: the repository root goes first on sys.path, as in every benchmark.
+if str(Path(__file__).resolve().parents[2]) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 MODES = ("glibc default", "keep_freed_memory")
 

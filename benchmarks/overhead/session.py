@@ -1,5 +1,5 @@
 """The worker sessions: one ``launch`` of gloo processes per process count, pinned to cores, in which the loops of
-overhead_loops take turns; and the Python calls per iteration, counted with cProfile."""
+``loops`` take turns; and the Python calls per iteration, counted with cProfile."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from overhead_loops import (
+from benchmarks.overhead.loops import (
     LOOPS,
     REFERENCE,
     Turns,
@@ -78,9 +78,9 @@ def calls_per_iteration(worker_dir: Path, workload: str, nproc: int, local_rank:
 def pin_to_core(rank: int, nproc: int) -> int | None:
     """Pin this process's main thread to a core of its own; None (unpinned) when there are fewer cores than ranks.
 
-    Unpinned, the ranks migrate between the cores: on the 2-core CI machine that made the tiny MLP step about 1.7x
-    slower and noisier, for (a) and (b) alike. Only the calling thread is pinned: gloo's threads, started earlier,
-    stay free to run on any core (pinning them beside the main thread made the step slower again).
+    Unpinned, the ranks migrate between the cores, which makes every loop's step slower and noisier alike. Only the
+    calling thread is pinned: gloo's threads, started earlier, stay free to run on any core (pinned beside the main
+    thread they slow the step down again). The measured figures: benchmarks/README.md.
     """
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < nproc:

@@ -6,10 +6,10 @@ finished iteration, ``ignite-mgpu --help``, and the extra Python calls per itera
 (a) and (b) take turns inside one run of (b), in the same worker processes; a ratio is printed only when their final
 weights are bit-identical, which proves that both did the same work.
 
-Measured by the modules beside this script: overhead_loops (the loops), overhead_session (the worker sessions, call
-counts), overhead_startup (start-up, --help) and overhead_report (statistics, tables).
+Measured by the modules beside this script: loops (the loops), session (the worker sessions, call counts),
+startup (start-up, --help) and report (statistics, tables).
 
-Run: python benchmarks/bench_overhead.py [--rounds 5] [--iters N] [--quick] [--json results.json]
+Run: python benchmarks/overhead/bench_overhead.py [--rounds 5] [--iters N] [--quick] [--json results.json]
 """
 
 from __future__ import annotations
@@ -25,24 +25,16 @@ from pathlib import Path
 # Set before torch is imported in this process or any process it starts: one thread per process.
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["MKL_NUM_THREADS"] = "1"
-# The sibling modules must be importable here, in the processes that re-run this script (sessions) or unpickle its
-# workers (spawn), and when the tests load this file by path. None of them imports torch at module level.
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The helpers import as benchmarks.<folder>.<module> from the repository root: here, in the processes that re-run
+# this script (sessions) and in the workers that unpickle them (spawn copies sys.path). None imports torch at module
+# level.
+if str(Path(__file__).resolve().parents[2]) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-# Some names are imported only for tests/test_benchmark_smoke.py, which loads this file by path (hence noqa: F401).
-from overhead_loops import (  # noqa: F401
-    WORKLOADS,
-    bitwise_difference,
-    engine_steps,
-    finish,
-    hand_built,
-    hand_steps,
-    make_config,
-)
-from overhead_report import machine, report, verdict  # noqa: F401
-from overhead_session import MEASURED_EPOCHS, run_session, session_main, window_size  # noqa: F401
-from overhead_startup import help_seconds, reference_worker, time_to_first_iteration
+from benchmarks.overhead.loops import WORKLOADS
+from benchmarks.overhead.report import machine, report
+from benchmarks.overhead.session import MEASURED_EPOCHS, run_session, session_main
+from benchmarks.overhead.startup import help_seconds, reference_worker, time_to_first_iteration
 
 
 def main() -> int:

@@ -2,14 +2,14 @@
 rotating order):
 
 - the default job, ``ignite-mgpu train --nproc 2``, with ``--cpu-binding auto`` and ``none``, against the same job
-  written as the PyTorch DDP tutorial writes it (binding_tutorial.py): samples/s and final accuracy;
+  written as the PyTorch DDP tutorial writes it (tutorial.py): samples/s and final accuracy;
 - the tiny MLP and the small CNN per iteration: hand-written, ignite's bare Engine and ignite-mgpu taking turns in
-  one session (bench_overhead.py's sessions), unpinned, with ignite-mgpu's ``cores`` binding, and with
+  one session (overhead/bench_overhead.py's sessions), unpinned, with ignite-mgpu's ``cores`` binding, and with
   bench_overhead.py's own pinning of the training thread;
 - a JPEG image-folder job (files generated here, decoded by PIL, ResNet-18 at 64 px): samples/s and
   ``data_wait_share`` with ``data.num_workers`` 0, auto and one worker per process.
 
-Run: python benchmarks/bench_binding.py [--rounds 3] [--quick] [--only job,overhead,jpeg] [--json results.json]
+Run: python benchmarks/binding/bench_binding.py [--rounds 3] [--quick] [--only job,overhead,jpeg] [--json results.json]
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ import tempfile
 import time
 from pathlib import Path
 
-# The sibling modules must be importable here and in the sessions (which re-run bench_overhead.py).
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The helpers import as benchmarks.<folder>.<module> from the repository root (the sessions re-run
+# overhead/bench_overhead.py, which does the same).
+if str(Path(__file__).resolve().parents[2]) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from binding_runs import make_jpegs, overhead_session, same_weights, shuffled, train_job, tutorial_job
-from overhead_loops import REFERENCE, WORKLOADS
-from overhead_report import (
+from benchmarks.binding.runs import make_jpegs, overhead_session, same_weights, shuffled, train_job, tutorial_job
+from benchmarks.overhead.loops import REFERENCE, WORKLOADS
+from benchmarks.overhead.report import (
     bootstrap,
     extra_cpu_over,
     interval_cell,
@@ -55,8 +56,7 @@ def shipped_default() -> str:
 def thread_counts() -> dict[str, list[int]]:
     """Intra-op threads of each process of ``ignite-mgpu train --nproc 2`` with auto and with none, as the launcher
     plans them on this machine (none: OMP_NUM_THREADS = online CPUs // processes)."""
-    from binding_runs import job_env
-
+    from benchmarks.binding.runs import job_env
     from ignite_mgpu.processes.binding import plan_for_job
 
     none = max(1, (os.cpu_count() or 1) // 2)

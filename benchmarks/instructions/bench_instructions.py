@@ -1,18 +1,18 @@
 """The per-iteration criterion counted in instructions: what ignite-mgpu's ``training`` executes per iteration over
 ignite's bare ``Engine`` running the same step (and a hand-written loop), under valgrind's callgrind.
 
-Wall time on a shared 2-core VM moves by ±2 % even over ten interleaved rounds, four times the criterion's margin
-(1.01). Instructions do not depend on the machine's load: the same code, inputs and environment count the same
-total whether or not the other core is busy, so one run decides what ignite-mgpu adds to the step's CPU work.
-Each loop trains bench_overhead's workloads (same config, model, data and seed) in one process with one thread;
-callgrind counts only a window of iterations in the middle of the epoch (toggled from Python), after warm-up and
-before the epoch's end (validation, report, checkpoint: not per-iteration work, left out for every loop). The
-guard's collective check runs at its native rate (``train.check_every``: about once a second natively; under
-valgrind a step is ~50x slower, so the automatic interval would check far too often), and the checks inside the
-window are counted. What a second process adds (gloo's all-reduce, the other rank's wake-ups) is the same for every
-loop and only grows the denominator, so the one-process ratio bounds the two-process one from above.
+Wall time on a shared 2-core VM moves by more than the criterion's margin (1.01) even over interleaved rounds
+(benchmarks/README.md has the figures). Instructions do not depend on the machine's load: the same code, inputs and
+environment count the same total whether or not the other core is busy, so one run decides what ignite-mgpu adds to
+the step's CPU work. Each loop trains overhead/bench_overhead.py's workloads (same config, model, data and seed) in
+one process with one thread; callgrind counts only a window of iterations in the middle of the epoch (toggled from
+Python), after warm-up and before the epoch's end (validation, report, checkpoint: not per-iteration work, left out
+for every loop). The guard's collective check runs at its native rate (``train.check_every``: about once a second
+natively; under valgrind a step is ~50x slower, so the automatic interval would check far too often), and the checks
+inside the window are counted. What a second process adds (gloo's all-reduce, the other rank's wake-ups) is the same
+for every loop and only grows the denominator, so the one-process ratio bounds the two-process one from above.
 
-Run: python benchmarks/bench_instructions.py [--workloads mlp,cnn] [--quick]   (about 12 minutes; valgrind)
+Run: python benchmarks/instructions/bench_instructions.py [--workloads mlp,cnn] [--quick]   (needs valgrind)
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ from typing import Any
 
 os.environ["OMP_NUM_THREADS"] = "1"  # before torch starts its thread pool: one thread, no pool to count
 os.environ["MKL_NUM_THREADS"] = "1"
-if str(Path(__file__).resolve().parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The helpers import as benchmarks.<folder>.<module> from the repository root, here and in the workers (spawn copies
+# sys.path).
+if str(Path(__file__).resolve().parents[2]) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 LOOPS = ("hand-written", "ignite Engine", "ignite-mgpu")
 # workload -> (warm-up iterations, counted window, check_every); each window holds one check of the guard. For the
@@ -60,8 +62,8 @@ def toggler(start: int, stop: int) -> Any:
 
 
 def hand_loop(cfg: Any, at: Any) -> dict[str, Any]:
-    """bench_overhead's hand-written loop, with the toggle after every iteration; the final weights."""
-    from overhead_loops import hand_built, weights
+    """overhead/bench_overhead.py's hand-written loop, with the toggle after every iteration; the final weights."""
+    from benchmarks.overhead.loops import hand_built, weights
 
     sampler, loader, model, net, optimizer, scheduler, loss_fn = hand_built(cfg)
     model.train()
@@ -82,7 +84,8 @@ def hand_loop(cfg: Any, at: Any) -> dict[str, Any]:
 def engine_loop(cfg: Any, at: Any) -> dict[str, Any]:
     """The same step in ignite's bare Engine; the toggle is one plain ITERATION_COMPLETED handler."""
     from ignite.engine import Engine, Events
-    from overhead_loops import engine_step, hand_built, weights
+
+    from benchmarks.overhead.loops import engine_step, hand_built, weights
 
     built = hand_built(cfg)
     sampler, loader, model, net = built[:4]
@@ -129,7 +132,8 @@ def run_loops(local_rank: int, spec: dict[str, Any]) -> None:
     (DDP's all-reduce in every backward keeps them together). Rank and pid go to a file: the dumps are per pid."""
     import torch
     import torch.distributed as dist
-    from overhead_loops import bitwise_difference, make_config
+
+    from benchmarks.overhead.loops import bitwise_difference, make_config
 
     torch.set_num_threads(1)
     root, nproc = Path(spec["dir"]), spec["nproc"]
@@ -253,7 +257,7 @@ def main() -> int:
             return 1
         result = parse_dumps(Path(tmp), spec)
         differences = json.loads(Path(tmp, "differences.json").read_text())
-    from overhead_report import machine
+    from benchmarks.overhead.report import machine
 
     print(f"Machine: {machine()}")
     print(f"valgrind {subprocess.run(['valgrind', '--version'], capture_output=True, text=True).stdout.strip()}, "

@@ -1,5 +1,5 @@
 """The runs bench_binding.py compares: ``ignite-mgpu train`` jobs (the default job, the JPEG image-folder job), the
-DDP tutorial's loop (binding_tutorial.py), the generated JPEG folder, and overhead sessions with a binding mode.
+DDP tutorial's loop (tutorial.py), the generated JPEG folder, and overhead sessions with a binding mode.
 
 Every job runs in a fresh process of this checkout (its root first on PYTHONPATH), without OMP_NUM_THREADS or
 MKL_NUM_THREADS: out of the box, as a user starts it.
@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-TUTORIAL = str(Path(__file__).with_name("binding_tutorial.py"))
+REPO = Path(__file__).resolve().parents[2]
+TUTORIAL = str(Path(__file__).with_name("tutorial.py"))
 AUTO_WORKERS = re.compile(r"data\.num_workers=auto: (\d+) loader worker")
 
 
@@ -64,7 +64,7 @@ def _free_port() -> int:
 
 
 def tutorial_job(out: Path, nproc: int, epochs: int, train_size: int) -> dict[str, Any]:
-    """binding_tutorial.py: the same job as the DDP tutorial writes it."""
+    """tutorial.py: the same job as the DDP tutorial writes it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, TUTORIAL, str(out), f"--nproc={nproc}", f"--epochs={epochs}", f"--train-size={train_size}"]
     _run(argv, out.with_suffix(".log"), job_env(MASTER_PORT=str(_free_port())))
@@ -74,8 +74,8 @@ def tutorial_job(out: Path, nproc: int, epochs: int, train_size: int) -> dict[st
 def same_weights(a: str, b: str) -> str | None:
     """None when the two files' model weights are bit-identical, else what differs."""
     import torch
-    from overhead_loops import bitwise_difference
 
+    from benchmarks.overhead.loops import bitwise_difference
     from ignite_mgpu.checkpoint.files import read_checkpoint
 
     def model(path: str) -> dict[str, Any]:
@@ -107,10 +107,11 @@ def make_jpegs(root: Path, train: int, val: int, size: int = 96, classes: int = 
 
 
 def overhead_session(tmp: Path, variant: str, iters: dict[str, int], epochs: int) -> dict[str, Any]:
-    """One bench_overhead session (the three loops taking turns) on 2 processes: ``none`` (unpinned), ``cores``
-    (ignite-mgpu's binding: the training thread on the rank's share, gloo's threads on the job's CPUs) or ``pinned``
-    (bench_overhead.py's own: each rank's training thread on a core, pinned after the group started)."""
-    from overhead_session import run_session
+    """One session of overhead/bench_overhead.py (the three loops taking turns) on 2 processes: ``none``
+    (unpinned), ``cores`` (ignite-mgpu's binding: the training thread on the rank's share, gloo's threads on the
+    job's CPUs) or ``pinned`` (bench_overhead.py's own: each rank's training thread on a core, pinned after the group
+    started)."""
+    from benchmarks.overhead.session import run_session
 
     binding = "cores" if variant == "cores" else "none"
     return run_session(tmp, 2, ["mlp", "cnn"], 1, iters, epochs, [], variant == "pinned", binding)

@@ -2,7 +2,7 @@
 multigpu.py): ``torch.multiprocessing.spawn``, DDP, ``DistributedSampler``, no binding, threads as torch picks them,
 glibc's malloc as it is. Same model, data, seed, global batch, optimizer and schedule as ``ignite-mgpu train``.
 
-Run by bench_binding.py: python benchmarks/binding_tutorial.py OUT.json [--nproc 2] [--epochs 2] [--train-size 4096]
+Run by bench_binding.py: python benchmarks/binding/tutorial.py OUT.json [--nproc 2] [--epochs 2] [--train-size 4096]
 Rank 0 writes the training samples/s (epoch loops only, as ignite-mgpu's report counts) and the final accuracy.
 """
 
