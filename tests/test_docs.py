@@ -1,0 +1,111 @@
+"""The documentation cannot rot: every shell and Python block in docs/ is included from a file the suite runs,
+marked as not runnable here (with the reason), or run here; every YAML block is a valid config; the generated
+reference covers every config key. `python -m pytest -q tests/test_docs.py`."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_in_session
+from tests.docs_blocks import RUNNABLE, all_blocks
+
+sys.path.insert(0, str(REPO / "tools"))
+from docs_reference import config_keys, exit_codes_page  # noqa: E402
+
+BLOCKS = all_blocks()
+TESTS_SOURCE = "\n".join(p.read_text() for p in (REPO / "tests").rglob("*.py"))
+RUN_HERE = [b for b in BLOCKS if b.lang in RUNNABLE and not b.included and not b.not_run_here and not b.name]
+
+
+def sandbox(tmp_path: Path) -> Path:
+    """A working folder as a user's checkout would be: configs/ and examples/ at hand, nothing written into REPO."""
+    for name in ("configs", "examples"):
+        (tmp_path / name).symlink_to(REPO / name)
+    return tmp_path
+
+
+def run_block(block, cwd: Path, timeout: float = 150):
+    """Run a block as written: bash with -euo pipefail, or python; ignite-mgpu and python from this environment."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    if block.lang in {"python", "py"}:
+        cmd = [sys.executable, "-c", block.text]
+    else:
+        cmd = ["bash", "-euo", "pipefail", "-c", block.text]
+    result = run_in_session(cmd, timeout, cwd, env)
+    assert result.returncode == 0, f"{block.id}\n{block.text}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def test_every_code_block_is_run_or_says_why_not():
+    named = [b.name for b in BLOCKS if b.name]
+    assert len(named) == len(set(named)), f"a block name is used twice: {named}"
+    for block in BLOCKS:
+        for path in block.included:
+            assert (REPO / path).is_file(), f"{block.id} includes {path}, which does not exist"
+            assert path.startswith(("examples/", "configs/")), f"{block.id}: include files the suite runs"
+        if block.name:
+            assert f'doc_block("{block.name}")' in TESTS_SOURCE, f"{block.id}: no test runs block {block.name}"
+        if block.title.startswith("Not run here"):
+            assert block.not_run_here, f"{block.id}: say why it cannot run here"
+        assert block.lang != "", f"{block.id}: give the block a language (text for output)"
+
+
+def test_the_docs_have_runnable_blocks():
+    assert len(RUN_HERE) >= 3 and sum(b.name != "" for b in BLOCKS) >= 3
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("block", RUN_HERE, ids=[b.id for b in RUN_HERE])
+def test_block_runs(block, tmp_path):
+    run_block(block, sandbox(tmp_path))
+
+
+YAML_BLOCKS = [b for b in BLOCKS if b.lang == "yaml"]
+
+
+@pytest.mark.parametrize("block", YAML_BLOCKS, ids=[b.id for b in YAML_BLOCKS])
+def test_yaml_block_is_a_valid_config(block, tmp_path):
+    from ignite_mgpu import load_config
+
+    if block.included:
+        (path,) = block.included
+        load_config(REPO / path)
+    else:
+        file = tmp_path / "block.yaml"
+        file.write_text(block.text)
+        load_config(file)
+
+
+def test_config_reference_lists_every_key_with_its_default():
+    from omegaconf import OmegaConf
+
+    from ignite_mgpu import Config
+
+    def leaves(node, prefix=""):
+        for key, value in node.items():
+            if isinstance(value, dict) and key not in {"args"}:
+                yield from leaves(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    expected = dict(leaves(OmegaConf.to_container(OmegaConf.structured(Config))))
+    keys = {k.name: k for k in config_keys()}
+    assert list(keys) == list(expected)
+    assert keys["data.batch_size"].default == str(expected["data.batch_size"])
+    assert keys["optim.lr"].type == "float" and "learning rate" in keys["optim.lr"].meaning
+    assert all(k.meaning for k in keys.values())
+
+
+def test_exit_codes_page_is_the_table():
+    from ignite_mgpu.errors import EXIT_CODES
+
+    rows = re.findall(r"^\| (\d+) \|", exit_codes_page(), flags=re.M)
+    assert [int(r) for r in rows] == list(EXIT_CODES)
