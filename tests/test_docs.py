@@ -4,43 +4,21 @@ reference covers every config key. `python -m pytest -q tests/test_docs.py`."""
 
 from __future__ import annotations
 
-import os
 import re
+import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_in_session
-from tests.docs_blocks import RUNNABLE, all_blocks
+from tests.conftest import REPO
+from tests.docs_blocks import RUNNABLE, all_blocks, doc_block, run_block, sandbox
 
 sys.path.insert(0, str(REPO / "tools"))
-from docs_reference import config_keys, exit_codes_page  # noqa: E402
+from docs_reference import config_keys, exit_codes_page
 
 BLOCKS = all_blocks()
 TESTS_SOURCE = "\n".join(p.read_text() for p in (REPO / "tests").rglob("*.py"))
 RUN_HERE = [b for b in BLOCKS if b.lang in RUNNABLE and not b.included and not b.not_run_here and not b.name]
-
-
-def sandbox(tmp_path: Path) -> Path:
-    """A working folder as a user's checkout would be: configs/ and examples/ at hand, nothing written into REPO."""
-    for name in ("configs", "examples"):
-        (tmp_path / name).symlink_to(REPO / name)
-    return tmp_path
-
-
-def run_block(block, cwd: Path, timeout: float = 150):
-    """Run a block as written: bash with -euo pipefail, or python; ignite-mgpu and python from this environment."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    if block.lang in {"python", "py"}:
-        cmd = [sys.executable, "-c", block.text]
-    else:
-        cmd = ["bash", "-euo", "pipefail", "-c", block.text]
-    result = run_in_session(cmd, timeout, cwd, env)
-    assert result.returncode == 0, f"{block.id}\n{block.text}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
-    return result
 
 
 def test_every_code_block_is_run_or_says_why_not():
@@ -109,3 +87,38 @@ def test_exit_codes_page_is_the_table():
 
     rows = re.findall(r"^\| (\d+) \|", exit_codes_page(), flags=re.M)
     assert [int(r) for r in rows] == list(EXIT_CODES)
+
+
+def test_slurm_script_is_valid_bash():
+    script = REPO / "examples" / "slurm" / "train.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    assert "--resume auto" in script.read_text() and "#SBATCH --signal=USR1@" in script.read_text()
+
+
+def documented_names(page: str) -> list[str]:
+    """The first column of the tables of a reference page, without backticks."""
+    text = (REPO / "docs" / "reference" / page).read_text()
+    return [m.strip("`") for m in re.findall(r"^\| (`[^`]+`) \|", text, flags=re.M)]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_checkpoints_how_to_and_the_files_it_documents(tmp_path):
+    """One job (trained, inspected, evaluated, reported) checks the how-to's commands, the metrics.jsonl
+    fields and the checkpoint file names of the reference."""
+    import json
+
+    result = run_block(doc_block("checkpoints"), sandbox(tmp_path), timeout=220)
+    run_dir = tmp_path / "runs" / "ckpt"
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["epoch"] for line in lines] == [1]
+    assert set(lines[0]) == set(documented_names("metrics.md"))
+    evaluated = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+    assert evaluated["accuracy"] == pytest.approx(lines[0]["val_accuracy"])
+    patterns = [
+        re.escape(n).replace("<iteration>", r"\d+").replace("<epoch>", r"\d+")
+        for n in documented_names("checkpoint-files.md")
+    ]
+    patterns = [p.replace("<metric>", "val_(accuracy|loss)").replace("<score>", r"[0-9.]+") for p in patterns]
+    for path in run_dir.iterdir():
+        assert any(re.fullmatch(p.rstrip("/"), path.name) for p in patterns), f"{path.name} is not documented"

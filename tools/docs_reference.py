@@ -5,8 +5,8 @@ tests/test_docs.py."""
 from __future__ import annotations
 
 import ast
-import html
 import dataclasses
+import html
 import inspect
 import io
 import textwrap
@@ -109,7 +109,8 @@ def config_page() -> str:
     top = [k for k in keys if "." not in k.name]
     groups: list[tuple[str, str, list[Key]]] = [("Top level", "seed, output_dir and resume.", top)]
     for name, doc in sections().items():
-        groups.append((f"`{name}:`", doc.strip("`").split(" ", 1)[-1], [k for k in keys if k.name.startswith(name + ".")]))
+        rows = [k for k in keys if k.name.startswith(name + ".")]
+        groups.append((f"`{name}:`", doc.strip("`").split(" ", 1)[-1], rows))
     for title, doc, rows in groups:
         out += [f"## {title}", "", doc, "", "| key | type | default | meaning |", "|---|---|---|---|"]
         out += [f"| `{k.name}` | {_code(k.type)} | {_code(k.default)} | {_cell(k.meaning)} |" for k in rows]

@@ -8,7 +8,7 @@ from pathlib import Path
 import mkdocs_gen_files
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from docs_reference import config_page, errors_page, exit_codes_page  # noqa: E402
+from docs_reference import config_page, errors_page, exit_codes_page
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ignite_mgpu"
 

@@ -9,10 +9,10 @@ import argparse
 import ignite.distributed as idist
 import torch
 from ignite.engine import Events
+from project import Net, make_split
 from torch import nn
 
 from ignite_mgpu import create_dataloader, create_evaluator, create_trainer, launch, prepare_model, validation_metrics
-from project import Net, make_split
 
 
 def run(local_rank: int, args: argparse.Namespace) -> None:

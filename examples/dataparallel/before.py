@@ -7,10 +7,9 @@ On a machine without GPUs it runs on the CPU (DataParallel then calls the model 
 import argparse
 
 import torch
+from project import Net, make_split
 from torch import nn
 from torch.utils.data import DataLoader
-
-from project import Net, make_split
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=5)
@@ -41,4 +40,4 @@ for epoch in range(1, args.epochs + 1):
             correct += (model(x.to(device)).argmax(1) == y.to(device)).sum().item()
     print(f"epoch {epoch}: loss {loss.item():.4f} val_accuracy {correct / 500:.4f}")
 
-torch.save(model.module.state_dict(), args.out)  # .module: the state_dict of the DataParallel wrapper has "module." keys
+torch.save(model.module.state_dict(), args.out)  # .module: the wrapper's own state_dict has "module." keys
