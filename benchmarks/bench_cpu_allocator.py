@@ -29,9 +29,9 @@ def child(mode: str, batch: int, steps: int) -> None:
     import torch
     from torch import nn
 
-    from ignite_mgpu.allocator import keep_freed_memory
     from ignite_mgpu.config import ModelConfig
-    from ignite_mgpu.models import create_model
+    from ignite_mgpu.train.allocator import keep_freed_memory
+    from ignite_mgpu.train.models import create_model
 
     torch.set_num_threads(1)
     if mode == MODES[1] and (why_not := keep_freed_memory()) is not None:

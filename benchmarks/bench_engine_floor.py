@@ -1,6 +1,6 @@
 """Where the per-iteration CPU time goes, on one process without communication: a plain loop, ignite's bare
 ``Engine`` running the same step, ignite-mgpu's ``create_trainer`` (step, guard, sampler epochs) and the same with
-the ``EpochReport`` that ``ignite-mgpu train`` attaches, over the timed loader it trains from (the data-wait timer
+the ``EpochLog`` that ``ignite-mgpu train`` attaches, over the timed loader it trains from (the data-wait timer
 runs every iteration).
 
 All four train the same tiny MLP on the same in-memory batches with one thread pinned to one core, timed with the
@@ -27,9 +27,9 @@ from ignite.engine import Engine
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ignite_mgpu.data import timed
-from ignite_mgpu.engine import create_trainer
-from ignite_mgpu.report import EpochReport
+from ignite_mgpu.train.engine import create_trainer
+from ignite_mgpu.train.epoch_log import EpochLog
+from ignite_mgpu.train.loaders import timed
 
 BATCH, FEATURES, CLASSES = 16, 192, 10  # the benchmark's tiny MLP input: 3 x 8 x 8 images, 16 per process
 
@@ -74,7 +74,7 @@ def ignite_mgpu_trainer(iters: int, report: bool) -> float:
     if report:
         loader = timed(loader)  # as create_dataloaders gives it to the default job
         with tempfile.TemporaryDirectory() as tmp:
-            EpochReport(Path(tmp, "metrics.jsonl"), BATCH, Engine(lambda e, b: None), [torch.device("cpu")]).attach(
+            EpochLog(Path(tmp, "metrics.jsonl"), BATCH, Engine(lambda e, b: None), [torch.device("cpu")]).attach(
                 trainer
             )
             start = time.thread_time()
@@ -89,7 +89,7 @@ LOOPS: dict[str, Callable[[int], float]] = {
     "plain loop": plain,
     "ignite Engine, same step": bare_engine,
     "ignite-mgpu create_trainer": lambda n: ignite_mgpu_trainer(n, report=False),
-    "ignite-mgpu create_trainer + EpochReport": lambda n: ignite_mgpu_trainer(n, report=True),
+    "ignite-mgpu create_trainer + EpochLog": lambda n: ignite_mgpu_trainer(n, report=True),
 }
 
 

@@ -1,6 +1,6 @@
 """What ignite-mgpu costs over a hand-written PyTorch DDP loop, on 2 gloo processes with one thread each.
 
-Measures, with (a) a hand-written loop and (b) ``ignite_mgpu.train.training`` as ``ignite-mgpu train`` runs it:
+Measures, with (a) a hand-written loop and (b) ``ignite_mgpu.train.job.training`` as ``ignite-mgpu train`` runs it:
 time per iteration on a tiny MLP and on the default small CNN, 2-vs-1 process scaling, launch to the first
 finished iteration, ``ignite-mgpu --help``, and the extra Python calls per iteration (cProfile, rank 0).
 (a) and (b) take turns inside one run of (b), in the same worker processes; a ratio is printed only when their final

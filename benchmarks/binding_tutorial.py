@@ -22,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from ignite_mgpu.data import SyntheticImages
-from ignite_mgpu.models import SimpleCNN
+from ignite_mgpu.train.datasets import SyntheticImages
+from ignite_mgpu.train.models import SimpleCNN
 
 
 def ddp_setup(rank: int, world_size: int) -> None:

@@ -56,9 +56,9 @@ def hand_built(cfg: Any) -> tuple[Any, ...]:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from ignite_mgpu.data import build_datasets
-    from ignite_mgpu.models import create_model
-    from ignite_mgpu.optim import create_lr_scheduler, create_optimizer
+    from ignite_mgpu.train.datasets import build_datasets
+    from ignite_mgpu.train.models import create_model
+    from ignite_mgpu.train.optim import create_lr_scheduler, create_optimizer
 
     distributed = dist.is_available() and dist.is_initialized()
     world_size, rank = (dist.get_world_size(), dist.get_rank()) if distributed else (1, 0)
@@ -207,13 +207,13 @@ class Turns:
 
 def ignite_run(local_rank: int, cfg: Any, turns: Turns | None = None) -> dict[str, Any] | None:
     """(b): ``training`` itself, with ``turns`` attached to its trainer (by wrapping
-    ``ignite_mgpu.train.create_trainer``). Rank 0 returns the final weights, read from the last checkpoint."""
+    ``ignite_mgpu.train.job.create_trainer``). Rank 0 returns the final weights, read from the last checkpoint."""
     import torch.distributed as dist
 
-    import ignite_mgpu.train
+    import ignite_mgpu.train.job
     from ignite_mgpu.checkpoint.files import read_checkpoint
 
-    create_trainer = ignite_mgpu.train.create_trainer
+    create_trainer = ignite_mgpu.train.job.create_trainer
 
     def create_taking_turns(*args: Any, **kwargs: Any) -> Any:
         trainer = create_trainer(*args, **kwargs)
@@ -221,11 +221,11 @@ def ignite_run(local_rank: int, cfg: Any, turns: Turns | None = None) -> dict[st
             turns.attach(trainer)
         return trainer
 
-    ignite_mgpu.train.create_trainer = create_taking_turns  # type: ignore[assignment]  # same signature
+    ignite_mgpu.train.job.create_trainer = create_taking_turns  # type: ignore[assignment]  # same signature
     try:
-        ignite_mgpu.train.training(local_rank, cfg)
+        ignite_mgpu.train.job.training(local_rank, cfg)
     finally:
-        ignite_mgpu.train.create_trainer = create_trainer
+        ignite_mgpu.train.job.create_trainer = create_trainer
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     (final,) = Path(cfg.output_dir).glob("checkpoint_*.pt")  # checkpoint.every=epochs: one, after the last epoch

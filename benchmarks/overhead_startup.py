@@ -21,7 +21,7 @@ def reference_worker(rank: int, out: str) -> None:
     from torch import nn
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from ignite_mgpu.models import SimpleCNN
+    from ignite_mgpu.train.models import SimpleCNN
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)

@@ -7,19 +7,20 @@ from typing import Any
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "launch": "ignite_mgpu.launcher",
+    "launch": "ignite_mgpu.processes.launcher",
     "fit": "ignite_mgpu.jobs",
-    "create_trainer": "ignite_mgpu.engine",
-    "create_evaluator": "ignite_mgpu.engine",
-    "validation_metrics": "ignite_mgpu.engine",
-    "prepare_model": "ignite_mgpu.strategy",
+    "create_trainer": "ignite_mgpu.train.engine",
+    "create_evaluator": "ignite_mgpu.train.evaluator",
+    "validation_metrics": "ignite_mgpu.train.evaluator",
+    "GuardEvents": "ignite_mgpu.train.guard",
+    "prepare_model": "ignite_mgpu.train.strategy",
     "load_checkpoint": "ignite_mgpu.checkpoint.load",
     "Config": "ignite_mgpu.config",
     "ConfigError": "ignite_mgpu.errors",
     "CheckpointError": "ignite_mgpu.errors",
     "load_config": "ignite_mgpu.config",
-    "training": "ignite_mgpu.train",
-    "keep_freed_memory": "ignite_mgpu.allocator",
+    "training": "ignite_mgpu.train.job",
+    "keep_freed_memory": "ignite_mgpu.train.allocator",
 }
 __all__ = sorted(_PUBLIC)
 

@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 import click
 
+from ignite_mgpu.config import BACKENDS, CPU_BINDINGS, STRATEGIES
 from ignite_mgpu.errors import exit_codes_text
 
 # CLI flag -> config key; flags are applied after --config and the positional key=value overrides.
@@ -41,13 +42,11 @@ def dist_options(fn: Any) -> Any:
     """The process/GPU flags shared by ``train`` and ``evaluate``."""
     options = [
         click.option("--nproc", type=int, help="Processes on this node [default: selected GPUs, or 1 on CPU]."),
-        click.option(
-            "--backend", type=click.Choice(["auto", "nccl", "gloo"]), help="auto = nccl with CUDA, else gloo."
-        ),
+        click.option("--backend", type=click.Choice(BACKENDS), help="auto = nccl with CUDA, else gloo."),
         click.option("--gpus", help="Physical GPU ids as nvidia-smi shows them (2,3), all, none, auto or auto:N."),
         click.option(
             "--strategy",
-            type=click.Choice(["ddp", "dp", "fsdp"]),
+            type=click.Choice(STRATEGIES),
             help="ddp: a process per GPU (default); dp: one process with nn.DataParallel; fsdp: a process per GPU, "
             "parameters, gradients and optimizer state sharded over them (FSDP2).",
         ),
@@ -60,7 +59,7 @@ def dist_options(fn: Any) -> Any:
         click.option("--timeout", type=float, help="Seconds a collective may wait after the first iteration [300]."),
         click.option(
             "--cpu-binding",
-            type=click.Choice(["auto", "none", "cores", "numa"]),
+            type=click.Choice(CPU_BINDINGS),
             help="Bind each process to its CPUs: cores (its own share), numa (its GPU's node), auto [none].",
         ),
     ]
@@ -162,8 +161,8 @@ def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | Non
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def devices(as_json: bool) -> None:
     """List every GPU: physical id, PCI bus, memory, utilisation, processes, and its CUDA index here."""
-    from ignite_mgpu import gpus
-    from ignite_mgpu.devices import format_devices
+    from ignite_mgpu.processes import gpus
+    from ignite_mgpu.processes.devices import format_devices
 
     click.echo(format_devices(gpus.query_gpus(), os.environ, as_json=as_json))
 
@@ -186,11 +185,13 @@ def report(run_dirs: tuple[str, ...], out: str | None, as_json: bool) -> None:
     (pip install -e ".[plot]") only the table is printed. Reads files only: safe while a run is going.
     """
     with _errors_to_exit():
-        from ignite_mgpu import runs
+        from ignite_mgpu.runs.figure import write_image
+        from ignite_mgpu.runs.read import read_runs
+        from ignite_mgpu.runs.table import format_table, to_json
 
-        found = runs.read_runs(run_dirs)
-        image, note = runs.write_image(found, out)
-    click.echo(runs.to_json(found, image) if as_json else runs.format_table(found))
+        found = read_runs(run_dirs)
+        image, note = write_image(found, out)
+    click.echo(to_json(found, image) if as_json else format_table(found))
     click.echo(note, err=True)
 
 
@@ -207,7 +208,7 @@ def inspect(path: str, as_json: bool) -> None:
     import json
 
     with _errors_to_exit():
-        from ignite_mgpu.checkpoint.files import describe
+        from ignite_mgpu.checkpoint.tools import describe
 
         info = describe(path)
     click.echo(json.dumps(info, indent=2) if as_json else "\n".join(f"{k}: {v}" for k, v in info.items()))
@@ -225,7 +226,7 @@ def convert(src: str, dst: str) -> None:
     from pathlib import Path
 
     with _errors_to_exit():
-        from ignite_mgpu.checkpoint.files import convert as convert_file
+        from ignite_mgpu.checkpoint.tools import convert as convert_file
 
         found = convert_file(src, dst)
     if Path(src).is_dir():

@@ -1,4 +1,5 @@
-"""Configuration: one dataclass per YAML section, loaded and validated by OmegaConf structured configs.
+"""Configuration: one dataclass per YAML section, loaded and validated by OmegaConf structured configs (imported
+when a config is loaded: the dataclasses and the choices are read by ``ignite-mgpu --help``, which stays fast).
 
 Precedence is fixed: dataclass defaults < ``--config FILE.yaml`` < dotted overrides (``optim.lr=0.05``).
 """
@@ -9,12 +10,22 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from typing import Any, Literal, get_args
 
 from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.runs import folder
+
+# The closed choices, each written once: the dataclasses' types, the CLI's click.Choice and the checks read these.
+Backend = Literal["auto", "nccl", "gloo"]
+Strategy = Literal["ddp", "dp", "fsdp"]
+CpuBinding = Literal["auto", "none", "cores", "numa"]
+Precision = Literal["fp32", "bf16", "fp16"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+CPU_BINDINGS: tuple[str, ...] = get_args(CpuBinding)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+DATASETS = ("synthetic", "fake", "mnist", "fashion_mnist", "cifar10", "imagefolder")  # or "package.module:factory"
+DATASETS_ON_DISK = ("mnist", "fashion_mnist", "cifar10", "imagefolder")  # read from data.root
 
 
 @dataclass
@@ -40,7 +51,7 @@ class DataConfig:
     root: str | None = None  # dataset folder; required for all but synthetic/fake (imagefolder: root/train, root/val)
     download: bool = False  # let torchvision download mnist/fashion_mnist/cifar10 into root
     batch_size: int = 128  # GLOBAL batch: split evenly across all processes
-    num_workers: int | Literal["auto"] = 0  # loader workers per node, split over its processes; auto: see data.py
+    num_workers: int | Literal["auto"] = 0  # loader workers per node, split over its processes; auto: train/loaders.py
     shuffle: bool = True  # shuffle the training set every epoch (seeded)
     image_size: int = 32  # side of the images; every dataset is resized to it
     train_size: int = 4096  # samples in the synthetic/fake training split
@@ -66,7 +77,7 @@ class TrainConfig:
 
     epochs: int = 2  # passes over the training set
     loss: str = "cross_entropy"  # cross_entropy, model (the model returns its loss), or "package.module:factory"
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"  # bf16/fp16 autocast; fp16 uses a GradScaler (CUDA only)
+    precision: Precision = "fp32"  # bf16/fp16 autocast; fp16 uses a GradScaler (CUDA only)
     grad_accum_steps: int = 1  # micro-batches per optimizer step; DDP all-reduces only on the last one
     clip_grad_norm: float | None = None  # max global gradient norm (None = no clipping)
     deterministic: bool = False  # DeterministicEngine + torch.use_deterministic_algorithms: bitwise resume
@@ -98,16 +109,16 @@ class DistConfig:
     """`dist:` processes, GPUs and rendezvous (the CLI flags --nproc, --gpus, ... set these)."""
 
     nproc: int | None = None  # processes on this node (None = number of selected GPUs, or 1 on CPU)
-    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto = nccl when CUDA is available, else gloo
+    backend: Backend = "auto"  # auto = nccl when CUDA is available, else gloo
     gpus: str | None = None  # "all", "none", "auto", "auto:N", or physical ids "2,3" (None = current environment)
-    strategy: Literal["ddp", "dp", "fsdp"] = "ddp"  # ddp: a process per GPU; dp: one, DataParallel; fsdp: sharded
+    strategy: Strategy = "ddp"  # ddp: a process per GPU; dp: one, DataParallel; fsdp: sharded
     nnodes: int = 1  # machines in the job
     node_rank: int = 0  # this machine's index, 0..nnodes-1
     master_addr: str = "127.0.0.1"  # address of node 0 (multi-node, or with an explicit master_port)
     master_port: int | None = None  # TCP port on node 0 (None on one node = a private file rendezvous, no port)
     timeout: float = 300.0  # seconds any collective may wait after the first iteration
     stop_grace: float = 60.0  # seconds workers get to checkpoint and exit after SIGTERM/Ctrl-C
-    cpu_binding: Literal["auto", "none", "cores", "numa"] = "none"  # CPUs and threads of each process (binding.py)
+    cpu_binding: CpuBinding = "none"  # CPUs and threads of each process (processes/binding.py)
     max_restarts: int = 0  # restart the processes after a curable failure, from the newest complete checkpoint
     preempt_signal: str | None = "SIGUSR1"  # SLURM's time-limit warning: checkpoint, requeue the job, exit (null: off)
 
@@ -127,7 +138,7 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
 
 
-def _paragraph(err: OmegaConfBaseException, where: str) -> str:
+def _paragraph(err: Exception, where: str) -> str:
     lines = str(err).splitlines()
     key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.strip().startswith("full_key:")), None)
     head = f"config key '{key}'" if key else "config"
@@ -141,6 +152,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     Raises:
         ConfigError: unknown key (with the closest valid key), wrong type, bad value, unreadable YAML.
     """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     schema = OmegaConf.structured(Config)
     layers: list[tuple[Any, str]] = []
     if path is not None:
@@ -179,19 +193,34 @@ def _check(ok: bool, key: str, value: Any, rule: str) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Check value ranges and paths that the types alone cannot express. Runs in the parent, before spawning."""
-    d, t, o, c, dist = cfg.data, cfg.train, cfg.optim, cfg.checkpoint, cfg.dist
+    """Check value ranges and combinations that the types alone cannot express. Runs in the parent, before
+    spawning; what needs the file system (``data.root``, the output folder) is the pre-flight's (preflight.py)."""
+    _check_data(cfg.data, cfg.model)
+    _check_optim(cfg.optim)
+    _check_train(cfg.train, cfg.checkpoint)
+    _check_dist(cfg.dist)
+    _check_strategy_options(cfg)
+    _check_names(cfg)
+
+
+def _check_data(d: DataConfig, m: ModelConfig) -> None:
     _check(d.batch_size >= 1, "data.batch_size", d.batch_size, "the global batch must be at least 1")
     workers = d.num_workers
     workers_ok = workers == "auto" or (type(workers) is int and workers >= 0)
     _check(workers_ok, "data.num_workers", workers, "use 0 (load in the training process), more, or auto")
     _check(d.image_size >= 8, "data.image_size", d.image_size, "use at least 8 pixels")
     _check(d.train_size >= 1 and d.val_size >= 1, "data.train_size/val_size", (d.train_size, d.val_size), "use >= 1")
-    _check(cfg.model.num_classes >= 2, "model.num_classes", cfg.model.num_classes, "a classifier needs >= 2 classes")
+    _check(m.num_classes >= 2, "model.num_classes", m.num_classes, "a classifier needs >= 2 classes")
+
+
+def _check_optim(o: OptimConfig) -> None:
     _check(math.isfinite(o.lr) and o.lr > 0, "optim.lr", o.lr, "the learning rate must be a finite number > 0")
     _check(math.isfinite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "use >= 0")
     _check(0 <= o.momentum < 1, "optim.momentum", o.momentum, "use a value in [0, 1)")
     _check(o.warmup_epochs >= 0, "optim.warmup_epochs", o.warmup_epochs, "use >= 0")
+
+
+def _check_train(t: TrainConfig, c: CheckpointConfig) -> None:
     _check(t.epochs >= 1, "train.epochs", t.epochs, "train for at least 1 epoch")
     _check(t.grad_accum_steps >= 1, "train.grad_accum_steps", t.grad_accum_steps, "use 1 (no accumulation) or more")
     clip = t.clip_grad_norm
@@ -215,6 +244,9 @@ def validate(cfg: Config) -> None:
         f"use a multiple of train.grad_accum_steps={accum}: a checkpoint inside an accumulation window "
         "would lose the gradients accumulated so far",
     )
+
+
+def _check_dist(dist: DistConfig) -> None:
     _check(dist.nproc is None or dist.nproc >= 1, "dist.nproc", dist.nproc, "run at least 1 process (--nproc 1)")
     _check(dist.nnodes >= 1, "dist.nnodes", dist.nnodes, "use at least 1 node")
     _check(0 <= dist.node_rank < dist.nnodes, "dist.node_rank", dist.node_rank, f"use 0..{dist.nnodes - 1}")
@@ -237,18 +269,23 @@ def validate(cfg: Config) -> None:
         )
     if dist.nnodes > 1 and port is None:
         raise ConfigError("--nnodes > 1 needs --master-port (and --master-addr, node 0's address) on every node.")
-    _check_strategy_options(cfg)
-    builtin = ("synthetic", "fake", "mnist", "fashion_mnist", "cifar10", "imagefolder")
+
+
+def _check_names(cfg: Config) -> None:
+    """The dataset, the loss and the metric name things that exist, and go together."""
+    d, t, c = cfg.data, cfg.train, cfg.checkpoint
     _check(
-        d.name in builtin or ":" in d.name,
+        d.name in DATASETS or ":" in d.name,
         "data.name",
         d.name,
-        f"use {', '.join(builtin)}, or 'package.module:factory' for a factory that returns the two datasets",
+        f"use {', '.join(DATASETS)}, or 'package.module:factory' for a factory that returns the two datasets",
     )
     if d.args and ":" not in d.name:
         raise ConfigError(
             f"data.args is for a dataset factory (data.name=package.module:factory), not data.name={d.name}."
         )
+    if d.name in DATASETS_ON_DISK and d.root is None:
+        raise ConfigError(f"data.name={d.name} needs data.root: pass data.root=/path/to/{d.name}.")
     _check(
         t.loss in ("cross_entropy", "model") or ":" in t.loss,
         "train.loss",
@@ -261,20 +298,6 @@ def validate(cfg: Config) -> None:
             f"checkpoint.metric=accuracy needs classification (train.loss=cross_entropy), but train.loss={t.loss} "
             "reports only the validation loss. Use checkpoint.metric=loss, or leave it out (it follows train.loss)."
         )
-    if d.name in ("mnist", "fashion_mnist", "cifar10", "imagefolder"):
-        if d.root is None:
-            raise ConfigError(f"data.name={d.name} needs data.root: pass data.root=/path/to/{d.name}.")
-        root = Path(d.root).expanduser().resolve()
-        if not d.download and not root.is_dir():
-            hint = " (or data.download=true)" if d.name != "imagefolder" else ""
-            raise ConfigError(f"data.root={root} does not exist or is not a folder; pass an existing folder{hint}.")
-        if d.name == "imagefolder":
-            for split in ("train", "val"):
-                if not (root / split).is_dir():
-                    raise ConfigError(
-                        f"data.name=imagefolder expects the ImageNet layout root/train/<class>/* and "
-                        f"root/val/<class>/*, but {root / split} is missing."
-                    )
 
 
 def _check_strategy_options(cfg: Config) -> None:
@@ -311,7 +334,7 @@ def _check_strategy_options(cfg: Config) -> None:
 def run_dir(cfg: Config) -> Path:
     """Where the run writes: ``output_dir``. ``fit`` and the CLI give a run without one a new folder under runs/
     before it starts; ``training`` called directly (``launch(training, cfg)``) writes to runs/default."""
-    return Path(cfg.output_dir if cfg.output_dir is not None else "runs/default")
+    return folder.run_dir(cfg.output_dir)
 
 
 def best_metric(cfg: Config) -> str:
@@ -336,4 +359,6 @@ def _check_preempt_signal(name: str | None) -> None:
 
 def dump_config(cfg: Config) -> str:
     """The fully resolved config as YAML (written to output_dir/config.yaml by rank 0)."""
+    from omegaconf import OmegaConf
+
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -8,13 +8,13 @@ import functools
 import sys
 from pathlib import Path
 
-from ignite_mgpu import launcher, scheduler
 from ignite_mgpu.config import Config, run_dir, validate
 from ignite_mgpu.errors import CheckpointError, ConfigError
-from ignite_mgpu.preflight import prepared
-from ignite_mgpu.supervisor import Restart
+from ignite_mgpu.preflight import check_data_root, prepared
+from ignite_mgpu.processes import cluster, launcher
+from ignite_mgpu.processes.plan import Restart, make_plan
 
-TRAINING = "ignite_mgpu.train:training"
+TRAINING = "ignite_mgpu.train.job:training"
 
 
 def _refused(err: ConfigError | CheckpointError) -> int:
@@ -41,7 +41,7 @@ def fit(cfg: Config | None = None) -> int:
         validate(cfg)
         with prepared(cfg) as plan:
             # Only the target's name is pickled for the workers: this process never imports ignite.
-            restart = functools.partial(_resume_newest, cfg, scheduler.outer_restarts())
+            restart = functools.partial(_resume_newest, cfg, cluster.outer_restarts())
             return launcher.run_plan(plan, launcher.run_named, TRAINING, cfg, restart=restart)
     except (ConfigError, CheckpointError) as err:
         return _refused(err)
@@ -62,16 +62,17 @@ def evaluate(cfg: Config, checkpoint: str | Path, as_json: bool = False) -> int:
     """Score the weights in ``checkpoint`` on ``cfg``'s validation split, on the processes ``cfg.dist`` asks for;
     rank 0 prints the metrics. The checkpoint is checked against the model before any worker starts."""
     from ignite_mgpu.checkpoint.load import load_checkpoint
-    from ignite_mgpu.data import build_datasets, example_inputs
-    from ignite_mgpu.models import create_model
-    from ignite_mgpu.train import evaluation
+    from ignite_mgpu.train.datasets import build_datasets, example_inputs
+    from ignite_mgpu.train.job import scoring
+    from ignite_mgpu.train.models import create_model
 
     try:
         validate(cfg)
+        check_data_root(cfg)
         splits = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
         model = create_model(cfg.model, example_inputs(splits.val, splits.collate_fn))
         load_checkpoint(checkpoint, {"model": model}, map_location="cpu")
-        plan = launcher.make_plan(cfg.dist)
+        plan = make_plan(cfg.dist)
     except (ConfigError, CheckpointError) as err:
         return _refused(err)
-    return launcher.run_plan(plan, evaluation, cfg, str(checkpoint), as_json)
+    return launcher.run_plan(plan, scoring, cfg, str(checkpoint), as_json)

@@ -10,31 +10,50 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
-import socket
 import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from ignite_mgpu import plugins
-from ignite_mgpu.config import Config, run_dir
+from ignite_mgpu.config import DATASETS_ON_DISK, Config, run_dir
 from ignite_mgpu.errors import ConfigError, CorruptCheckpointError
-from ignite_mgpu.launcher import LaunchPlan, make_plan, started_externally
+from ignite_mgpu.processes import cluster
+from ignite_mgpu.processes.plan import LaunchPlan, make_plan
+from ignite_mgpu.runs import folder
+from ignite_mgpu.runs.lock import lock_owner, locked_message, output_lock
 
 
 def is_leader(cfg: Config, environ: Mapping[str, str] = os.environ) -> bool:
     """The job's first process. Only it checks and locks output_dir: other nodes may share the folder (NFS), and
     under torchrun/SLURM every process runs the same command."""
-    rank = int(environ.get("RANK", environ.get("SLURM_PROCID", "0")))
-    return cfg.dist.node_rank == 0 and rank == 0
+    return cfg.dist.node_rank == 0 and cluster.is_first_process(environ)
+
+
+def check_data_root(cfg: Config) -> None:
+    """A dataset read from disk needs its folder (and, for imagefolder, the ImageNet layout under it)."""
+    d = cfg.data
+    if d.name not in DATASETS_ON_DISK or d.root is None:
+        return
+    root = Path(d.root).expanduser().resolve()
+    if not d.download and not root.is_dir():
+        hint = " (or data.download=true)" if d.name != "imagefolder" else ""
+        raise ConfigError(f"data.root={root} does not exist or is not a folder; pass an existing folder{hint}.")
+    if d.name == "imagefolder":
+        for split in ("train", "val"):
+            if not (root / split).is_dir():
+                raise ConfigError(
+                    f"data.name=imagefolder expects the ImageNet layout root/train/<class>/* and "
+                    f"root/val/<class>/*, but {root / split} is missing."
+                )
 
 
 def check_job(cfg: Config) -> None:
-    """What the config names must exist: the model, and the packages the chosen options need."""
-    from ignite_mgpu.models import check_model
+    """What the config names must exist: the data folder, the model, and the packages the chosen options need."""
+    from ignite_mgpu.train import plugins  # the user's factories: their modules are imported to check them
+    from ignite_mgpu.train.models import check_model
 
+    check_data_root(cfg)
     check_model(cfg.model)
     if plugins.is_factory(cfg.train.loss):
         plugins.resolve(cfg.train.loss, "train.loss")
@@ -81,8 +100,8 @@ def check_fsdp_blocks(cfg: Config) -> None:
     initialisation). A factory that cannot build there is checked by the workers instead, with the same message."""
     import torch
 
-    from ignite_mgpu.fsdp import check_blocks
-    from ignite_mgpu.models import create_model
+    from ignite_mgpu.train.fsdp import check_blocks
+    from ignite_mgpu.train.models import create_model
 
     try:
         with torch.device("meta"):
@@ -96,8 +115,8 @@ def check_datasets(cfg: Config, world_size: int) -> None:
     """Empty splits, a global batch that does not split over ``world_size``, too few samples per process, and a
     dataset whose batches the loss cannot use. A dataset factory runs here once, so that its mistakes are reported
     once, before any worker starts."""
-    from ignite_mgpu import batches
-    from ignite_mgpu.data import GENERATED, build_datasets, check_sizes, first_batch
+    from ignite_mgpu.train import batches
+    from ignite_mgpu.train.datasets import GENERATED, build_datasets, check_sizes, first_batch
 
     if cfg.data.name in GENERATED:  # sizes known from the config: only the workers generate the data
         sizes = range(cfg.data.train_size), range(cfg.data.val_size)
@@ -116,7 +135,7 @@ def check_output_dir(cfg: Config) -> None:
     out = run_dir(cfg)
     owner = lock_owner(out)
     if owner is not None:  # before anything else: the checkpoints there are the running job's
-        raise ConfigError(_locked_message(out, owner))
+        raise ConfigError(locked_message(out, owner))
     if out.exists() and not os.access(out, os.W_OK):
         raise ConfigError(f"output_dir {out.resolve()} is not writable; choose another --output-dir.")
     check_no_foreign_checkpoints(cfg)
@@ -155,10 +174,6 @@ def check_no_foreign_checkpoints(cfg: Config) -> None:
         )
 
 
-RUNS = Path("runs")  # where runs without an output_dir go, each into a folder of its own
-RUN_NAME = re.compile(r"(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d)(?:-(\d+))?")  # 2026-11-30_08-12-03[-2]: when it started
-
-
 def resolve_output_dir(cfg: Config, environ: Mapping[str, str] = os.environ, now: float | None = None) -> None:
     """Give a run without ``output_dir`` a folder of its own under runs/ (printed), so that the same command can run
     twice; ``--resume auto`` without one continues the newest there. A folder the user names is left as it is.
@@ -168,23 +183,23 @@ def resolve_output_dir(cfg: Config, environ: Mapping[str, str] = os.environ, now
     """
     if cfg.output_dir is not None:
         return
-    job_id = environ.get("SLURM_JOB_ID") or environ.get("TORCHELASTIC_RUN_ID", "none")
-    if started_externally(environ):
-        if job_id == "none":
+    job_id = cluster.job_id(environ)
+    if cluster.started_externally(environ):
+        if job_id is None:
             raise ConfigError(
                 "under torchrun without --rdzv-id every process would pick its own folder: pass --output-dir (or "
                 "output_dir=...), or give torchrun --rdzv-id."
             )
-        cfg.output_dir = str(RUNS / f"job-{job_id}")
-    elif cfg.resume == "auto" and (earlier := _earlier_runs()):
+        cfg.output_dir = str(folder.RUNS / f"job-{job_id}")
+    elif cfg.resume == "auto" and (earlier := folder.earlier_runs()):
         cfg.output_dir = str(earlier[-1])
     else:  # a new run (--resume auto with no earlier run starts one too, as on a first start under a scheduler)
         stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(now))
-        folder, n = RUNS / stamp, 1
-        while folder.exists():
+        new, n = folder.RUNS / stamp, 1
+        while new.exists():
             n += 1
-            folder = RUNS / f"{stamp}-{n}"
-        cfg.output_dir = str(folder)
+            new = folder.RUNS / f"{stamp}-{n}"
+        cfg.output_dir = str(new)
     print(f"ignite-mgpu: output_dir {cfg.output_dir} (pass --output-dir to choose one)", file=sys.stderr)
 
 
@@ -200,12 +215,6 @@ def warn_restarts_without_checkpoints(cfg: Config) -> None:
             "close to where the job failed.",
             file=sys.stderr,
         )
-
-
-def _earlier_runs() -> list[Path]:
-    """The folders under runs/ that resolve_output_dir made, oldest first (by the time in their names)."""
-    found = sorted((m[1], int(m[2] or 1), p) for p in RUNS.glob("*") if (m := RUN_NAME.fullmatch(p.name)))
-    return [p for *_, p in found]
 
 
 @contextlib.contextmanager
@@ -230,86 +239,3 @@ def prepared(cfg: Config) -> Iterator[LaunchPlan]:
     with output_lock(run_dir(cfg)):
         check_no_foreign_checkpoints(cfg)  # again under the lock: a job may have run there since the first check
         yield plan
-
-
-# ----------------------------------------------------------------------------------------------- the lock
-
-
-def lock_owner(output_dir: Path) -> str | None:
-    """Who holds ``output_dir/.lock`` ("pid N on host H"), or None when no running job holds it.
-
-    The lock is an ``fcntl.flock`` on the file, so the kernel (and the NFS lock manager) drops it when its job
-    dies, however it dies: a lock file left behind by a killed job locks nothing.
-    """
-    import fcntl
-
-    try:
-        fd = os.open(output_dir / ".lock", os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another job"
-    except OSError:
-        return None  # no flock on this file system; output_lock warns about it
-    finally:
-        os.close(fd)  # also releases the probe's shared lock
-    return None
-
-
-def _locked_message(output_dir: Path, owner: str) -> str:
-    return (
-        f"output_dir {output_dir} is locked by {owner}, another job writing there; wait for it or choose "
-        "another --output-dir."
-    )
-
-
-def _take_lock(lock: Path, output_dir: Path) -> int | None:
-    """An fd holding an exclusive ``flock`` on ``lock``; ConfigError when another job holds it; None (with a
-    warning) on a file system without ``flock``."""
-    import fcntl
-
-    while True:
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as err:
-            raise ConfigError(f"cannot open {lock} ({err.strerror}); choose another --output-dir.") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another job"
-            os.close(fd)
-            raise ConfigError(_locked_message(output_dir, owner)) from None
-        except OSError as err:  # e.g. Lustre mounted noflock, NFS without a lock manager
-            os.close(fd)
-            print(
-                f"ignite-mgpu: warning: cannot lock {lock} ({err.strerror}): a second job started on the same "
-                "output_dir would not be refused.",
-                file=sys.stderr,
-            )
-            return None
-        try:
-            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
-                return fd
-        except FileNotFoundError:
-            pass
-        os.close(fd)  # locked a file that a finishing job has just removed: lock the one at the path now
-
-
-@contextlib.contextmanager
-def output_lock(output_dir: Path) -> Iterator[None]:
-    """One job per output folder: a second one fails fast instead of mixing checkpoints."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    lock = output_dir / ".lock"
-    fd = _take_lock(lock, output_dir)
-    if fd is None:
-        yield
-        return
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode())
-        yield
-    finally:
-        lock.unlink(missing_ok=True)  # before the unlock: a waiting job then re-checks and locks a new file
-        os.close(fd)

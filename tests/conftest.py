@@ -36,7 +36,7 @@ def _no_leaked_environment():
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    from ignite_mgpu import stop
+    from ignite_mgpu.processes import stop
 
     stop.reset()  # a stop requested in one test must not stop the next one's trainer
     if leaked:
@@ -51,13 +51,13 @@ def _dirs_without_nvidia_smi(path: str) -> str:
 def _cpu_only(request, _no_leaked_environment, monkeypatch):
     """Every test without the ``gpu`` marker runs as on a machine without GPUs, also on a GPU server: CUDA hidden
     in this process (torch.cuda may have counted the GPUs already) and in every process it starts, NVML and
-    nvidia-smi unreachable. Tests that need devices inject a recorded snapshot (tests/test_gpus.py). It depends on
-    _no_leaked_environment so that monkeypatch is undone before the leak check runs."""
+    nvidia-smi unreachable. Tests that need devices inject a recorded snapshot (tests/processes/test_gpus.py). It
+    depends on _no_leaked_environment so that monkeypatch is undone before the leak check runs."""
     if "gpu" in request.keywords:
         return
     import torch
 
-    from ignite_mgpu import gpus
+    from ignite_mgpu.processes import gpus
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("PATH", _dirs_without_nvidia_smi(os.environ.get("PATH", "")))

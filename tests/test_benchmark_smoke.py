@@ -142,7 +142,7 @@ def test_engine_floor_prints_all_four_loops():
         "plain loop",
         "ignite Engine, same step",
         "ignite-mgpu create_trainer",
-        "ignite-mgpu create_trainer + EpochReport",
+        "ignite-mgpu create_trainer + EpochLog",
     ], proc.stdout
     assert all(float(row[2]) > 0 for row in rows), proc.stdout
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ignite_mgpu import launcher
 from ignite_mgpu.cli import main
+from ignite_mgpu.processes import launcher
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def test_flags_and_overrides_reach_the_config(captured, tmp_path):
     )
     assert result.exit_code == 0, result.output
     plan, fn, (target, cfg) = captured[0]
-    assert fn.__name__ == "run_named" and target == "ignite_mgpu.train:training"  # the parent never imports it
+    assert fn.__name__ == "run_named" and target == "ignite_mgpu.train.job:training"  # the parent never imports it
     assert (plan.nproc, plan.backend, plan.world_size) == (2, "gloo", 2)
     assert cfg.optim.lr == 0.01 and cfg.train.epochs == 3 and cfg.seed == 7
     assert cfg.dist.nproc == 2 and cfg.dist.timeout == 20 and cfg.output_dir == "out"
@@ -241,15 +241,15 @@ def test_devices_without_gpu():
 def test_evaluation_places_the_model_like_training(tmp_path, monkeypatch, capsys):
     # One process: the model is only moved to the device, never wrapped by idist.auto_model (which would pick
     # DataParallel on a machine with several GPUs).
-    from ignite_mgpu import train
     from ignite_mgpu.config import load_config
-    from ignite_mgpu.models import create_model
+    from ignite_mgpu.train import job
+    from ignite_mgpu.train.models import create_model
 
     cfg = load_config(None, ["data.val_size=32", "train.keep_cpu_memory=false", f"output_dir={tmp_path}"])
     torch.save(create_model(cfg.model, torch.zeros(1, 3, 32, 32)).state_dict(), tmp_path / "weights.pt")
-    monkeypatch.setattr(train, "setup_logging", lambda rank: None)  # leave pytest's logging alone
-    monkeypatch.setattr(train.idist, "auto_model", lambda *a, **k: pytest.fail("evaluation used idist.auto_model"))
-    train.evaluation(0, cfg, str(tmp_path / "weights.pt"), True)
+    monkeypatch.setattr(job, "setup_logging", lambda rank: None)  # leave pytest's logging alone
+    monkeypatch.setattr(job.idist, "auto_model", lambda *a, **k: pytest.fail("evaluation used idist.auto_model"))
+    job.scoring(0, cfg, str(tmp_path / "weights.pt"), True)
     assert '"samples": 32' in capsys.readouterr().out
 
 

@@ -107,13 +107,11 @@ def test_num_workers_takes_a_count_or_auto():
         validate(Config(data=DataConfig(num_workers="x")))  # built in Python, without OmegaConf's type check
 
 
-def test_dataset_needing_root(tmp_path):
+def test_dataset_needing_root():
     with pytest.raises(ConfigError, match="needs data.root"):
         load_config(overrides=["data.name=cifar10"])
-    with pytest.raises(ConfigError, match="does not exist"):
-        load_config(overrides=["data.name=cifar10", f"data.root={tmp_path}/nope"])
-    with pytest.raises(ConfigError, match=r"root/train/<class>"):
-        load_config(overrides=["data.name=imagefolder", f"data.root={tmp_path}"])
+    # Whether the folder exists is the pre-flight's (tests/test_preflight.py): loading a config reads no folder.
+    assert load_config(overrides=["data.name=cifar10", "data.root=/nonexistent"]).data.root == "/nonexistent"
 
 
 def test_yaml_errors(tmp_path):

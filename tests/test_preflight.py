@@ -7,8 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ignite_mgpu import fit, launcher, preflight
+from ignite_mgpu import fit, preflight
 from ignite_mgpu.config import load_config
+from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.processes import launcher
+from ignite_mgpu.runs import folder, lock
 
 
 @pytest.fixture
@@ -30,7 +33,7 @@ def config(tmp_path, *overrides):
 def test_fit_runs_the_default_job_under_the_lock(launched, tmp_path):
     assert fit(config(tmp_path, "dist.nproc=2")) == 0
     plan, (target, cfg), locked, _ = launched[0]
-    assert target == "ignite_mgpu.train:training" and plan.world_size == 2 and locked
+    assert target == "ignite_mgpu.train.job:training" and plan.world_size == 2 and locked
     assert not (tmp_path / "out" / ".lock").exists()  # released when the job ended
 
 
@@ -71,13 +74,13 @@ def test_fit_refuses_another_runs_checkpoints_and_a_corrupt_resume_file(launched
 def test_checkpoints_written_before_the_lock_is_taken_are_refused(launched, tmp_path, monkeypatch, capsys):
     # A job that ran to its end between this job's first check and its lock: checked again under the lock.
     out = tmp_path / "out"
-    take_lock = preflight._take_lock
+    take_lock = lock._take_lock
 
     def another_job_ran_meanwhile(lock, output_dir):
         torch.save({"model": {}}, output_dir / "checkpoint_10.pt")
         return take_lock(lock, output_dir)
 
-    monkeypatch.setattr(preflight, "_take_lock", another_job_ran_meanwhile)
+    monkeypatch.setattr(lock, "_take_lock", another_job_ran_meanwhile)
     assert fit(config(tmp_path)) == 2 and "already holds checkpoints" in capsys.readouterr().err
     assert not launched  # nothing was launched
     assert (out / "checkpoint_10.pt").exists() and not (out / ".lock").exists()
@@ -126,10 +129,10 @@ def test_a_run_without_output_dir_under_torchrun_or_slurm_is_named_by_the_job(mo
     assert named.output_dir == "mine"  # a folder the user names is kept as it is
     first_start = Config(resume="auto")  # no earlier run under runs/: a new one, as on a first start
     preflight.resolve_output_dir(first_start, {})
-    assert preflight.RUN_NAME.fullmatch(first_start.output_dir.removeprefix("runs/"))
+    assert folder.RUN_NAME.fullmatch(first_start.output_dir.removeprefix("runs/"))
     stamped = Config()
     preflight.resolve_output_dir(stamped, {}, now=0.0)
-    assert preflight.RUN_NAME.fullmatch(stamped.output_dir.removeprefix("runs/"))
+    assert folder.RUN_NAME.fullmatch(stamped.output_dir.removeprefix("runs/"))
 
 
 def test_resume_auto_without_a_checkpoint_starts_a_new_run(launched, tmp_path, capsys):
@@ -160,9 +163,20 @@ def test_a_restart_of_the_default_job_resumes_the_newest_complete_checkpoint(lau
     first = restart(1)
     assert first.checkpoint is None and first.iteration == 0  # none written yet: from the beginning
     target, cfg, restarts = first.args
-    assert target == "ignite_mgpu.train:training" and cfg.resume == "auto" and restarts == 3
+    assert target == "ignite_mgpu.train.job:training" and cfg.resume == "auto" and restarts == 3
     out = tmp_path / "out"
     torch.save({"model": {}}, out / "checkpoint_8.pt")
     (out / "checkpoint_12.pt").write_bytes(b"PK\x03\x04 truncated")  # the newest is incomplete: skipped
     second = restart(2)
     assert (second.checkpoint, second.iteration, second.args[2]) == (str(out / "checkpoint_8.pt"), 8, 4)
+
+
+def test_a_dataset_folder_is_checked_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        preflight.check_job(load_config(overrides=["data.name=cifar10", f"data.root={tmp_path}/nope"]))
+    with pytest.raises(ConfigError, match=r"root/train/<class>"):
+        preflight.check_job(load_config(overrides=["data.name=imagefolder", f"data.root={tmp_path}"]))
+    for split in ("train", "val"):
+        (tmp_path / split).mkdir()
+    preflight.check_data_root(load_config(overrides=["data.name=imagefolder", f"data.root={tmp_path}"]))
+    assert fit(load_config(overrides=["data.name=cifar10", f"data.root={tmp_path}/nope"])) == 2  # fit checks it too

@@ -1,5 +1,5 @@
-"""Checkpoint files on disk: their names, which are complete, reading one safely (``weights_only=True``),
-wrapper prefixes, and what ``checkpoint inspect`` / ``convert`` show and write.
+"""Checkpoint files on disk: their names, which are complete, reading one safely (``weights_only=True``), wrapper
+prefixes. The leaf of the package.
 
 Imports torch but not ignite: the launching process checks the output folder with it before it spawns the
 workers, and importing ignite there would delay every start by about a second.
@@ -85,26 +85,7 @@ def fsync_dir(folder: str | Path) -> None:
         logger.debug("fsync of folder %s failed: %s", folder, err)
 
 
-# ------------------------------------------------------------------------------------------ RNG states, portably
-
-
-def plain_rng_states(states: list[Any]) -> list[Any]:
-    """ignite's ``DeterministicEngine`` RNG states ``[random, torch, numpy]`` with numpy's key array as a tensor,
-    so that the checkpoint loads with plain ``torch.load(path, weights_only=True)`` (no numpy globals allowed)."""
-    if len(states) > 2 and type(states[2][1]).__module__ == "numpy":
-        name, keys, *rest = states[2]
-        states = [*states[:2], (name, torch.from_numpy(keys.astype("int64")), *rest)]
-    return states
-
-
-def native_rng_states(states: list[Any]) -> list[Any]:
-    """The inverse of ``plain_rng_states``; numpy's own form (older checkpoints) passes through unchanged."""
-    if len(states) > 2 and isinstance(states[2][1], torch.Tensor):
-        import numpy as np
-
-        name, keys, *rest = states[2]
-        states = [*states[:2], (name, keys.numpy().astype(np.uint32), *rest)]
-    return states
+# ------------------------------------------------------------------------------------------ reading older files
 
 
 @contextlib.contextmanager
@@ -182,50 +163,3 @@ def strip_prefixes(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[
 
 def is_state_dict(obj: Mapping[str, Any]) -> bool:
     return bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
-
-
-def describe(path: str | Path) -> dict[str, Any]:
-    """What ``checkpoint inspect`` prints: entries, step, parameter count, dtypes, wrapper prefixes (of a file or a
-    sharded folder)."""
-    if Path(path).is_dir():
-        from ignite_mgpu.checkpoint.sharded import describe_sharded
-
-        return describe_sharded(Path(path))
-    ckpt = read_checkpoint(path)
-    bare = is_state_dict(ckpt)
-    model_state = ckpt if bare else ckpt.get("model", {})
-    _, prefixes = strip_prefixes(model_state) if model_state else ({}, [])
-    info: dict[str, Any] = {
-        "path": str(path),
-        "kind": "state_dict" if bare else "checkpoint",
-        "entries": sorted(ckpt) if not bare else [],
-        "tensors": len(model_state),
-        "parameters": int(sum(v.numel() for v in model_state.values() if isinstance(v, torch.Tensor))),
-        "dtypes": sorted({str(v.dtype).replace("torch.", "") for v in model_state.values() if hasattr(v, "dtype")}),
-        "prefixes": prefixes,
-        "first_keys": list(model_state)[:5],
-    }
-    trainer = ckpt.get("trainer") if not bare else None
-    if isinstance(trainer, Mapping):
-        info.update({k: trainer[k] for k in ("iteration", "epoch", "epoch_length", "max_epochs") if k in trainer})
-    if isinstance(ckpt.get("run"), Mapping):
-        info["run"] = dict(ckpt["run"])
-    return info
-
-
-def convert(src: str | Path, dst: str | Path) -> list[str]:
-    """Write a clean, unwrapped model state_dict from a legacy (``module.``-prefixed) file, a full checkpoint, or a
-    sharded checkpoint folder (its shards gathered in this process)."""
-    if Path(src).is_dir():
-        from ignite_mgpu.checkpoint.sharded import convert_sharded
-
-        convert_sharded(Path(src), dst)
-        return []
-    ckpt = read_checkpoint(src)
-    state = ckpt if is_state_dict(ckpt) else ckpt.get("model")
-    if not isinstance(state, Mapping) or not state:
-        raise CheckpointError(f"{src} has no model state_dict to convert (entries: {', '.join(ckpt)}).")
-    clean, found = strip_prefixes(state)
-    torch.save(clean, dst)
-    os.chmod(dst, 0o600)
-    return found

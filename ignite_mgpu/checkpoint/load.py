@@ -12,7 +12,7 @@ from torch import nn
 
 from ignite_mgpu.checkpoint.files import is_state_dict, read_checkpoint, strip_prefixes
 from ignite_mgpu.errors import CheckpointError
-from ignite_mgpu.strategy import unwrap
+from ignite_mgpu.train.strategy import unwrap
 
 logger = logging.getLogger(__name__)
 

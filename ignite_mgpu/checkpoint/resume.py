@@ -10,9 +10,9 @@ from typing import Any
 from ignite_mgpu.checkpoint.files import find_resumable
 from ignite_mgpu.checkpoint.load import load_checkpoint
 from ignite_mgpu.checkpoint.sharded import load_sharded
+from ignite_mgpu.checkpoint.state import FullModelState
 from ignite_mgpu.config import Config, run_dir
 from ignite_mgpu.errors import CheckpointError
-from ignite_mgpu.fsdp import FullModelState
 
 logger = logging.getLogger("ignite_mgpu")
 

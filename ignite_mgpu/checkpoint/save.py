@@ -15,12 +15,12 @@ from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, DiskSaver, global_step_from_engine
 from torch import nn
 
-from ignite_mgpu import stop
 from ignite_mgpu.checkpoint.files import BEST_NAME, CKPT_NAME, TEMP_PREFIX, TEMP_SUFFIX, fsync_dir, list_checkpoints
 from ignite_mgpu.checkpoint.sharded import ShardedCheckpoint
 from ignite_mgpu.config import CheckpointConfig
 from ignite_mgpu.errors import CheckpointError
-from ignite_mgpu.guard import GuardEvents
+from ignite_mgpu.processes import stop
+from ignite_mgpu.train.guard import GuardEvents
 
 
 class SafeDiskSaver(DiskSaver):

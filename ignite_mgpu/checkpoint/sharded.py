@@ -1,12 +1,11 @@
 """Sharded checkpoints (``checkpoint.format=sharded``): a ``checkpoint_<iteration>/`` folder into which every rank
 writes its shards through ``torch.distributed.checkpoint``, made atomic as our files are; resuming from one on any
-number of processes; what ``checkpoint inspect`` / ``convert`` read from one. ignite is imported only when saving."""
+number of processes. ignite is imported only when saving."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import shutil
 import warnings
@@ -38,7 +37,7 @@ class ShardedCheckpoint:
     """An engine handler that writes ``checkpoint_<iteration>/`` and keeps the newest ``n_saved`` folders.
 
     ``to_save`` is what ``checkpoint_*.pt`` would hold: ``model`` and ``optimizer`` (plain, or the FSDP adapters of
-    ``fsdp.checkpoint_objects``) are saved sharded, everything else into ``train_state.pt``. Every rank must call it.
+    ``state.checkpoint_objects``) are saved sharded, everything else into ``train_state.pt``. Every rank must call it.
     """
 
     def __init__(self, to_save: Mapping[str, Any], dirname: str | Path, n_saved: int) -> None:
@@ -60,7 +59,7 @@ def save_sharded(to_save: Mapping[str, Any], folder: Path) -> None:
     import ignite.distributed as idist
     import torch.distributed.checkpoint as dcp
 
-    from ignite_mgpu.fsdp import module_and_optimizer, sharded_state
+    from ignite_mgpu.checkpoint.state import module_and_optimizer, sharded_state  # torch.distributed's, when saving
 
     rank, tmp = idist.get_rank(), folder.with_name(TEMP_PREFIX + folder.name)
     module, optimizer = module_and_optimizer(to_save["model"], to_save.get("optimizer"))
@@ -72,7 +71,7 @@ def save_sharded(to_save: Mapping[str, Any], folder: Path) -> None:
         torch.save(rest, tmp / TRAIN_STATE)
     idist.barrier()  # the folder exists and is empty of old shards before any rank writes into it
     try:
-        with _single_process_quietly():
+        with single_process_quietly():
             dcp.save(state, checkpoint_id=str(tmp), no_dist=_alone())  # returns on every rank after .metadata
         if rank == 0:
             fsync_dir(tmp)
@@ -93,7 +92,7 @@ def _alone() -> bool:
 
 
 @contextlib.contextmanager
-def _single_process_quietly() -> Iterator[None]:
+def single_process_quietly() -> Iterator[None]:
     # torch.distributed.checkpoint warns at every use without a process group, which is intended here.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -133,7 +132,7 @@ def load_sharded(
     import torch.distributed.checkpoint as dcp
 
     from ignite_mgpu.checkpoint.load import check_model_state
-    from ignite_mgpu.fsdp import load_sharded_state, module_and_optimizer, sharded_state
+    from ignite_mgpu.checkpoint.state import load_sharded_state, module_and_optimizer, sharded_state
 
     state = read_checkpoint(folder / TRAIN_STATE, idist.device())
     absent = [k for k in to_load if k not in SHARDED and k not in state]
@@ -144,46 +143,10 @@ def load_sharded(
     if check is not None:
         check(state)
     live = sharded_state(module, optimizer)
-    with _single_process_quietly():
+    with single_process_quietly():
         dcp.load(live, checkpoint_id=str(folder), no_dist=_alone())
     load_sharded_state(module, optimizer, live)
     for name, obj in to_load.items():
         if name not in SHARDED:
             obj.load_state_dict(state[name])
     return state
-
-
-def describe_sharded(path: Path) -> dict[str, Any]:
-    """What ``checkpoint inspect`` prints for a folder: as for a file, plus the number of shard files."""
-    tensors = model_shapes(path)
-    state = read_checkpoint(path / TRAIN_STATE)
-    info: dict[str, Any] = {
-        "path": str(path),
-        "kind": "sharded checkpoint",
-        "entries": sorted([*SHARDED, *state]),
-        "tensors": len(tensors),
-        "parameters": int(sum(math.prod(t.shape) for t in tensors.values())),
-        "dtypes": sorted({str(t.dtype).replace("torch.", "") for t in tensors.values()}),
-        "prefixes": [],
-        "first_keys": list(tensors)[:5],
-        "shard_files": len(list(path.glob("*.distcp"))),
-    }
-    trainer = state.get("trainer")
-    if isinstance(trainer, Mapping):
-        info.update({k: trainer[k] for k in ("iteration", "epoch", "epoch_length", "max_epochs") if k in trainer})
-    if isinstance(state.get("run"), Mapping):
-        info["run"] = dict(state["run"])
-    return info
-
-
-def convert_sharded(src: Path, dst: str | Path) -> None:
-    """Gather the model of a sharded folder into one plain state_dict file, in this process (no process group)."""
-    import torch.distributed.checkpoint as dcp
-
-    model = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in model_shapes(src).items()}
-    if not model:
-        raise CheckpointError(f"{src} holds no model tensors to convert.")
-    with _single_process_quietly():
-        dcp.load({"model": model}, checkpoint_id=str(src), no_dist=True)
-    torch.save(model, dst)
-    os.chmod(dst, 0o600)

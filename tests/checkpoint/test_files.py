@@ -6,13 +6,7 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 
-from ignite_mgpu.checkpoint.files import (
-    find_resumable,
-    native_rng_states,
-    plain_rng_states,
-    read_checkpoint,
-    strip_prefixes,
-)
+from ignite_mgpu.checkpoint.files import find_resumable, read_checkpoint, strip_prefixes
 from ignite_mgpu.cli import main
 from ignite_mgpu.errors import CheckpointError
 from tests.helpers import small
@@ -48,31 +42,10 @@ def test_inspect_and_convert_cli(tmp_path):
     assert bad.exit_code == 2 and "does not exist" in bad.output
 
 
-def test_rng_states_become_plain_types_and_come_back():
-    import random
-
-    import numpy as np
-    from ignite.engine.deterministic import _get_rng_states
-
-    random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    states = _get_rng_states()  # what ignite's DeterministicEngine saves: [random, torch, numpy]
-    plain = plain_rng_states(states)
-    assert isinstance(plain[2][1], torch.Tensor)
-    back = native_rng_states(plain)
-    assert back[0] == states[0] and torch.equal(back[1], states[1])
-    assert back[2][0] == "MT19937" and back[2][1].dtype == np.uint32 and np.array_equal(back[2][1], states[2][1])
-    assert back[2][2:] == states[2][2:]
-    np.random.set_state(back[2])
-    first = np.random.rand()
-    np.random.set_state(states[2])
-    assert np.random.rand() == first
-    assert native_rng_states(states) is states  # ignite's own form (older checkpoints) passes through
-
-
 def test_old_checkpoints_with_numpy_rng_state_still_load(tmp_path):
     from ignite.engine import DeterministicEngine
 
-    from ignite_mgpu.engine import PortableDeterministicEngine
+    from ignite_mgpu.train.deterministic import PortableDeterministicEngine
 
     old = DeterministicEngine(lambda e, b: None)
     old.run(range(4), max_epochs=1)

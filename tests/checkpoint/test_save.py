@@ -108,10 +108,10 @@ def test_time_based_and_iteration_checkpoints_land_on_window_ends_after_the_epoc
     of 10, no epoch checkpoints: the files of a 2-epoch run, and the epoch report written before an epoch-end one."""
     from ignite.engine import Events
 
-    from ignite_mgpu import guard as guard_module
     from ignite_mgpu.checkpoint.save import attach_checkpoints
     from ignite_mgpu.config import CheckpointConfig
-    from ignite_mgpu.engine import create_trainer
+    from ignite_mgpu.train import guard as guard_module
+    from ignite_mgpu.train.engine import create_trainer
     from tests.helpers import data, linear
 
     clock = [0.0]
@@ -119,7 +119,7 @@ def test_time_based_and_iteration_checkpoints_land_on_window_ends_after_the_epoc
     model = linear()
     trainer = create_trainer(
         model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), device="cpu", check_every=1,
-        grad_accum_steps=3, checkpoint_every=4, checkpoint_minutes=0.05,
+        grad_accum_steps=3, checkpoint_every_iters=4, checkpoint_every_minutes=0.05,
     )  # fmt: skip
     trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda: clock.__setitem__(0, clock[0] + 1.0))
     reported = []

@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from ignite_mgpu import launch
-from ignite_mgpu.binding import parse_cpulist, plan_for_job
 from ignite_mgpu.checkpoint.files import list_checkpoints, read_checkpoint
 from ignite_mgpu.config import load_config
-from ignite_mgpu.launcher import run_named
-from ignite_mgpu.train import training
+from ignite_mgpu.processes.binding import plan_for_job
+from ignite_mgpu.processes.launcher import run_named
+from ignite_mgpu.processes.topology import parse_cpulist
+from ignite_mgpu.train.job import training
 from tests.conftest import run_cli
 
 pytestmark = [

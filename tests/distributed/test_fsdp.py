@@ -15,10 +15,10 @@ from torch import nn
 
 from ignite_mgpu import launch
 from ignite_mgpu.checkpoint.files import list_checkpoints, read_checkpoint
-from ignite_mgpu.checkpoint.sharded import convert_sharded
+from ignite_mgpu.checkpoint.tools import convert
 from ignite_mgpu.cli import main
 from ignite_mgpu.config import load_config
-from ignite_mgpu.train import training
+from ignite_mgpu.train.job import training
 from tests.conftest import TINY, run_cli
 
 pytestmark = [pytest.mark.distributed]
@@ -68,8 +68,8 @@ def test_fsdp_trains_like_ddp_and_like_one_process_and_evaluates_uneven_shards_e
         2,
         3,
     ]
-    from ignite_mgpu.data import build_datasets
-    from ignite_mgpu.models import create_model
+    from ignite_mgpu.train.datasets import build_datasets
+    from ignite_mgpu.train.models import create_model
 
     cfg = config(fsdp2)
     model = create_model(cfg.model, torch.zeros(1, 3, 8, 8))
@@ -104,7 +104,7 @@ def accumulation_worker(local_rank: int, out: str, strategy: str, global_batch: 
     from torch.utils.data.distributed import DistributedSampler
 
     from ignite_mgpu import create_trainer, prepare_model
-    from ignite_mgpu.fsdp import checkpoint_objects
+    from ignite_mgpu.checkpoint.state import checkpoint_objects
 
     torch.manual_seed(0)
     x, y = torch.randn(128, 10), torch.randint(0, 3, (128,))
@@ -142,7 +142,7 @@ def scaler_worker(local_rank: int, out: str) -> None:
     """fp16's loss scaling over sharded gradients with the trainer's GradScaler (its CPU variant: the same code as
     on CUDA): an overflow in one rank's shard must skip the step on every rank, or the shards would drift apart."""
     from ignite_mgpu import prepare_model
-    from ignite_mgpu.engine import Scaler
+    from ignite_mgpu.train.engine import Scaler
 
     torch.manual_seed(0)
     model = prepare_model(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)), "fsdp")
@@ -173,7 +173,7 @@ def cli(args: list[str], cwd: Path) -> str:
 
 def model_of(checkpoint: Path) -> dict[str, torch.Tensor]:
     if checkpoint.is_dir():
-        convert_sharded(checkpoint, checkpoint.parent / f"{checkpoint.name}.model")
+        convert(checkpoint, checkpoint.parent / f"{checkpoint.name}.model")
         return torch.load(checkpoint.parent / f"{checkpoint.name}.model", weights_only=True)
     return read_checkpoint(checkpoint)["model"]
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import ignite.distributed as idist
 import pytest
 
-from ignite_mgpu import gpus, launch
+from ignite_mgpu import launch
+from ignite_mgpu.processes import gpus
 
 pytestmark = [pytest.mark.distributed]
 

@@ -21,11 +21,11 @@ from ignite_mgpu import launch
 from ignite_mgpu.checkpoint.files import list_checkpoints, read_checkpoint
 from ignite_mgpu.cli import main
 from ignite_mgpu.config import load_config
-from ignite_mgpu.plot import draw_report
-from ignite_mgpu.runs import read_runs
-from ignite_mgpu.train import training
+from ignite_mgpu.runs.figure import draw_report
+from ignite_mgpu.runs.read import read_runs
+from ignite_mgpu.train.job import training
 from tests.conftest import REPO, TINY, make_image_folder, run_cli
-from tests.test_runs import assert_table_equals_metrics
+from tests.runs.test_read import assert_table_equals_metrics
 
 pytestmark = [pytest.mark.distributed]
 
@@ -62,8 +62,8 @@ def test_two_processes_end_like_one_and_evaluate_exactly(tmp_path):
 
     # 101 validation samples on 2 ranks: the reduced metrics equal one process scoring every sample once.
     cfg = tiny_config(two)
-    from ignite_mgpu.data import build_datasets
-    from ignite_mgpu.models import create_model
+    from ignite_mgpu.train.datasets import build_datasets
+    from ignite_mgpu.train.models import create_model
 
     val = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed).val
     model = create_model(cfg.model, torch.zeros(1, 3, 8, 8))
@@ -424,7 +424,7 @@ def guard_schedule_worker(local_rank: int, out: str) -> None:
 
     from ignite.engine import Engine
 
-    from ignite_mgpu.guard import TrainingGuard
+    from ignite_mgpu.train.guard import TrainingGuard
 
     rank = idist.get_rank()
 

@@ -118,7 +118,7 @@ def test_compiled_model_on_a_gpu_saves_plain_keys(tmp_path):
 def test_chosen_gpu_and_no_stray_contexts(tmp_path):
     """--gpus <last>: the job runs on that card only, and the launching process holds no CUDA context anywhere."""
     needs_gpus(1)
-    from ignite_mgpu import gpus
+    from ignite_mgpu.processes import gpus
 
     snapshot = gpus.query_gpus()
     last = snapshot[-1]
@@ -157,7 +157,7 @@ def test_chosen_gpu_and_no_stray_contexts(tmp_path):
 def test_nvml_agrees_with_nvidia_smi():
     needs_gpus(1)
     pytest.importorskip("pynvml")
-    from ignite_mgpu import gpus
+    from ignite_mgpu.processes import gpus
 
     by_nvml = gpus._query_nvml()
     by_smi = gpus.query_gpus(gpus._run_nvidia_smi)
@@ -173,7 +173,7 @@ def test_loaders_pin_memory_and_copies_are_non_blocking_on_cuda(tmp_path, monkey
     code = (
         "import torch, ignite.distributed as idist\n"
         "from ignite_mgpu.config import load_config\n"
-        "from ignite_mgpu.data import create_dataloaders\n"
+        "from ignite_mgpu.train.loaders import create_dataloaders\n"
         "cfg = load_config(overrides=['data.train_size=64', 'data.val_size=16', 'data.batch_size=16'])\n"
         "train, val = create_dataloaders(cfg.data, 10, 0)\n"
         "x, y = next(iter(train))\n"
@@ -217,7 +217,7 @@ def test_dataparallel_reduces_the_loss_vector_exactly_on_gpus():
     import torch
     from torch import nn
 
-    from ignite_mgpu.strategy import prepare_model, reduce_replica_losses
+    from ignite_mgpu.train.strategy import prepare_model, reduce_replica_losses
 
     class LossModel(nn.Linear):
         def forward(self, x, y):

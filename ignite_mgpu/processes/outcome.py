@@ -1,0 +1,151 @@
+"""How a job ended, from how each of its workers ended: one exit code and one message (``outcome``), and whether a
+restart can cure it (``no_restart_reason``). Pure functions of the workers' failure files and exit codes."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, signal_exit_code
+
+Failure = dict[str, Any]  # a worker's failure file (worker.failure_record): rank, time, type, message, traceback, code
+
+
+@dataclass
+class Outcome:
+    """How an attempt ended: the exit code, the cause (one sentence or the error), advice, the traceback, and the
+    rank(s) that failed, for the restart's line."""
+
+    code: int
+    cause: str = ""
+    advice: str = ""
+    details: str = ""
+    failed: str = ""  # "rank 1", "rank(s) 1, 3"
+
+    def message(self, advice: bool = True) -> str:
+        text = f"{self.cause} {self.advice}" if advice and self.advice else self.cause
+        return f"{text}\n{self.details}" if self.details else text
+
+
+def is_stop(code: int) -> bool:
+    return code > 128  # 128 + N: stopped by signal N (SIGINT, SIGTERM, the pre-emption signal)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def outcome(
+    failures: list[Failure],
+    exit_codes: list[int | None],
+    first_failure: tuple[int, int] | None = None,
+    signal_received: int = 0,
+    rank_offset: int = 0,
+    timeout: float = 300.0,
+) -> Outcome:
+    """The job's exit code and what to tell the user, from how every worker ended.
+
+    Args:
+        failures: the failure files of the workers that failed (``worker.failure_record``).
+        exit_codes: every local worker's exit code (negative: killed by that signal).
+        first_failure: (local rank, exit code) of the first worker that ended with a non-zero code.
+        signal_received: the signal the launcher itself received (0: none).
+        rank_offset: the global rank of local rank 0 (multi-node).
+        timeout: ``dist.timeout``, named in the message for a collective that timed out.
+    """
+    stopped = [f for f in failures if is_stop(f["code"])]
+    if signal_received:
+        # The workers were told with SIGTERM; name the signal the user actually sent.
+        name = signal.Signals(signal_received).name
+        message = stopped[0]["message"].replace("SIGTERM", name) if stopped else f"stopped by {name}"
+        return Outcome(signal_exit_code(signal_received), f"{message}.")
+    if all(c == 0 for c in exit_codes):
+        return Outcome(SUCCESS)
+    if len(stopped) == len(exit_codes):  # every worker was signalled directly (e.g. by a scheduler)
+        return Outcome(int(stopped[0]["code"]), f"{stopped[0]['message']}.")
+    diverged = [f for f in failures if f["code"] == DIVERGED]
+    if diverged:
+        return Outcome(DIVERGED, f"training diverged: {diverged[0]['message']}")
+    if first_failure and first_failure[1] == -signal.SIGABRT and not failures:
+        return _watchdog_abort(exit_codes, rank_offset, timeout)
+    if first_failure and first_failure[1] < 0:  # killed (OOM killer, kill -9): no failure file of its own
+        return _killed(first_failure, rank_offset)
+    return _raised([f for f in failures if f["code"] == FAILED], exit_codes, rank_offset, timeout)
+
+
+def _watchdog_abort(exit_codes: list[int | None], rank_offset: int, timeout: float) -> Outcome:
+    # NCCL's watchdog aborts a process whose collective outlived the timeout (no failure file is written): the
+    # ranks that aborted were waiting; the silent ones, those that did not abort, are what to look at.
+    aborted = [rank_offset + i for i, c in enumerate(exit_codes) if c == -signal.SIGABRT]
+    silent = [rank_offset + i for i, c in enumerate(exit_codes) if c != -signal.SIGABRT]
+    return Outcome(
+        FAILED,
+        f"rank(s) {_ranks(aborted)} aborted (SIGABRT), which is how NCCL's watchdog ends a process whose collective "
+        f"waited longer than dist.timeout ({timeout:.0f} s); rank(s) {_ranks(silent) or '?'} never arrived (stuck "
+        "or hung).",
+        "Find what they were doing (data loader, I/O, a rank-dependent branch); --resume auto continues from "
+        "the last checkpoint.",
+        failed=f"rank(s) {_ranks(silent)}",
+    )
+
+
+def _killed(first_failure: tuple[int, int], rank_offset: int) -> Outcome:
+    local_rank, code = first_failure
+    hint = " (the kernel's OOM killer sends SIGKILL when memory runs out)" if code == -signal.SIGKILL else ""
+    return Outcome(
+        FAILED,
+        f"rank {rank_offset + local_rank} terminated with signal {signal.Signals(-code).name}{hint}; stopped "
+        "the other ranks.",
+        "Resume from the last checkpoint with --resume auto.",
+        failed=f"rank {rank_offset + local_rank}",
+    )
+
+
+def _raised(failed: list[Failure], exit_codes: list[int | None], rank_offset: int, timeout: float) -> Outcome:
+    """The job's ending when ranks raised: a collective that timed out on every failed rank, or the first error."""
+    timeouts = [f for f in failed if "timed out" in f["message"].lower() or "timeout" in f["type"].lower()]
+    if failed and len(timeouts) == len(failed):
+        waiting = {f["rank"] for f in timeouts}
+        silent = [rank_offset + i for i in range(len(exit_codes)) if rank_offset + i not in waiting]
+        first = min(timeouts, key=lambda f: f["time"])
+        return Outcome(
+            FAILED,
+            f"rank {first['rank']} timed out after {timeout:.0f} s (dist.timeout) waiting in a collective; "
+            f"rank(s) {_ranks(silent) or '?'} stopped answering (stuck or hung). "
+            f"Error: {first['message'].splitlines()[0] if first['message'] else ''}",
+            failed=f"rank(s) {_ranks(silent)}",
+        )
+    if failed:
+        # The earliest error is the cause; later ones are usually peers losing their connection to it.
+        first = min(failed, key=lambda f: f["time"])
+        cause = f"rank {first['rank']} failed with {first['type']}: {first['message']}"
+        return Outcome(FAILED, cause, "", first["traceback"], f"rank {first['rank']}")
+    return Outcome(FAILED, f"a rank exited with codes {exit_codes}.")
+
+
+def no_restart_reason(
+    failures: list[Failure],
+    exit_codes: list[int | None],
+    first_failure: tuple[int, int] | None = None,
+    signal_received: int = 0,
+) -> str | None:
+    """None when a restart can cure how the attempt ended (an exception that is not a user error, a crash, a
+    rank killed, a collective timeout); otherwise why not, for the log."""
+    if signal_received or any(is_stop(f["code"]) for f in failures):
+        return "the job was asked to stop"
+    if all(c == 0 for c in exit_codes):
+        return "the job succeeded"
+    if any(f["code"] == DIVERGED for f in failures):
+        return "training diverged, and a restart from the last checkpoint would diverge again"
+    if first_failure and first_failure[1] in (-signal.SIGINT, -signal.SIGTERM):
+        return f"a rank was stopped by {signal.Signals(-first_failure[1]).name}"
+    if first_failure and first_failure[1] < 0:
+        return None  # killed: the kernel's OOM killer, kill -9, NCCL's watchdog
+    failed = sorted((f for f in failures if f["code"] == FAILED), key=lambda f: f["time"])
+    if failed and failed[0].get("user_error"):
+        return (
+            f"{failed[0]['type']} is an error in the configuration, the data or a checkpoint, which a restart "
+            "would meet again"
+        )
+    return None

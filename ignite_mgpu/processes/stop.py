@@ -1,0 +1,105 @@
+"""How a worker process is told to stop, and what it tells its supervisor: the first stop signal it received, how
+long a collective may wait before the job gives up on a silent rank, and a status file (its last completed
+iteration, whether it is writing a checkpoint). The process layer sets them up; the guard and the checkpoint
+handlers use them.
+
+Torch-free, a leaf like errors.py, so that the supervisor never imports the training code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+_signal = 0
+_collective_timeout: float | None = None
+_map: mmap.mmap | None = None  # the worker's status file, mapped
+_status: memoryview | None = None  # _map as [last completed iteration, saving 0/1]
+_STATUS = struct.Struct("qq")
+
+
+def request_stop(signum: int) -> None:
+    """Ask every trainer in this process to stop at its next guard check (safe to call from a signal handler).
+    The first request wins: a later signal does not rename the stop."""
+    global _signal
+    _signal = _signal or signum
+
+
+def stop_requested() -> int:
+    """The signal number of the first stop request, or 0."""
+    return _signal
+
+
+def set_collective_timeout(seconds: float | None) -> None:
+    """Collectives after the first iteration wait at most ``seconds`` (None: the process group's own timeout)."""
+    global _collective_timeout
+    _collective_timeout = seconds
+
+
+def collective_timeout() -> float | None:
+    return _collective_timeout
+
+
+def set_status_file(path: str | Path | None) -> None:
+    """Where this worker tells its supervisor how far it got (None: nobody asks; every report is a no-op).
+
+    The file is mapped into memory: noting an iteration is one store into a shared page, no system call, so it
+    can be done after every iteration.
+    """
+    global _map, _status
+    if _status is not None and _map is not None:
+        _status.release()
+        _map.close()
+    _map = _status = None
+    if path is None:
+        return
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, _STATUS.size)
+            _map = mmap.mmap(fd, _STATUS.size)
+        finally:
+            os.close(fd)
+    except OSError:
+        return  # progress notes are a convenience; training goes on without them
+    _status = memoryview(_map).cast("q")
+
+
+def note_progress(iteration: int) -> None:
+    """This rank completed ``iteration`` (called after every iteration)."""
+    if _status is not None:
+        _status[0] = iteration
+
+
+@contextlib.contextmanager
+def saving() -> Iterator[None]:
+    """While a checkpoint is being written: a supervisor stopping the job after another rank's failure waits for
+    it, so the checkpoint of a good iteration still lands."""
+    if _status is not None:
+        _status[1] = 1
+    try:
+        yield
+    finally:
+        if _status is not None:
+            _status[1] = 0
+
+
+def read_status(path: str | Path) -> tuple[int, bool] | None:
+    """(last completed iteration, writing a checkpoint now) from a worker's status file; None when there is
+    none."""
+    try:
+        iteration, saving_now = _STATUS.unpack(Path(path).read_bytes())
+    except (OSError, struct.error):
+        return None
+    return iteration, bool(saving_now)
+
+
+def reset() -> None:
+    """Forget every request (a new job in the same process, or a test)."""
+    global _signal, _collective_timeout
+    set_status_file(None)
+    _signal, _collective_timeout = 0, None

@@ -1,0 +1,219 @@
+"""The process supervisor: one spawned worker per local rank (``worker.worker_main``); the first failure or a
+signal stops them all; a failure that a restart can cure (``outcome.no_restart_reason``) restarts them, up to
+``dist.max_restarts`` times, with a backoff. How the job ended is ``outcome.outcome``'s to say."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, signal_exit_code
+from ignite_mgpu.processes import stop
+from ignite_mgpu.processes.outcome import Failure, Outcome, no_restart_reason, outcome
+from ignite_mgpu.processes.plan import LaunchPlan, Restart
+from ignite_mgpu.processes.worker import worker_main
+
+# After the first failure the other ranks get this long to exit by themselves (a peer that lost its connection
+# does at once; the failing rank's report is written by then); longer only while one of them writes a checkpoint.
+FAILURE_SETTLE = 1.0
+BACKOFF, MAX_BACKOFF = 1.0, 30.0  # seconds before restart k: BACKOFF * 2**(k-1), at most MAX_BACKOFF
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _print(message: str) -> None:
+    if message:
+        print(f"ignite-mgpu: {message}", file=sys.stderr, end="" if message.endswith("\n") else "\n", flush=True)
+
+
+class Supervisor:
+    """Starts the workers, watches them, stops them all on the first failure or a signal, and restarts them up to
+    ``plan.max_restarts`` times after a failure a restart can cure (``restart`` gives each restart's arguments)."""
+
+    def __init__(
+        self, plan: LaunchPlan, fn: Callable[..., Any], args: tuple, restart: Callable[[int], Restart] | None = None
+    ) -> None:
+        self.plan, self.fn, self.args, self.restart = plan, fn, args, restart
+        self.error_dir = tempfile.mkdtemp(prefix="ignite-mgpu-")  # 0700: private to this user
+        self.signal_received = 0
+        self.procs: list[Any] = []
+        self.first_failure: tuple[int, int] | None = None  # (local rank, exit code) of the first rank that failed
+        self.deadline = self.failure_deadline = self.failure_time = float("inf")
+
+    def _signal_all(self, sig: int) -> None:
+        for p in self.procs:
+            if not p.pid:
+                continue
+            if sig == signal.SIGKILL:
+                # The worker's group holds its data-loader workers, and outlives a worker that already exited
+                # (os._exit leaves them orphaned until their watchdog notices, about 5 s later).
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, sig)
+            if p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(p.pid, sig)  # also before the worker made its own group
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.signal_received:  # second signal: no more waiting
+            self._signal_all(signal.SIGKILL)
+            raise KeyboardInterrupt
+        self.signal_received = signum
+        preempt = signum not in _STOP_SIGNALS
+        what = (
+            "stops and writes a checkpoint at the next check; the job then requeues itself"
+            if preempt
+            else ("stops at the next check")
+        )
+        print(
+            f"ignite-mgpu: {signal.Signals(signum).name} received{' (pre-emption)' if preempt else ''}: every rank "
+            f"{what} (up to {self.plan.stop_grace:.0f} s); press Ctrl-C again to stop at once.",
+            file=sys.stderr,
+        )
+        # The pre-emption signal is passed on as it is: every rank must stop for the same reason (its exit code).
+        self._signal_all(signum if preempt else signal.SIGTERM)
+        self.deadline = time.monotonic() + self.plan.stop_grace
+
+    def run(self) -> int:
+        plan = self.plan
+        handled = [*_STOP_SIGNALS, *([plan.preempt_signal] if plan.preempt_signal else [])]
+        old = {s: signal.signal(s, self._on_signal) for s in handled}
+        args, attempt, result, note = self.args, 0, Outcome(SUCCESS), ""
+        try:
+            while True:
+                result, reason, reached = self._attempt(attempt, args)
+                if reason is not None or attempt >= plan.max_restarts:
+                    if plan.max_restarts and result.code in (FAILED, DIVERGED):
+                        why = f"not restarted: {reason}" if reason else f"gave up after {attempt} restart(s)"
+                        note = f"{why} (dist.max_restarts={plan.max_restarts})."
+                    break
+                attempt += 1
+                args = self._announce_restart(attempt, result, reached)
+                if self.signal_received:
+                    name = signal.Signals(self.signal_received).name
+                    result = Outcome(signal_exit_code(self.signal_received), f"stopped by {name} before a restart.")
+                    break
+        except KeyboardInterrupt:  # a second signal during the backoff
+            result = Outcome(signal_exit_code(self.signal_received or signal.SIGINT), "stopped before a restart.")
+        finally:
+            self._signal_all(signal.SIGKILL)
+            for s, h in old.items():
+                signal.signal(s, h)
+            shutil.rmtree(self.error_dir, ignore_errors=True)
+        _print(result.message())
+        if note:
+            _print(note)
+        return result.code
+
+    def _attempt(self, attempt: int, args: tuple) -> tuple[Outcome, str | None, int]:
+        """Start every worker, watch them, stop them all. Returns how they ended, why a restart cannot cure it
+        (None: it can), and the last iteration that every rank had completed."""
+        ctx = mp.get_context("spawn")
+        plan = self.plan
+        folder = Path(self.error_dir, f"attempt{attempt}")
+        folder.mkdir()
+        if plan.nnodes == 1 and plan.master_port is None:  # no TCP port at all; a fresh store for every attempt
+            plan.init_method = "file://" + os.path.join(
+                self.error_dir, "rendezvous" + (str(attempt) if attempt else "")
+            )
+        self.procs, self.first_failure = [], None
+        self.deadline = self.failure_deadline = self.failure_time = float("inf")
+        try:
+            for local_rank in range(plan.nproc):
+                if self.signal_received:
+                    break  # stopped while starting: start no more workers
+                p = ctx.Process(
+                    target=worker_main,
+                    args=(local_rank, plan, self.fn, args, str(folder)),
+                    name=f"ignite-mgpu-rank{local_rank}",
+                )
+                p.start()
+                self.procs.append(p)
+            self._watch(folder)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self._signal_all(signal.SIGKILL)
+            for p in self.procs:
+                p.join(5)
+        failures = self._read_failures(folder)
+        exit_codes = [p.exitcode for p in self.procs]
+        offset = plan.node_rank * plan.nproc
+        result = outcome(failures, exit_codes, self.first_failure, self.signal_received, offset, plan.timeout)
+        reason = no_restart_reason(failures, exit_codes, self.first_failure, self.signal_received)
+        reached = min((status[0] for status in self._statuses(folder)), default=0)
+        return result, reason, reached
+
+    def _announce_restart(self, attempt: int, failure: Outcome, reached: int) -> tuple:
+        """Report the failure once and what the restart resumes from; wait the backoff. Returns the new args."""
+        plan = self.plan
+        info = self.restart(attempt) if self.restart is not None else Restart(self.args, resumes=False)
+        delay = min(MAX_BACKOFF, BACKOFF * 2 ** (attempt - 1))
+        if not info.resumes:
+            where = "running the job function again from its start"
+        elif info.checkpoint:
+            where = f"resuming from {info.checkpoint} at iteration {info.iteration}"
+        else:
+            where = "from the beginning (no complete checkpoint yet)"
+        lost = f"; {max(0, reached - info.iteration)} iteration(s) lost (every rank had completed iteration {reached})"
+        _print(failure.message(advice=False))
+        after = f" after {failure.failed} failed" if failure.failed else ""
+        _print(
+            f"restart {attempt} of {plan.max_restarts} (dist.max_restarts){after}, in {delay:.0f} s: {where}"
+            f"{lost if info.resumes else ''}."
+        )
+        end = time.monotonic() + delay
+        while time.monotonic() < end and not self.signal_received:
+            time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+        return info.args
+
+    def _watch(self, folder: Path) -> None:
+        alive = {p.sentinel: p for p in self.procs}
+        while alive:
+            soonest = min(self.failure_deadline, self.deadline) - time.monotonic()
+            for sentinel in wait(list(alive), timeout=min(0.5, max(0.05, soonest))):
+                p = alive.pop(sentinel)
+                p.join()
+                if p.exitcode != 0 and self.first_failure is None:
+                    self.first_failure = (self.procs.index(p), p.exitcode)
+                if p.exitcode != 0 and not self.signal_received and self.failure_time == float("inf"):
+                    # One rank failed: the others cannot finish. With gloo their next collective fails at once
+                    # ("Connection closed by peer") and they exit by themselves; NCCL may hang. They get a short
+                    # settle time, and longer only while one writes a checkpoint (it is of a good iteration).
+                    self.failure_time = time.monotonic()
+                    self.failure_deadline = self.failure_time + FAILURE_SETTLE
+            now = time.monotonic()
+            if alive and now > self.failure_deadline:
+                saving = any(status[1] for status in self._statuses(folder))
+                if not saving or now > self.failure_time + self.plan.stop_grace:
+                    self._signal_all(signal.SIGKILL)
+                    self.failure_deadline = float("inf")
+            if now > self.deadline:
+                print(
+                    f"ignite-mgpu: workers did not stop within {self.plan.stop_grace:.0f} s; killing them.",
+                    file=sys.stderr,
+                )
+                self._signal_all(signal.SIGKILL)
+                self.deadline = float("inf")
+
+    @staticmethod
+    def _statuses(folder: Path) -> list[tuple[int, bool]]:
+        found = (stop.read_status(f) for f in folder.glob("status*"))
+        return [s for s in found if s is not None]
+
+    @staticmethod
+    def _read_failures(folder: Path) -> list[Failure]:
+        failures = []
+        for f in folder.glob("rank*.json"):
+            with contextlib.suppress(ValueError, OSError):
+                failures.append(json.loads(f.read_text()))
+        return failures

@@ -1,0 +1,164 @@
+"""The picture of one or several runs for ``ignite-mgpu report``: loss, accuracy, throughput and data wait per epoch,
+and the peak memory of each GPU or process in the last epoch, written to an image file. matplotlib is the optional
+extra ``plot``, imported only when drawing."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.runs.folder import REPORT_IMAGE
+from ignite_mgpu.runs.read import Run, memory_kind, memory_names
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+PLOT_EXTRA = 'pip install -e ".[plot]"'
+TITLES = {
+    "loss": "Loss (train: solid, validation: dashed)",
+    "accuracy": "Validation accuracy",
+    "speed": "Throughput",
+    "wait": "Data-loader wait",
+    "memory": "Peak memory",  # the figure's title adds the epoch and max/min
+}
+
+
+def image_path(runs: list[Run], out: str | None) -> Path:
+    """Where the image goes: ``--out`` (.png added without a suffix), else RUN_DIR/report.png for one run and
+    report.png in the current folder for several."""
+    if out:
+        path = Path(out)
+        return path if path.suffix else path.with_suffix(".png")
+    return runs[0].path / REPORT_IMAGE if len(runs) == 1 else Path(REPORT_IMAGE)
+
+
+def write_image(runs: list[Run], out: str | None) -> tuple[Path | None, str]:
+    """Draw the runs into an image file; returns its path and a line to print, or (None, why) without matplotlib.
+
+    Raises:
+        ConfigError: the image cannot be written there (a folder, no permission, a format matplotlib lacks).
+    """
+    path = image_path(runs, out)
+    try:
+        figure = draw_report(runs)
+    except ImportError as err:
+        return None, (
+            f"no image drawn: matplotlib cannot be imported ({err}). `{PLOT_EXTRA}` (or `pip install matplotlib`) "
+            "adds it; the table has the same figures."
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(path, dpi=80)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot write the image to {path}: {err}. Choose another --out (a .png file).") from err
+    return path, f"wrote {path}"
+
+
+def draw_report(runs: list[Run]) -> Figure:
+    """The report figure of ``runs``, overlaid with one colour per run; a legend above names each run.
+
+    Built on a bare ``Figure`` without pyplot: it needs no display and leaves the caller's backend alone (saving a
+    PNG renders with Agg). NaN values (no validation) are gaps.
+
+    Raises:
+        ImportError: matplotlib is not installed (the extra ``plot``).
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(10, 10.5), layout="constrained")
+    grid = fig.add_gridspec(3, 2)
+    axes = {
+        "loss": fig.add_subplot(grid[0, 0]),
+        "accuracy": fig.add_subplot(grid[0, 1]),
+        "speed": fig.add_subplot(grid[1, 0]),
+        "wait": fig.add_subplot(grid[1, 1]),
+        "memory": fig.add_subplot(grid[2, :]),
+    }
+    ylabels = {
+        "loss": "mean loss per sample",
+        "accuracy": "accuracy (%)",
+        "speed": "samples/s (all processes)",
+        "wait": "% of training time (slowest rank)",
+    }
+    for key, ax in axes.items():
+        ax.set_title(TITLES[key])
+        if key in ylabels:
+            ax.set(xlabel="epoch", ylabel=ylabels[key])
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3)
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    for run, color in zip(runs, colors, strict=True):
+        epochs = run.series("epoch")
+        axes["loss"].plot(epochs, run.series("train_loss"), "o-", color=color, label=f"{run.label}: train")
+        if run.has("val_loss"):
+            axes["loss"].plot(epochs, run.series("val_loss"), "s--", color=color, label=f"{run.label}: validation")
+        if run.has("val_accuracy"):
+            accuracy = [100 * v for v in run.series("val_accuracy")]
+            axes["accuracy"].plot(epochs, accuracy, "o-", color=color, label=run.label)
+        axes["speed"].plot(epochs, run.series("samples_per_s"), "o-", color=color, label=run.label)
+        wait = [100 * v for v in run.series("data_wait_share")]
+        axes["wait"].plot(epochs, wait, "o-", color=color, label=run.label)
+    losses = [v for r in runs for key in ("train_loss", "val_loss") for v in r.series(key) if math.isfinite(v)]
+    if losses and min(losses) > 0:  # the first epoch's loss would flatten every later one on a linear axis
+        axes["loss"].set(yscale="log", ylabel="mean loss per sample (log scale)")
+    axes["speed"].set_ylim(bottom=0)  # a throughput axis from zero: small changes do not look like collapses
+    axes["wait"].set_ylim(0, max(10.0, axes["wait"].get_ylim()[1]))  # a 2 % wait should look small
+    if not axes["accuracy"].lines:
+        axes["accuracy"].text(0.5, 0.5, "no validation accuracy in these runs", ha="center", va="center")
+        axes["accuracy"].set(xticks=[], yticks=[])
+    style = [Line2D([], [], color="gray", ls="-", marker="o"), Line2D([], [], color="gray", ls="--", marker="s")]
+    axes["loss"].legend(style, ["train", "validation"], fontsize="small")
+    _memory_bars(axes["memory"], runs, colors)
+    handles = [Line2D([], [], color=c, lw=6) for c in colors]
+    fig.legend(handles, [r.label for r in runs], loc="outside upper center", ncols=min(len(runs), 2))
+    return fig
+
+
+def _memory_bars(ax: Axes, runs: list[Run], colors: list[str]) -> None:
+    """Grouped bars: one group per GPU or rank index, one bar per run, each labelled with its MB."""
+    width = 0.6 / len(runs)
+    crowded = sum(len(r.memory) for r in runs) > 16  # 8 GPUs x 3 runs: labels side by side would overlap
+    for i, (run, color) in enumerate(zip(runs, colors, strict=True)):
+        offset = (i - (len(runs) - 1) / 2) * width
+        bars = ax.bar([k + offset for k in range(len(run.memory))], run.memory, width, color=color, label=run.label)
+        ax.bar_label(bars, fmt="%.0f", fontsize="small", rotation=90 if crowded else 0, padding=2)
+    widest = max(runs, key=lambda r: len(r.memory))
+    ax.set_xticks(range(len(widest.memory)), _tick_labels(runs, len(widest.memory)))
+    kinds = {memory_kind(r) for r in runs}
+    ax.set_ylabel(f"MB ({kinds.pop()})" if len(kinds) == 1 else "MB (GPU: peak allocated; process: peak RSS)")
+    ax.margins(y=0.15)  # room for the bar labels
+    ax.grid(axis="y", alpha=0.3)
+    epochs = {r.last["epoch"] for r in runs}
+    when = f"epoch {epochs.pop()}" if len(epochs) == 1 else "last epoch"
+    ratios = [_ratio(r) for r in runs]
+    if len(runs) == 1:
+        ax.set_title(f"{TITLES['memory']} per {_entry(runs[0])}, {when} (max/min {ratios[0]})")
+    else:
+        shown = ", ".join(f"{r.name} {ratio}" for r, ratio in zip(runs, ratios, strict=True))
+        ax.set_title(f"{TITLES['memory']}, {when} (max/min: {shown})")
+
+
+def _entry(run: Run) -> str:
+    return "GPU" if run.strategy == "dp" else "process" if run.memory_per == "process" else "rank"
+
+
+def _tick_labels(runs: list[Run], n: int) -> list[str]:
+    """ "rank k" or "cuda:k" where every run agrees on what index k is, else both names."""
+    names = {tuple(memory_names(r)) for r in runs if len(r.memory) == n}
+    if len(names) == 1:
+        return list(names.pop())
+    return [f"cuda:{k} (dp) / rank {k}" for k in range(n)]
+
+
+def _ratio(run: Run) -> str:
+    """max/min of the last epoch's memory as the file has it (or from the entries, for a file without it)."""
+    value = run.last.get("memory_imbalance")
+    if isinstance(value, (int, float)):
+        return f"{value:.2f}"
+    memory = [mb for mb in run.memory if mb > 0]
+    return f"{max(memory) / min(memory):.2f}" if memory else "-"

@@ -1,0 +1,26 @@
+"""What a run folder holds, by name: the one place those names are written. Torch-free, a leaf."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+RUNS = Path("runs")  # where runs without an output_dir go, each into a folder of its own
+DEFAULT_RUN = RUNS / "default"  # training() called directly, without output_dir
+RUN_NAME = re.compile(r"(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d)(?:-(\d+))?")  # 2026-11-30_08-12-03[-2]: when it started
+CONFIG = "config.yaml"  # the fully resolved config, written by rank 0
+METRICS = "metrics.jsonl"  # one JSON line per epoch
+LOCK = ".lock"  # held by the job writing there (lock.output_lock)
+TENSORBOARD = "tb"  # train.tensorboard's event files
+REPORT_IMAGE = "report.png"  # ignite-mgpu report's figure of one run
+
+
+def run_dir(output_dir: str | None) -> Path:
+    """Where a run writes: ``output_dir``, or ``DEFAULT_RUN`` without one."""
+    return Path(output_dir) if output_dir is not None else DEFAULT_RUN
+
+
+def earlier_runs() -> list[Path]:
+    """The dated folders under ``RUNS`` (new runs without an output_dir), oldest first by the time in their names."""
+    found = sorted((m[1], int(m[2] or 1), p) for p in RUNS.glob("*") if (m := RUN_NAME.fullmatch(p.name)))
+    return [p for *_, p in found]

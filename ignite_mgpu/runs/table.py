@@ -1,0 +1,83 @@
+"""The text table and the JSON of ``ignite-mgpu report``, from the runs as read. Torch-free."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from ignite_mgpu.runs.read import Run, as_number, memory_kind, memory_names
+
+TABLE_EPOCHS = 10  # the text table shows the last epochs; --json has every one
+
+
+def _cell(value: float, fmt: str, scale: float = 1.0) -> str:
+    return format(value * scale, fmt) if math.isfinite(value) else "-"
+
+
+def _row(row: dict[str, Any]) -> list[str]:
+    peak = [as_number(mb) for mb in row.get("peak_memory_mb") or []]
+    return [
+        str(row["epoch"]),
+        _cell(as_number(row.get("train_loss")), ".4f"),
+        _cell(as_number(row.get("val_loss")), ".4f"),
+        _cell(as_number(row.get("val_accuracy")), ".4f"),
+        _cell(as_number(row.get("samples_per_s")), ".1f"),
+        _cell(as_number(row.get("time_per_iter_ms")), ".3f"),
+        _cell(as_number(row.get("data_wait_share")), ".2f", 100),
+        _cell(max(peak, default=math.nan), ".1f"),
+        _cell(as_number(row.get("memory_imbalance")), ".3f"),
+    ]
+
+
+COLUMNS = ("epoch", "train_loss", "val_loss", "val_acc", "samples/s", "ms/it", "data_wait_%", "peak_MB", "max/min")
+
+
+def format_table(runs: list[Run]) -> str:
+    """The text table: per run a header, one row per epoch (the last TABLE_EPOCHS) and the last epoch's memory.
+    Figures are the file's, at its own precision (losses and accuracy at 4 decimals); "-" for NaN or missing."""
+    blocks = []
+    for run in runs:
+        ignored = f" ({run.incomplete_lines} incomplete line(s) ignored)" if run.incomplete_lines else ""
+        lines = [f"{run.label}: {run.path}{ignored}"]
+        hidden = len(run.epochs) - TABLE_EPOCHS
+        if hidden > 0:
+            lines.append(f"  ({hidden} earlier epoch(s) not shown; --json has every epoch)")
+        rows = [list(COLUMNS)] + [_row(row) for row in run.epochs[-TABLE_EPOCHS:]]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+        lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+        names = memory_names(run)
+        entries = " | ".join(f"{n} {_cell(mb, '.1f')}" for n, mb in zip(names, run.memory, strict=True))
+        lines.append(f"  peak memory, epoch {run.last['epoch']}, MB ({memory_kind(run)}): {entries or '-'}")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+def _finite_or_none(value: Any) -> Any:
+    """JSON without NaN: NaN and Infinity become null (json.loads of our own lines gives floats for them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    return value
+
+
+def to_json(runs: list[Run], image: Path | None) -> str:
+    """One JSON object for scripts: every epoch of every run (NaN as null) and the image's path (null if none)."""
+    found = [
+        {
+            "run": str(r.path),
+            "label": r.label,
+            "strategy": r.strategy,
+            "processes": r.processes if r.strategy else None,
+            "nnodes": r.nnodes if r.strategy else None,
+            "peak_memory_per": r.memory_per,
+            "incomplete_lines": r.incomplete_lines,
+            "epochs": r.epochs,
+        }
+        for r in runs
+    ]
+    return json.dumps(_finite_or_none({"runs": found, "image": str(image) if image else None}), allow_nan=False)

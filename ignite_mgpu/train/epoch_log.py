@@ -1,0 +1,174 @@
+"""The epoch log: after each epoch (and its validation) one JSON line in ``metrics.jsonl`` and a short table on rank 0
+(losses, accuracy, throughput, data-wait share, peak memory per GPU or process); optionally TensorBoard. What
+``ignite-mgpu report`` reads back (``runs/``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import ignite.distributed as idist
+import torch
+from ignite.engine import Engine, Events
+
+logger = logging.getLogger(__name__)
+
+
+def _peak_memory_mb(model_devices: list[torch.device]) -> list[float]:
+    """Peak memory of each CUDA device this process drives, or of the process itself (RSS) on the CPU."""
+    cuda = [d for d in model_devices if d.type == "cuda"]
+    if cuda:
+        return [torch.cuda.max_memory_allocated(d) / 2**20 for d in cuda]
+    import resource
+
+    return [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]  # Linux reports KiB
+
+
+class EpochLog:
+    """After each epoch (and its validation): one JSON line in ``metrics.jsonl`` and a short table on rank 0.
+
+    Fields: epoch, iteration, train_loss (mean over ranks), val_loss, val_accuracy (classification only),
+    samples_per_s (global), time_per_iter_ms, data_wait_share (time waiting for the data loader / training time,
+    worst rank),
+    peak_memory_mb (one entry per GPU, or per process on the CPU), peak_memory_per ("gpu": CUDA's peak allocated
+    memory of each GPU; "process": each process's peak RSS), memory_imbalance (max/min) and restarts (how often
+    the job had been restarted when it trained the epoch).
+    """
+
+    def __init__(
+        self, path: str | Path, global_batch: int, evaluator: Engine, devices: list[torch.device], restarts: int = 0
+    ) -> None:
+        self.path, self.global_batch, self.evaluator, self.devices = Path(path), global_batch, evaluator, devices
+        self.restarts = restarts
+        self.last: dict[str, Any] = {}
+        self._wait = 0.0
+        self._fetch_start = 0.0
+        self._timed: tuple[Any, float] | None = None  # (loader, its wait_seconds) when the epoch started
+        self._timer_attached = False
+
+    def memory_tags(self) -> list[str]:
+        """TensorBoard tags of the same entries: ``memory/rank<k>`` for processes, ``memory/gpu<k>`` for the GPUs
+        of one process (k: its CUDA index in the job)."""
+        world, cuda = idist.get_world_size(), [d for d in self.devices if d.type == "cuda"]
+        if world == 1 and cuda:
+            return [f"memory/gpu{k}" for k in range(len(cuda))]
+        return [f"memory/rank{k}" for k in range(world)]
+
+    def drop_epochs_after(self, epoch: int) -> None:
+        """Resuming after ``epoch`` finished epochs: drop the lines of later epochs (and a half-written one) that
+        the interrupted run wrote after its checkpoint, so that every epoch is recorded once. Atomic."""
+        if not self.path.is_file():
+            return
+        keep = []
+        for line in self.path.read_text().splitlines(keepends=True):
+            try:
+                if json.loads(line)["epoch"] <= epoch and line.endswith("\n"):
+                    keep.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, self.path)
+
+    def attach(self, trainer: Engine) -> None:
+        trainer.add_event_handler(Events.STARTED, self._started)
+        trainer.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, self._epoch_completed)
+
+    def _started(self, engine: Engine) -> None:
+        # The data wait: a TimedDataLoader (the default job's) counts it; any other loader is timed by two handlers
+        # per iteration, around ignite's fetch of the batch.
+        if not hasattr(engine.state.dataloader, "wait_seconds") and not self._timer_attached:
+            self._timer_attached = True
+            engine.add_event_handler(Events.GET_BATCH_STARTED, self._fetch_started)
+            engine.add_event_handler(Events.GET_BATCH_COMPLETED, self._fetch_completed)
+
+    def _epoch_started(self, engine: Engine) -> None:
+        self._wait, self._first_iteration = 0.0, engine.state.iteration
+        loader: Any = engine.state.dataloader
+        self._timed = (loader, loader.wait_seconds) if hasattr(loader, "wait_seconds") else None
+        for d in self.devices:
+            if d.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(d)
+
+    def _fetch_started(self) -> None:  # no engine argument: ignite then calls it without resolving a weak reference
+        self._fetch_start = time.perf_counter()
+
+    def _fetch_completed(self) -> None:
+        self._wait += time.perf_counter() - self._fetch_start
+
+    def _epoch_wait(self, engine: Engine) -> float:
+        """Seconds this epoch waited for its batches."""
+        if self._timed is None:
+            return self._wait
+        loader, before = self._timed
+        # ignite's DeterministicEngine replaces the loader once, after the first epoch started: a new count from 0.
+        now: Any = engine.state.dataloader  # a TimedDataLoader, as when the epoch started
+        return now.wait_seconds - (before if now is loader else 0.0)
+
+    def _epoch_completed(self, engine: Engine) -> None:
+        seconds = engine.state.times["EPOCH_COMPLETED"] or 1e-9  # training time of this epoch, without handlers
+        iterations = engine.state.iteration - self._first_iteration
+        local = torch.tensor([self._epoch_wait(engine) / seconds, *_peak_memory_mb(self.devices)], dtype=torch.float64)
+        rows = (
+            torch.as_tensor(idist.all_gather(local)).view(idist.get_world_size(), -1).cpu()
+            if idist.get_world_size() > 1
+            else local[None]
+        )
+        memory = [round(float(m), 1) for m in rows[:, 1:].flatten()]
+        metrics = self.evaluator.state.metrics
+        self.last = {
+            "epoch": engine.state.epoch,
+            "iteration": engine.state.iteration,
+            "train_loss": engine.state.metrics.get("train_loss", math.nan),
+            "val_loss": metrics.get("loss", math.nan),
+            **({"val_accuracy": metrics["accuracy"]} if "accuracy" in metrics else {}),  # classification only
+            "samples_per_s": round(iterations * self.global_batch / seconds, 1),
+            "time_per_iter_ms": round(1000 * seconds / max(1, iterations), 3),
+            "data_wait_share": round(float(rows[:, 0].max()), 4),
+            "peak_memory_mb": memory,
+            "peak_memory_per": "gpu" if self.devices[0].type == "cuda" else "process",
+            "memory_imbalance": round(max(memory) / max(min(memory), 1e-9), 3),
+            "epoch_time_s": round(seconds, 3),
+            "restarts": self.restarts,
+        }
+        if idist.get_rank() == 0:
+            with self.path.open("a") as f:
+                f.write(json.dumps(self.last) + "\n")
+            r = self.last
+            world = idist.get_world_size()
+            labels = [f"rank {i}" for i in range(world)] if world > 1 else [str(d) for d in self.devices]
+            where = "GPU" if self.devices[0].type == "cuda" else "process (RSS)"
+            accuracy = f" | val_acc {r['val_accuracy']:.4f}" if "val_accuracy" in r else ""
+            logger.info(
+                "epoch %d | train_loss %.4f | val_loss %.4f%s | %.0f samples/s | %.2f ms/it | "
+                "data wait %.0f%%\n  peak memory per %s, MB | %s | max/min %.2f",
+                r["epoch"], r["train_loss"], r["val_loss"], accuracy, r["samples_per_s"],
+                r["time_per_iter_ms"], 100 * r["data_wait_share"], where,
+                " | ".join(f"{name}: {mb:.0f}" for name, mb in zip(labels, memory, strict=False)),
+                r["memory_imbalance"],
+            )  # fmt: skip
+
+
+def attach_tensorboard(trainer: Engine, epoch_log: EpochLog, logdir: Path) -> None:
+    """Every number of the epoch log as a TensorBoard scalar, and the peak memory of each rank (or GPU) as one
+    scalar each (rank 0; needs the tensorboard package)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(logdir))
+
+    def write(engine: Engine) -> None:
+        for key, value in epoch_log.last.items():
+            if isinstance(value, (int, float)) and key not in ("epoch", "iteration"):
+                writer.add_scalar(key, value, engine.state.epoch)
+        for tag, mb in zip(epoch_log.memory_tags(), epoch_log.last["peak_memory_mb"], strict=False):
+            writer.add_scalar(tag, mb, engine.state.epoch)
+        writer.flush()
+
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, write)
+    trainer.add_event_handler(Events.COMPLETED, lambda: writer.close())

@@ -1,0 +1,101 @@
+"""The evaluator: ``create_evaluator`` scores a prepared model with metrics reduced over all ranks; every sample of
+the validation split counts once, also when the shards are uneven, and an FSDP model runs as many forwards on every
+rank; ``validation_metrics`` are the metrics the default job reports."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import ignite.distributed as idist
+import torch
+from ignite.engine import Engine, Events
+from ignite.metrics import Accuracy, Loss, Metric
+from torch import nn
+
+from ignite_mgpu.train import batches
+from ignite_mgpu.train.batches import Batch
+from ignite_mgpu.train.engine import under_autocast
+from ignite_mgpu.train.fsdp import find_fsdp
+from ignite_mgpu.train.strategy import find_ddp, reduce_replica_losses
+
+
+def create_evaluator(
+    model: nn.Module,
+    metrics: Mapping[str, Metric],
+    *,
+    model_loss: bool = False,
+    device: torch.device | str | None = None,
+    precision: str = "fp32",
+    non_blocking: bool = True,
+) -> Engine:
+    """An evaluator Engine whose metrics are reduced over all ranks (ignite metrics all-reduce in ``compute``).
+
+    Each batch's output is ``(predictions, targets)`` for the metrics; with ``model_loss=True`` (the model computes
+    its own loss, as ``create_trainer(loss_fn=None)``) it is ``(loss, batch size)``, for ``validation_metrics(None)``.
+    It runs the unwrapped module: DDP's forward may broadcast buffers, a collective that would hang when ranks
+    hold different numbers of validation batches (the validation sampler does not pad). An FSDP model's every
+    forward is a collective: ranks with fewer batches repeat their last one, unscored, until all ran as many.
+    """
+    device = torch.device(device) if device is not None else idist.device()
+    ddp = find_ddp(model)
+    net = ddp.module if ddp is not None else model
+
+    def output(batch: Batch) -> tuple[torch.Tensor, Any]:
+        if model_loss:
+            n = batches.size(batch)
+            return reduce_replica_losses(batches.loss_of(batches.model_loss(net, batch)), net, n).float(), n
+        inputs, targets = batches.split(batch)
+        return batches.logits(batches.predict(net, inputs)).float(), targets
+
+    forward = under_autocast(output, precision if precision != "fp16" or device.type == "cuda" else "fp32", device)
+
+    @torch.no_grad()
+    def eval_step(engine: Engine, batch: Batch) -> tuple[torch.Tensor, Any]:
+        return forward(batches.to_device(batch, device, non_blocking))
+
+    evaluator = Engine(eval_step)
+    evaluator.add_event_handler(Events.STARTED, lambda: net.eval())  # once per run: eval() visits every submodule
+    evaluator.logger.setLevel("CRITICAL")
+    if find_fsdp(model) is not None:  # its forward is a collective: as many on every rank, before the metrics reduce
+        attach_even_forwards(evaluator, eval_step)
+    for name, metric in metrics.items():
+        metric.attach(evaluator, name)
+    return evaluator
+
+
+def attach_even_forwards(evaluator: Engine, step: Callable[[Engine, Any], Any]) -> None:
+    """Make every rank run as many forwards as the rank with the most validation batches.
+
+    Each FSDP forward all-gathers parameters, a collective, and the validation shards are uneven (every sample is
+    counted once), so a rank with fewer batches would leave the others waiting forever. The ranks agree on the
+    most batches when the evaluation starts (a collective then, while every rank is there); after its own batches
+    a rank repeats ``step`` on its last batch as often as it is short. The outputs are dropped, so the metrics
+    never see them. Attach it before the metrics: their EPOCH_COMPLETED handlers all-reduce, after these forwards.
+    """
+    start, most = [0], [0]
+
+    def started(engine: Engine) -> None:
+        start[0] = engine.state.iteration
+        mine = torch.tensor(engine.state.epoch_length or 0, device=idist.device())
+        most[0] = int(idist.all_reduce(mine, op="MAX"))
+
+    def pad(engine: Engine) -> None:
+        for _ in range(most[0] - (engine.state.iteration - start[0])):
+            step(engine, engine.state.batch)
+
+    evaluator.add_event_handler(Events.EPOCH_STARTED, started)
+    evaluator.add_event_handler(Events.EPOCH_COMPLETED, pad)
+
+
+def validation_metrics(loss_fn: Callable[..., torch.Tensor] | None, device: torch.device) -> dict[str, Metric]:
+    """Metrics for ``create_evaluator``, accumulated on ``device`` (ignite keeps them on the CPU by default: a copy to
+    the host per validation batch on a GPU): accuracy and loss for cross-entropy; the loss, weighted by the samples
+    of every batch (exact over uneven shards), for any other loss function, or for a model that computes its own
+    (``loss_fn=None``; pair it with ``create_evaluator(model_loss=True)``)."""
+    if loss_fn is None:  # outputs are (mean loss of the batch, its size): the metric sums loss x size over ranks
+        return {"loss": Loss(lambda loss, n: loss, batch_size=lambda n: n, device=device)}
+    metrics: dict[str, Metric] = {"loss": Loss(loss_fn, device=device)}
+    if isinstance(loss_fn, nn.CrossEntropyLoss):
+        metrics["accuracy"] = Accuracy(device=device)
+    return metrics

@@ -1,0 +1,146 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): which blocks are sharded, the sharding itself, gradient sync on
+accumulation steps, and evaluation that runs as many forwards on every rank. What a checkpoint holds of a sharded
+model is ``checkpoint/state.py``'s."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from ignite_mgpu.errors import ConfigError
+
+if TYPE_CHECKING:
+    pass
+
+logger = logging.getLogger(__name__)
+CONTAINERS = (nn.Sequential, nn.ModuleList)
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def default_blocks(model: nn.Module) -> list[str]:
+    """The block class of the default rule: breadth-first from the model (itself included), the first
+    ``nn.Sequential`` / ``nn.ModuleList`` with at least two parameter-holding children of one class gives it (at the
+    same depth, the class holding the most parameters). A ResNet gives ``BasicBlock``/``Bottleneck`` (its
+    ``layer1..4``), a transformer its layer class (``layers``/``h``), an MLP built as one Sequential ``Linear``. No
+    such container: no blocks, only the root is sharded."""
+    level = [model]
+    while level:
+        found: Counter[type] = Counter()
+        for container in level:
+            if isinstance(container, CONTAINERS):
+                children = [c for c in container.children() if _holds_parameters(c)]
+                repeated = Counter(type(c) for c in children)
+                for c in children:
+                    if repeated[type(c)] >= 2:
+                        found[type(c)] += sum(p.numel() for p in c.parameters())
+        if found:
+            return [found.most_common(1)[0][0].__name__]
+        level = [child for m in level for child in m.children()]
+    return []
+
+
+def class_names(model: nn.Module) -> set[str]:
+    """Every module class name in ``model``; a lazy module also counts as the class it becomes (LazyLinear: Linear)."""
+    names = set()
+    for m in model.modules():
+        names.add(type(m).__name__)
+        becomes = getattr(m, "cls_to_become", None)
+        if isinstance(becomes, type):
+            names.add(becomes.__name__)
+    return names
+
+
+def check_blocks(model: nn.Module, names: Sequence[str], model_name: str | None = None) -> None:
+    """ConfigError when ``model.fsdp_blocks`` names a class that the model does not contain."""
+    have = class_names(model)
+    missing = [n for n in names if n not in have]
+    if missing:
+        with_params = sorted({type(m).__name__ for m in model.modules() if _holds_parameters(m)})
+        where = f"model.name={model_name}" if model_name else "the model"
+        raise ConfigError(
+            f"model.fsdp_blocks names {', '.join(missing)}, but {where} contains no module of that class (its "
+            f"classes with parameters: {', '.join(with_params)}). Name the class of the model's repeated blocks "
+            "(e.g. BasicBlock for resnet18), or leave model.fsdp_blocks out for the default rule."
+        )
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """``train.precision`` as FSDP's policy: bf16/fp16 parameters in forward and backward, gradients reduced and kept
+    in fp32 (the sharded parameters and the optimizer stay fp32); fp32: no casting."""
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def shard_model(
+    model: nn.Module,
+    blocks: Sequence[str] | None = None,
+    precision: str = "fp32",
+    cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """``fully_shard`` on every block (innermost first), then on the model: in place, the module keeps its class
+    (as ``FSDP<Class>``), its parameter names and its attributes; its parameters become sharded DTensors.
+
+    Blocks are the modules whose class is named in ``blocks`` (None: ``default_blocks``). Each block's parameters
+    are gathered for its forward and freed after it (``reshard_after_forward``); the root's stay gathered from
+    forward to backward, which begins with them (FSDP's own choice for the root). fully_shard moves each unit to
+    this process's device as it shards it, so the whole model is never on one GPU. Create the optimizer after this.
+    One process has nothing to shard: the model is only moved to its device, as with DDP.
+    """
+    import ignite.distributed as idist
+
+    names = list(blocks) if blocks is not None else default_blocks(model)
+    if blocks is not None:
+        check_blocks(model, names)
+    if idist.get_world_size() == 1:  # the launcher says so once
+        return model.to(idist.device())
+    common: dict[str, Any] = {"mp_policy": mixed_precision(precision)}
+    if cpu_offload:
+        common["offload_policy"] = CPUOffloadPolicy()
+    units = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    for unit in reversed(units):  # modules() is outermost first: children must be sharded before their parents
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **common)
+    fully_shard(model, **common)
+    logger.info(
+        "fsdp: %d block(s) of %s sharded over %d processes, then the root (%s)",
+        len(units),
+        ", ".join(names) or "no class",
+        idist.get_world_size(),
+        "parameters in " + str(common["mp_policy"].param_dtype or torch.float32).replace("torch.", ""),
+    )
+    return model
+
+
+def find_fsdp(model: nn.Module) -> FSDPModule | None:
+    """The root FSDP module of a prepared model (also inside torch.compile), or None."""
+    for candidate in (model, getattr(model, "_orig_mod", None)):
+        if isinstance(candidate, FSDPModule):
+            return candidate
+    return None
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(module: FSDPModule) -> Iterator[None]:
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def no_sync_of(module: FSDPModule) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """FSDP2's counterpart of DDP's ``no_sync``: inside it, backward accumulates unsharded gradients locally and
+    reduce-scatters nothing; the micro-batch after it (synced again) reduce-scatters the sum."""
+    return lambda: _without_gradient_sync(module)

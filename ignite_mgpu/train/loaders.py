@@ -1,0 +1,156 @@
+"""The distributed data loaders of a job, built over ``idist.auto_dataloader``: ``data.batch_size`` is the global
+batch, training samples are shuffled with the job's seed, validation gives every sample to exactly one process; the
+training loader times its own waits. ignite is imported inside functions: the launching process imports this
+module's neighbours."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from ignite_mgpu.config import DataConfig
+from ignite_mgpu.processes.binding import cpu_share
+from ignite_mgpu.train.datasets import GENERATED, build_datasets, check_sizes, collate_skipping_none
+
+if TYPE_CHECKING:
+    from ignite.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+
+class TimedDataLoader(DataLoader):
+    """A DataLoader that adds up the seconds spent waiting for its batches (``wait_seconds``, over all passes).
+
+    The epoch log's ``data_wait_share`` reads it. Timing the fetch inside the loader costs less per iteration than
+    two event handlers around it (``benchmarks/`` counts both in instructions). ``timed(loader)`` makes one of a
+    loader that ``idist.auto_dataloader`` built.
+    """
+
+    @property
+    def wait_seconds(self) -> float:
+        return self.__dict__.get("_waited", [0.0])[0]
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator; ignite only calls next() on it
+        # A list, not a float attribute: DataLoader.__setattr__ is Python code, this runs for every batch.
+        waited = self.__dict__.setdefault("_waited", [0.0])
+        batches = super().__iter__()
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            waited[0] += time.perf_counter() - start
+            yield batch
+
+
+def timed(loader: DataLoader) -> TimedDataLoader:
+    """``loader`` itself, counting its wait from now on (its class becomes ``TimedDataLoader``: idist.auto_dataloader
+    builds a plain DataLoader, and rebuilding one from its attributes differs between torch versions)."""
+    loader.__class__ = TimedDataLoader
+    return loader  # type: ignore[return-value]  # the class was just changed
+
+
+class UnpaddedDistributedSampler(DistributedSampler):
+    """Validation sampler: every sample exactly once over all ranks (rank r takes r, r+W, ...), no padding.
+
+    ``DistributedSampler`` pads with duplicates so every rank gets the same count; for evaluation that would
+    count the padded samples twice in the all-reduced metrics. Ranks may get one sample less; evaluation
+    runs no collective per iteration, so the uneven count cannot hang (under FSDP, whose forward is one, the
+    evaluator pads the shorter ranks with unscored forwards: ``evaluator.attach_even_forwards``).
+    """
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]  # sized
+
+    def __len__(self) -> int:
+        return len(range(self.rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]  # sized
+
+
+def auto_num_workers(name: str, share: int, threads: int, cuda: bool) -> int:
+    """``data.num_workers=auto`` for one process: the CPUs of its share that its training leaves to loader workers.
+
+    On CUDA the training process needs about one CPU (it mostly waits for the GPU), so the loaders get the rest of
+    the share; on the CPU its ``threads`` intra-op threads compute on the share, so the loaders get only what they
+    leave (0 when binding gave the process one thread per CPU; with SMT, the sibling hyper-threads). Synthetic
+    data is already in memory: no worker.
+    """
+    if name == "synthetic":
+        return 0
+    return max(0, share - (1 if cuda else threads))
+
+
+def create_dataloaders(cfg: DataConfig, num_classes: int, seed: int) -> tuple[DataLoader, DataLoader]:
+    """Train and validation loaders for this rank; ``cfg.batch_size`` is the global batch.
+
+    ``idist.auto_dataloader`` divides the batch by the world size; both samplers are ours (a seeded
+    ``DistributedSampler`` for training, an unpadded one for validation) so 1 and N processes see the same data.
+    The trainer calls ``sampler.set_epoch`` every epoch (``engine.create_trainer``).
+    """
+    import ignite.distributed as idist  # here, not at the top: the launching process imports this module
+
+    world_size, rank = idist.get_world_size(), idist.get_rank()
+    # torchvision datasets write caches on first use; generated data (synthetic, fake) is built in parallel.
+    first = contextlib.nullcontext() if cfg.name in GENERATED else idist.one_rank_first(local=True)
+    with first:
+        train_ds, val_ds, collate_fn = build_datasets(cfg, num_classes, seed)
+    check_sizes(train_ds, val_ds, cfg.batch_size, world_size)
+    cuda = "cuda" in idist.device().type
+    if isinstance(cfg.num_workers, int):
+        workers = cfg.num_workers
+    else:  # auto: per process; loader workers inherit the process's CPU binding (fork keeps the affinity mask)
+        local = idist.get_nproc_per_node()
+        share, threads = cpu_share(local), torch.get_num_threads()
+        mine = auto_num_workers(cfg.name, share, threads, cuda)
+        logger.info(
+            "data.num_workers=auto: %d loader worker(s) per process (%d CPU(s) of its own, %d intra-op thread(s)%s)",
+            mine,
+            share,
+            threads,
+            ", CUDA" if cuda else ", synthetic data in memory" if cfg.name == "synthetic" else "",
+        )
+        workers = mine * local  # per node: idist.auto_dataloader divides by the local processes again
+    common: dict[str, Any] = {
+        "batch_size": cfg.batch_size,
+        "num_workers": workers,
+        "pin_memory": cuda,
+        "persistent_workers": workers > 0,
+    }
+    if collate_fn is not None:
+        common["collate_fn"] = collate_fn
+    elif cfg.skip_bad_samples:
+        common["collate_fn"] = collate_skipping_none
+    train_sampler: DistributedSampler = DistributedSampler(train_ds, world_size, rank, shuffle=cfg.shuffle, seed=seed)
+    val_sampler = UnpaddedDistributedSampler(val_ds, world_size, rank, shuffle=False)
+    train_loader = idist.auto_dataloader(train_ds, sampler=train_sampler, **common)
+    val_loader = idist.auto_dataloader(val_ds, sampler=val_sampler, **common)
+    return timed(train_loader), val_loader  # type: ignore[arg-type, return-value]  # no XLA here: plain DataLoaders
+
+
+def attach_skip_counter(trainer: Engine) -> None:
+    """Count the unreadable images skipped in each epoch over all ranks (the collate function reports them)."""
+    import ignite.distributed as idist
+    from ignite.engine import Events
+
+    skipped = [0]
+
+    def count(engine: Engine) -> None:
+        skipped[0] += int(engine.state.batch[2])  # type: ignore[index]  # the skip collate adds a 3rd entry
+
+    def report(engine: Engine) -> None:
+        total = int(idist.all_reduce(torch.tensor(skipped[0])))
+        skipped[0] = 0
+        if total:
+            logger.warning(
+                "epoch %d: skipped %d unreadable images (data.skip_bad_samples=true)", engine.state.epoch, total
+            )
+
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, count)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, report)

@@ -1,0 +1,109 @@
+"""Models by name: the built-in small CNN and MLP, any torchvision.models name, or a "package.module:factory" of
+the user's, called with ``model.args``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.train import plugins
+
+if TYPE_CHECKING:
+    from ignite_mgpu.config import ModelConfig
+
+
+class SimpleCNN(nn.Module):
+    """A small CNN for 32x32 (or larger) images: fast on a CPU, enough to learn the synthetic data."""
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, 16, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(inplace=True),
+        )
+        self.classifier = nn.Linear(32 * POOLED * POOLED, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(pool_to(self.features(x), POOLED), 1))
+
+
+POOLED = 4  # SimpleCNN pools its features to 4x4, whatever the image size
+
+
+def pool_to(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``adaptive_avg_pool2d(x, size)``, as a plain average pool when the sides divide by ``size``: the same numbers,
+    and unlike adaptive pooling its CUDA backward is deterministic (``train.deterministic`` runs it)."""
+    h, w = x.shape[-2:]
+    if h % size == 0 and w % size == 0:
+        return F.avg_pool2d(x, (h // size, w // size))
+    return F.adaptive_avg_pool2d(x, size)
+
+
+def _mlp(num_classes: int) -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.LazyLinear(128), nn.ReLU(inplace=True), nn.Linear(128, num_classes))
+
+
+BUILTIN = {"simple_cnn": SimpleCNN, "mlp": _mlp}
+
+
+def check_model(cfg: ModelConfig) -> None:
+    """ConfigError unless ``model.name`` resolves and takes ``model.args`` (in the parent, before spawning)."""
+    factory = _resolve(cfg.name)
+    plugins.check_arguments(factory, _kwargs(cfg, factory), f"model.name={cfg.name}", "model.args")
+
+
+def _resolve(name: str) -> Callable[..., nn.Module]:
+    """The constructor that ``name`` names: built-in, a torchvision.models builder, or a factory of the user's."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if plugins.is_factory(name):
+        return plugins.resolve(name, "model.name")
+    import torchvision
+
+    available = torchvision.models.list_models(module=torchvision.models)
+    if name in available:
+        return functools.partial(torchvision.models.get_model_builder(name), weights=None)  # never downloads
+    import difflib
+
+    close = difflib.get_close_matches(name, list(BUILTIN) + available, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    raise ConfigError(
+        f"model.name={name} is not a known model.{hint} Use a built-in name ({', '.join(BUILTIN)}), a "
+        f"torchvision.models name such as resnet18, or '{plugins.FORM}'."
+    )
+
+
+def _kwargs(cfg: ModelConfig, factory: Callable[..., nn.Module]) -> dict[str, Any]:
+    """``model.args``, plus ``num_classes`` for a constructor that takes it."""
+    kwargs = dict(cfg.args)
+    if plugins.accepts(factory, "num_classes"):
+        kwargs.setdefault("num_classes", cfg.num_classes)
+    return kwargs
+
+
+def create_model(cfg: ModelConfig, example: Any = None) -> nn.Module:
+    """Build the model (randomly initialised, no downloaded weights) on the CPU: ``factory(**model.args)``, with
+    ``num_classes=model.num_classes`` when the factory takes it.
+
+    ``example`` (the inputs of one batch: a tensor, or a mapping of keyword arguments) materialises lazy layers
+    such as ``nn.LazyLinear``: DDP refuses uninitialised parameters.
+    """
+    factory = _resolve(cfg.name)
+    model = factory(**_kwargs(cfg, factory))  # in a worker: its exception is reported once, with its traceback
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"model.name={cfg.name} returned a {type(model).__name__}; a model factory returns an nn.Module."
+        )
+    if example is not None and any(isinstance(p, nn.parameter.UninitializedParameter) for p in model.parameters()):
+        with torch.no_grad():
+            model(**example) if isinstance(example, Mapping) else model(example)
+    return model

@@ -1,0 +1,149 @@
+"""The launch plan, decided in the parent without spawning anything.
+`python -m pytest tests/processes/test_plan.py`."""
+
+import os
+
+import pytest
+
+from ignite_mgpu.config import ConfigError, DistConfig, load_config
+from ignite_mgpu.processes.plan import make_plan
+
+
+def test_cpu_defaults(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    plan = make_plan(DistConfig())
+    assert (plan.nproc, plan.backend, plan.world_size, plan.external) == (1, None, 1, False)
+    two = make_plan(DistConfig(nproc=2))
+    assert two.backend == "gloo" and two.env.get("OMP_NUM_THREADS") == "4"  # 8 cores split over 2 processes
+    assert two.env.get("GLOO_SOCKET_IFNAME") == "lo"  # a single-node job listens on loopback only
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert "OMP_NUM_THREADS" not in make_plan(DistConfig(nproc=2)).env  # the user's choice is kept
+
+
+def test_under_torchrun_the_outer_launcher_decides(monkeypatch):
+    for key, value in {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    plan = make_plan(DistConfig())
+    assert plan.external and plan.nproc == 2 and plan.world_size == 4
+    with pytest.raises(ConfigError, match="drop --nproc"):
+        make_plan(DistConfig(nproc=2))
+    with pytest.raises(ConfigError, match="not --gpus auto"):
+        make_plan(DistConfig(gpus="auto:2"))
+
+
+def test_busy_master_port_is_named():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--master-port {port} is already in use"):
+            make_plan(DistConfig(nproc=2, master_port=port))
+
+
+def test_checkpoints_must_fall_on_optimizer_steps():
+    with pytest.raises(ConfigError, match=r"checkpoint.every_iters.*multiple of train.grad_accum_steps=4"):
+        load_config(overrides=["train.grad_accum_steps=4", "checkpoint.every_iters=6"])
+    assert load_config(overrides=["train.grad_accum_steps=4", "checkpoint.every_iters=8"]).checkpoint.every_iters == 8
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    """Make this process's torch report ``n`` GPUs (the suite hides CUDA; the plan only asks torch.cuda)."""
+    import torch
+
+    def visible(n):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    return visible
+
+
+@pytest.fixture
+def torchrun(monkeypatch):
+    def started(local_world, world):
+        for key, value in {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": world,
+            "LOCAL_WORLD_SIZE": local_world,
+        }.items():
+            monkeypatch.setenv(key, str(value))
+
+    return started
+
+
+def test_under_torchrun_each_process_needs_every_gpu_of_the_node(cuda, torchrun):
+    torchrun(local_world=4, world=8)
+    cuda(1)  # e.g. SLURM --gpus-per-task=1: every process sees only its own GPU, ignite wants cuda:LOCAL_RANK
+    with pytest.raises(ConfigError, match=r"4 processes on this node .* sees 1 GPU\(s\).*--gpus-per-node"):
+        make_plan(DistConfig())
+    cuda(4)
+    plan = make_plan(DistConfig())
+    assert plan.external and plan.backend == "nccl" and plan.device == "cuda" and plan.world_size == 8
+
+
+def test_dataparallel_under_torchrun_with_several_processes_is_refused(cuda, torchrun):
+    cuda(2)
+    torchrun(local_world=2, world=2)
+    with pytest.raises(ConfigError, match=r"--strategy dp under torchrun/SLURM with 2 processes"):
+        make_plan(DistConfig(strategy="dp"))
+    torchrun(local_world=1, world=1)
+    assert make_plan(DistConfig(strategy="dp")).external
+
+
+def test_gpus_that_pytorch_cannot_see_are_an_error(monkeypatch):
+    from ignite_mgpu.processes import gpus
+    from tests.distributed.test_gpu_selection import FOUR_A100
+
+    monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    with pytest.raises(ConfigError, match=r"--gpus 2,3 selects GPUs that nvidia-smi shows, but PyTorch sees no CUDA"):
+        make_plan(DistConfig(gpus="2,3"))
+
+
+def test_a_job_on_chosen_gpus_runs_in_a_fresh_process_even_alone(cuda, monkeypatch):
+    from ignite_mgpu.processes import gpus
+    from tests.distributed.test_gpu_selection import FOUR_A100
+
+    monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    cuda(1)  # what torch reports after CUDA_VISIBLE_DEVICES=2 (counted afresh)
+    plan = make_plan(DistConfig(gpus="2"))
+    assert (plan.nproc, plan.backend, plan.spawn_one, plan.device) == (1, None, True, "cuda")
+    assert not make_plan(DistConfig()).spawn_one  # without --gpus the one process runs here, as before
+
+
+def test_restarts_and_preemption_in_the_plan(monkeypatch):
+    import signal
+
+    plan = make_plan(DistConfig(nproc=2, max_restarts=3))
+    assert (plan.max_restarts, plan.preempt_signal) == (3, signal.SIGUSR1)
+    alone = make_plan(DistConfig(max_restarts=1))  # a restart needs a process to restart: spawned even alone
+    assert (alone.nproc, alone.backend, alone.spawn_one) == (1, None, True)
+    assert make_plan(DistConfig(preempt_signal=None)).preempt_signal is None
+
+
+def test_max_restarts_under_torchrun_is_refused(torchrun):
+    torchrun(local_world=2, world=2)
+    with pytest.raises(ConfigError, match=r"^--max-restarts 2: this process was started by torchrun/SLURM, which"):
+        make_plan(DistConfig(max_restarts=2))
+    assert make_plan(DistConfig()).preempt_signal is not None  # srun's tasks stop on SLURM's warning too
+
+
+def test_fsdp_with_fewer_processes_than_chosen_gpus_is_refused(cuda, monkeypatch):
+    from ignite_mgpu.processes import gpus
+    from tests.distributed.test_gpu_selection import FOUR_A100
+
+    monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    cuda(2)  # what torch reports after CUDA_VISIBLE_DEVICES=2,3
+    with pytest.raises(ConfigError, match=r"--strategy fsdp with --nproc 1 on the 2 GPUs that --gpus 2,3 selects"):
+        make_plan(DistConfig(strategy="fsdp", gpus="2,3", nproc=1))
+    plan = make_plan(DistConfig(strategy="fsdp", gpus="2,3"))
+    assert (plan.nproc, plan.backend, plan.device) == (2, "nccl", "cuda")  # a process per GPU, as ddp

@@ -1,0 +1,177 @@
+"""The package's layers, read from its source with ``ast``: no import cycle (imports inside functions and under
+TYPE_CHECKING count), the process layer and ``runs/`` never reach the training layer, the torch-free layers stay
+torch-free when imported, no subpackage shadows a public name. `python -m pytest tests/test_layering.py`."""
+
+import ast
+import importlib
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ignite_mgpu
+
+PACKAGE = Path(ignite_mgpu.__file__).parent
+# Imported without torch or ignite: the CLI's --help, the launcher and supervisor, `ignite-mgpu report`.
+TORCH_FREE = ("ignite_mgpu.processes", "ignite_mgpu.runs", "ignite_mgpu.errors", "ignite_mgpu.config")
+TORCH_FREE_ENTRIES = ("ignite_mgpu.cli", "ignite_mgpu.jobs", "ignite_mgpu.preflight", "ignite_mgpu.text")
+TRAINING_LAYER = ("ignite_mgpu.train", "ignite_mgpu.checkpoint")
+LEAVES = (
+    "ignite_mgpu.errors",
+    "ignite_mgpu.text",
+    "ignite_mgpu.config",
+    "ignite_mgpu.runs.folder",
+)  # import only each other
+MAX_FUNCTION_LINES = 60
+# Longer on purpose, each with its reason.
+LONG_ON_PURPOSE = {
+    # The per-iteration step reads as one piece, and a split would add a Python call to every iteration (the
+    # instruction counts of benchmarks/ measure each one).
+    "ignite_mgpu.train.engine._train_step",
+}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Every module of the package at ``root`` -> the package's modules it imports anywhere: at module level, inside
+    functions and under ``if TYPE_CHECKING:`` (a deferred import that closes a loop is a cycle all the same)."""
+    paths = {module_name(p, root): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from . import x, from ..y import z
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                targets = [base, *(f"{base}.{a.name}" for a in node.names)]
+            for target in targets:
+                while target and target not in paths:  # `from pkg.mod import func` imports pkg.mod
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    found.add(target)
+        graph[name] = found
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None."""
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        if module in path:
+            return [*path[path.index(module) :], module]
+        if module in done:
+            return None
+        for dep in sorted(graph.get(module, ())):
+            if cycle := visit(dep, [*path, module]):
+                return cycle
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        if cycle := visit(module, []):
+            return cycle
+    return None
+
+
+def in_layer(module: str, layers: tuple[str, ...]) -> bool:
+    return any(module == layer or module.startswith(layer + ".") for layer in layers)
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph(PACKAGE))
+    assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}"
+
+
+def test_the_cycle_finder_sees_imports_inside_functions_and_under_type_checking(tmp_path):
+    planted = tmp_path / "planted"
+    (planted / "sub").mkdir(parents=True)
+    (planted / "__init__.py").write_text("")
+    (planted / "sub" / "__init__.py").write_text("")
+    (planted / "a.py").write_text("def f():\n    from planted.sub import b\n    return b\n")
+    (planted / "sub" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from planted.c import C\n"
+    )
+    (planted / "c.py").write_text("class C:\n    def g(self):\n        from planted import a\n        return a\n")
+    assert find_cycle(import_graph(planted)) == ["planted.a", "planted.sub.b", "planted.c", "planted.a"]
+    (planted / "c.py").write_text("class C:\n    pass\n")
+    assert find_cycle(import_graph(planted)) is None
+
+
+def test_the_process_layer_and_runs_never_import_the_training_layer():
+    graph = import_graph(PACKAGE)
+    for module, deps in graph.items():
+        if in_layer(module, TORCH_FREE):
+            assert not {d for d in deps if in_layer(d, TRAINING_LAYER)}, module
+            assert not {d for d in deps if in_layer(d, ("ignite_mgpu.jobs", "ignite_mgpu.preflight"))}, module
+
+
+def test_leaves_import_only_leaves():
+    graph = import_graph(PACKAGE)
+    packages = {module_name(p, PACKAGE) for p in PACKAGE.rglob("__init__.py")}
+    assert all(not graph[p] for p in packages)  # a package's __init__ imports nothing: importing a leaf stays light
+    for leaf in LEAVES:
+        assert graph[leaf] - packages <= set(LEAVES), (leaf, graph[leaf])
+    assert not graph["ignite_mgpu.errors"] and not graph["ignite_mgpu.text"]
+
+
+@pytest.mark.timeout(60)
+def test_the_torch_free_layers_import_neither_torch_nor_ignite():
+    modules = sorted(
+        m for m in import_graph(PACKAGE) if in_layer(m, TORCH_FREE) and not m.endswith(".figure")
+    )  # runs.figure imports matplotlib only when asked to draw, never torch
+    modules += [*TORCH_FREE_ENTRIES, "ignite_mgpu.runs.figure"]
+    check = (
+        f"import sys, importlib; [importlib.import_module(m) for m in {modules!r}]; "
+        "print(sorted(m for m in ('torch', 'ignite', 'matplotlib') if m in sys.modules), "
+        "sorted(m for m in sys.modules if m.startswith(('ignite_mgpu.train', 'ignite_mgpu.checkpoint'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[] []"
+    assert "ignite_mgpu.processes.launcher" in modules and "ignite_mgpu.runs.read" in modules
+
+
+def test_no_subpackage_or_module_shadows_a_public_name():
+    for info in pkgutil.walk_packages(ignite_mgpu.__path__, "ignite_mgpu."):
+        importlib.import_module(info.name)  # each sets its name as an attribute of its parent package
+    for name in ignite_mgpu.__all__:
+        value = getattr(ignite_mgpu, name)
+        assert not isinstance(value, type(ignite_mgpu)), f"ignite_mgpu.{name} is the module {value.__name__}"
+        home = importlib.import_module(ignite_mgpu._PUBLIC[name])
+        assert value is getattr(home, name)
+    from ignite_mgpu import fit, launch, training
+
+    assert callable(launch) and callable(fit) and callable(training)
+
+
+def test_the_top_level_holds_at_most_eight_modules():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 8, top
+
+
+def long_functions(root: Path) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if node.end_lineno - start + 1 > MAX_FUNCTION_LINES:
+                    found.append(f"{module_name(path, root)}.{node.name}")
+    return found
+
+
+def test_no_function_is_longer_than_sixty_lines():
+    assert sorted(set(long_functions(PACKAGE)) - LONG_ON_PURPOSE) == []
+    assert LONG_ON_PURPOSE <= set(long_functions(PACKAGE))  # an entry that is short now leaves the list
