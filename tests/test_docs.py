@@ -5,6 +5,7 @@ reference covers every config key. `python -m pytest -q tests/test_docs.py`."""
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 
@@ -123,3 +124,19 @@ def test_checkpoints_how_to_and_the_files_it_documents(tmp_path):
     patterns = [p.replace("<metric>", "val_(accuracy|loss)").replace("<score>", r"[0-9.]+") for p in patterns]
     for path in run_dir.iterdir():
         assert any(re.fullmatch(p.rstrip("/"), path.name) for p in patterns), f"{path.name} is not documented"
+
+
+def test_troubleshooting_messages_are_what_the_cli_prints(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from ignite_mgpu.cli import main
+    from ignite_mgpu.processes import launcher
+
+    monkeypatch.setattr(launcher, "run_plan", lambda *args, **kwargs: pytest.fail("a job was started"))
+    monkeypatch.chdir(tmp_path)
+    text = (REPO / "docs" / "how-to" / "troubleshooting.md").read_text()
+    rows = re.findall(r"^\| `ignite-mgpu ([^`]+)`[^|]*\| `([^`]+)` \|$", text, flags=re.M)
+    assert len(rows) >= 5
+    for command, message in rows:
+        result = CliRunner().invoke(main, shlex.split(command), catch_exceptions=False)
+        assert result.exit_code == 2 and message in result.output, (command, result.output)
