@@ -140,3 +140,15 @@ def test_troubleshooting_messages_are_what_the_cli_prints(monkeypatch, tmp_path)
     for command, message in rows:
         result = CliRunner().invoke(main, shlex.split(command), catch_exceptions=False)
         assert result.exit_code == 2 and message in result.output, (command, result.output)
+
+
+def test_checkpoint_files_page_names_every_file_of_the_code():
+    from ignite_mgpu.checkpoint import files
+    from ignite_mgpu.runs import folder
+
+    names = set(documented_names("checkpoint-files.md"))
+    for name in (folder.CONFIG, folder.METRICS, folder.LOCK, folder.REPORT_IMAGE, f"{folder.TENSORBOARD}/"):
+        assert name in names, f"{name} (ignite_mgpu.runs.folder) is missing from docs/reference/checkpoint-files.md"
+    page = (REPO / "docs" / "reference" / "checkpoint-files.md").read_text()
+    for name in (files.METADATA, files.TRAIN_STATE, files.TEMP_PREFIX):
+        assert name in page
