@@ -20,7 +20,8 @@ def run(local_rank: int, args: argparse.Namespace) -> None:
     torch.manual_seed(0)  # every rank builds the same initial weights (DDP also broadcasts rank 0's)
     train_loader = create_dataloader(make_split(2048, seed=1), args.batch_size, train=True)  # the global batch
     val_loader = create_dataloader(make_split(500, seed=2), 500, train=False)  # every sample scored exactly once
-    model = prepare_model(Net(), sync_batchnorm=True)  # DDP on this process's device; BatchNorm statistics shared
+    # DDP on this process's device; on GPUs, BatchNorm statistics over the whole batch (SyncBatchNorm needs CUDA).
+    model = prepare_model(Net(), sync_batchnorm=idist.device().type == "cuda")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     trainer = create_trainer(model, optimizer, loss_fn)  # moves batches to the device, sets the sampler's epoch
