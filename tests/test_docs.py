@@ -37,7 +37,7 @@ def test_every_code_block_is_run_or_says_why_not():
 
 
 def test_the_reader_finds_the_blocks():  # a reader that found nothing would make every check above pass
-    assert len(BLOCKS) > 30 and len(RUN_HERE) >= 2 and sum(b.name != "" for b in BLOCKS) >= 7
+    assert len(BLOCKS) > 30 and len(RUN_HERE) >= 1 and sum(b.name != "" for b in BLOCKS) >= 7
     assert sum(b.not_run_here for b in BLOCKS) >= 5 and sum(bool(b.included) for b in BLOCKS) >= 10
 
 
