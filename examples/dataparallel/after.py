@@ -20,8 +20,10 @@ def run(local_rank: int, args: argparse.Namespace) -> None:
     torch.manual_seed(0)  # every rank builds the same initial weights (DDP also broadcasts rank 0's)
     train_loader = create_dataloader(make_split(2048, seed=1), args.batch_size, train=True)  # the global batch
     val_loader = create_dataloader(make_split(500, seed=2), 500, train=False)  # every sample scored exactly once
-    # DDP on this process's device; on GPUs, BatchNorm statistics over the whole batch (SyncBatchNorm needs CUDA).
-    model = prepare_model(Net(), sync_batchnorm=idist.device().type == "cuda")
+    net = Net()
+    # DDP around net on this process's device; on GPUs, BatchNorm statistics over the whole batch (SyncBatchNorm
+    # needs CUDA). net itself stays the plain model: its state_dict has no "module." prefix.
+    model = prepare_model(net, sync_batchnorm=idist.device().type == "cuda")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     trainer = create_trainer(model, optimizer, loss_fn)  # moves batches to the device, sets the sampler's epoch
@@ -35,8 +37,8 @@ def run(local_rank: int, args: argparse.Namespace) -> None:
             print(f"epoch {engine.state.epoch}: loss {loss:.4f} val_accuracy {metrics['accuracy']:.4f}", flush=True)
 
     trainer.run(train_loader, max_epochs=args.epochs)
-    if idist.get_rank() == 0:  # one writer; prepare_model's model.module is the plain Net, as with DataParallel
-        torch.save(model.module.state_dict() if hasattr(model, "module") else model.state_dict(), args.out)
+    if idist.get_rank() == 0:  # one writer
+        torch.save(net.state_dict(), args.out)
 
 
 if __name__ == "__main__":  # spawned processes import this file: the launch must not run again in them
