@@ -137,19 +137,22 @@ def exit_codes_page() -> str:
 ERROR_TYPES = {"ConfigError", "CheckpointError", "CorruptCheckpointError", "_fail"}
 
 
-def _render(node: ast.expr | None, assigned: dict[str, ast.expr]) -> str | None:
-    """The text of a message expression, each computed part shown as `…`; None when it is not a string."""
+def _render(node: ast.expr | None, assigned: dict[str, ast.expr], helpers: dict[str, ast.expr]) -> str | None:
+    """The text of a message expression, each computed part shown as `…`; a call of a function of the module that
+    returns a message is that message; None when it is not a string."""
     if node is None:
         return None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in helpers:
+        return _render(helpers[node.func.id], {}, {})
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     if isinstance(node, ast.JoinedStr):
         return "".join(v.value if isinstance(v, ast.Constant) else "…" for v in node.values)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
-        left, right = _render(node.left, assigned), _render(node.right, assigned)
+        left, right = _render(node.left, assigned, helpers), _render(node.right, assigned, helpers)
         return None if left is None or right is None else left + right
     if isinstance(node, ast.Name) and node.id in assigned:
-        return _render(assigned.pop(node.id), assigned)
+        return _render(assigned.pop(node.id), assigned, helpers)
     return None
 
 
@@ -159,6 +162,13 @@ def error_messages(package: Path) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for file in sorted(package.rglob("*.py")):
         tree = ast.parse(file.read_text())
+        helpers = {  # module functions that build a message: def f(...) -> str: ... return f"..."
+            f.name: r.value
+            for f in tree.body
+            if isinstance(f, ast.FunctionDef)
+            for r in ast.walk(f)
+            if isinstance(r, ast.Return) and isinstance(r.value, (ast.JoinedStr, ast.Constant, ast.BinOp))
+        }
         for func in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.Module))]:
             assigned = {
                 t.id: n.value
@@ -171,12 +181,14 @@ def error_messages(package: Path) -> dict[str, list[str]]:
             for node in (n for stmt in body for n in ast.walk(stmt)):
                 if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ERROR_TYPES and node.args):
                     continue
+                if ast.unparse(node.args[0]).startswith("str("):
+                    continue  # an error caught and printed again: its message is listed where it is raised
                 if isinstance(func, ast.Module) and any(
                     isinstance(f, ast.FunctionDef) and f.lineno <= node.lineno <= (f.end_lineno or 0)
                     for f in ast.walk(tree)
                 ):
                     continue  # found again, with its function's assignments, from that function
-                text = _render(node.args[0], dict(assigned))
+                text = _render(node.args[0], dict(assigned), helpers)
                 if text is None:
                     where = func.name if isinstance(func, ast.FunctionDef) else "the module"
                     text = f"(the message of `{ast.unparse(node.args[0])}`, in {where})"
