@@ -76,11 +76,11 @@ def _refuse_unknown_options(args: tuple[str, ...]) -> None:
     from ignite_mgpu.config import dotted_keys
 
     command = click.get_current_context().command
+    options = sorted({o for p in command.params for o in p.opts if o.startswith("--")})
     for i, arg in enumerate(args):
         if not arg.startswith("-"):
             continue
         flag, _, inline = arg.partition("=")
-        options = sorted({o for p in command.params for o in p.opts if o.startswith("--")})
         meant = difflib.get_close_matches(flag, options, n=1, cutoff=0.8)
         name = flag.lstrip("-").replace("-", "_")
         keys = [k for k in dotted_keys() if k.rpartition(".")[2] == name]

@@ -151,8 +151,9 @@ def _paragraph(err: Exception, where: str) -> str:
 def _keys() -> dict[str, list[str]]:
     """Section name -> its keys ("" holds the top-level keys), from the dataclasses."""
     sections: dict[str, list[str]] = {"": []}
-    for f in dataclasses.fields(Config):
-        value = getattr(Config(), f.name)
+    defaults = Config()
+    for f in dataclasses.fields(defaults):
+        value = getattr(defaults, f.name)
         if dataclasses.is_dataclass(value):
             sections[f.name] = [g.name for g in dataclasses.fields(value)]
         else:
