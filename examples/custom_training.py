@@ -2,8 +2,8 @@
 
     python examples/custom_training.py --nproc 2 --epochs 3
 
-Only the public API is used: launch, prepare_model, create_trainer, create_evaluator, load_checkpoint,
-keep_freed_memory.
+Only the public API is used: launch, create_dataloader, prepare_model, create_trainer, create_evaluator,
+load_checkpoint, keep_freed_memory.
 """
 
 from __future__ import annotations
@@ -18,9 +18,16 @@ from ignite.handlers import Checkpoint, DiskSaver
 from ignite.metrics import Accuracy, Loss
 from torch import nn
 from torch.utils.data import TensorDataset
-from torch.utils.data.distributed import DistributedSampler
 
-from ignite_mgpu import create_evaluator, create_trainer, keep_freed_memory, launch, load_checkpoint, prepare_model
+from ignite_mgpu import (
+    create_dataloader,
+    create_evaluator,
+    create_trainer,
+    keep_freed_memory,
+    launch,
+    load_checkpoint,
+    prepare_model,
+)
 
 
 def make_data(n: int, seed: int) -> TensorDataset:
@@ -37,12 +44,11 @@ def run(local_rank: int, args: argparse.Namespace) -> None:
         keep_freed_memory()  # glibc keeps freed tensors' memory for the next step: no page faults per step
     torch.manual_seed(args.seed)
     train_ds, val_ds = make_data(args.samples, seed=1), make_data(512, seed=2)
-    rank, world = idist.get_rank(), idist.get_world_size()
-    # batch_size is the global batch: auto_dataloader gives each process batch_size // world_size.
-    train_loader = idist.auto_dataloader(
-        train_ds, batch_size=64, sampler=DistributedSampler(train_ds, world, rank, shuffle=True, seed=args.seed)
-    )
-    val_loader = idist.auto_dataloader(val_ds, batch_size=256, shuffle=False)
+    rank = idist.get_rank()
+    # batch_size is the global batch (each of N processes loads 64 / N; one that does not divide is a ConfigError);
+    # the training order is seeded and changes every epoch, validation scores every sample on exactly one process.
+    train_loader = create_dataloader(train_ds, 64, train=True, seed=args.seed)
+    val_loader = create_dataloader(val_ds, 256, train=False)
 
     net = nn.Sequential(nn.Linear(2, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 2))
     model = prepare_model(net)  # DDP when there are several processes (strategy="dp": DataParallel)

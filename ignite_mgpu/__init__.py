@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "launch": "ignite_mgpu.processes.launcher",
     "fit": "ignite_mgpu.jobs",
+    "create_dataloader": "ignite_mgpu.train.loaders",
     "create_trainer": "ignite_mgpu.train.engine",
     "create_evaluator": "ignite_mgpu.train.evaluator",
     "validation_metrics": "ignite_mgpu.train.evaluator",

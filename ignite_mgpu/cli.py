@@ -68,6 +68,33 @@ def dist_options(fn: Any) -> Any:
     return fn
 
 
+def _refuse_unknown_options(args: tuple[str, ...]) -> None:
+    """A flag the command lacks, with the one it meant (``--gpu``: ``--gpus``) or the dotted override that sets
+    the config key of that name (``--epochs 3``: ``train.epochs=3``)."""
+    import difflib
+
+    from ignite_mgpu.config import dotted_keys
+
+    command = click.get_current_context().command
+    options = sorted({o for p in command.params for o in p.opts if o.startswith("--")})
+    for i, arg in enumerate(args):
+        if not arg.startswith("-"):
+            continue
+        flag, _, inline = arg.partition("=")
+        meant = difflib.get_close_matches(flag, options, n=1, cutoff=0.8)
+        name = flag.lstrip("-").replace("-", "_")
+        keys = [k for k in dotted_keys() if k.rpartition(".")[2] == name]
+        if meant:
+            _fail(f"no such option: {flag}; did you mean {meant[0]}? (see ignite-mgpu {command.name} --help)")
+        if keys:
+            given = args[i + 1] if i + 1 < len(args) and "=" not in args[i + 1] else "VALUE"
+            _fail(
+                f"no such option: {flag}. Config keys are set as key=value after the command: did you mean "
+                f"{keys[0]}={inline or given}? (see ignite-mgpu {command.name} --help and configs/default.yaml)"
+            )
+        _fail(f"no such option: {flag} (see ignite-mgpu {command.name} --help).")
+
+
 def _load(args: tuple[str, ...], config_path: str | None, flags: dict[str, Any]) -> Any:
     from ignite_mgpu.config import load_config
 
@@ -126,9 +153,7 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
     (or a YAML file as the first argument). data.batch_size is the GLOBAL batch, split over all processes.
     See configs/default.yaml for every key.
     """
-    bad_flags = [a for a in args if a.startswith("-")]
-    if bad_flags:
-        _fail(f"no such option: {bad_flags[0]} (see ignite-mgpu train --help).")
+    _refuse_unknown_options(args)
     with _errors_to_exit():
         cfg = _load(args, config_path, flags)
     from ignite_mgpu.jobs import fit
@@ -150,6 +175,7 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | None, as_json: bool, **flags: Any) -> None:
     """Evaluate saved weights on the validation split and print accuracy and loss."""
+    _refuse_unknown_options(args)
     with _errors_to_exit():
         cfg = _load(args, config_path, flags)
     from ignite_mgpu.jobs import evaluate as evaluate_job

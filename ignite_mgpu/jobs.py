@@ -10,9 +10,9 @@ from pathlib import Path
 
 from ignite_mgpu.config import Config, run_dir, validate
 from ignite_mgpu.errors import CheckpointError, ConfigError
-from ignite_mgpu.preflight import check_data_root, prepared
+from ignite_mgpu.preflight import check_job, checked_plan, prepared
 from ignite_mgpu.processes import cluster, launcher
-from ignite_mgpu.processes.plan import Restart, make_plan
+from ignite_mgpu.processes.plan import Restart
 
 TRAINING = "ignite_mgpu.train.job:training"
 
@@ -60,7 +60,8 @@ def _resume_newest(cfg: Config, outer_restarts: int, attempt: int) -> Restart:
 
 def evaluate(cfg: Config, checkpoint: str | Path, as_json: bool = False) -> int:
     """Score the weights in ``checkpoint`` on ``cfg``'s validation split, on the processes ``cfg.dist`` asks for;
-    rank 0 prints the metrics. The checkpoint is checked against the model before any worker starts."""
+    rank 0 prints the metrics. Before any worker starts: ``train``'s checks (but the output folder's, as nothing
+    is written) and the checkpoint against the model."""
     from ignite_mgpu.checkpoint.load import load_checkpoint
     from ignite_mgpu.train.datasets import build_datasets, example_inputs
     from ignite_mgpu.train.job import scoring
@@ -68,11 +69,11 @@ def evaluate(cfg: Config, checkpoint: str | Path, as_json: bool = False) -> int:
 
     try:
         validate(cfg)
-        check_data_root(cfg)
+        check_job(cfg)
+        plan = checked_plan(cfg)
         splits = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
         model = create_model(cfg.model, example_inputs(splits.val, splits.collate_fn))
         load_checkpoint(checkpoint, {"model": model}, map_location="cpu")
-        plan = make_plan(cfg.dist)
     except (ConfigError, CheckpointError) as err:
         return _refused(err)
     return launcher.run_plan(plan, scoring, cfg, str(checkpoint), as_json)

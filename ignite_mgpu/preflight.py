@@ -217,6 +217,15 @@ def warn_restarts_without_checkpoints(cfg: Config) -> None:
         )
 
 
+def checked_plan(cfg: Config) -> LaunchPlan:
+    """The launch plan, and the checks that need it: the model options its device allows, the datasets over its
+    processes. ``train`` and ``evaluate`` both run them, after ``check_job``."""
+    plan = make_plan(cfg.dist)
+    check_model_options(cfg, plan)
+    check_datasets(cfg, plan.world_size)
+    return plan
+
+
 @contextlib.contextmanager
 def prepared(cfg: Config) -> Iterator[LaunchPlan]:
     """Run every check, decide the launch plan, and hold the output folder's lock while the caller runs the job.
@@ -230,9 +239,7 @@ def prepared(cfg: Config) -> Iterator[LaunchPlan]:
     if leader:
         check_output_dir(cfg)
         warn_restarts_without_checkpoints(cfg)
-    plan = make_plan(cfg.dist)
-    check_model_options(cfg, plan)
-    check_datasets(cfg, plan.world_size)
+    plan = checked_plan(cfg)
     if not leader:
         yield plan
         return

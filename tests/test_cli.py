@@ -90,7 +90,25 @@ def test_one_process_runs_in_process_without_group(captured, tmp_path):
     "args, message",
     [
         (["train", "--nproc", "0"], "dist.nproc"),
-        (["train", "optim.lrr=1"], "Did you mean: 'lr'"),
+        (
+            ["train", "optim.lrr=1"],
+            "'optim.lrr' (from the command line) is not a key of section optim; did you mean optim.lr=1?",
+        ),
+        (
+            ["train", "epochs=3"],
+            "'epochs' (from the command line) is not a top-level key; did you mean train.epochs=3?",
+        ),
+        (
+            ["train", "--epochs", "3"],
+            "no such option: --epochs. Config keys are set as key=value after the command: "
+            "did you mean train.epochs=3?",
+        ),
+        (
+            ["train", "--lr", "0.1"],
+            "no such option: --lr. Config keys are set as key=value after the command: did you mean optim.lr=0.1?",
+        ),
+        (["train", "--batch-size=64"], "did you mean data.batch_size=64?"),
+        (["train", "--gpu", "2,3"], "no such option: --gpu; did you mean --gpus?"),
         (["train", "model.name=resnet181"], "Did you mean 'resnet18'"),
         (["train", "--backend", "nccl"], "nccl needs CUDA"),
         (["train", "--strategy", "dp"], "needs GPUs"),
@@ -130,6 +148,25 @@ def test_bad_input_exits_2_before_spawning(captured, tmp_path, args, message):
     assert "Traceback" not in result.output
     assert not captured  # nothing was launched
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nproc", "3", "data.batch_size=128"], "must split evenly over 3 processes"),
+        (["--nproc", "2", "data.train_size=8", "data.batch_size=64"], "only has 4 training samples"),
+        (["train.loss=nope_pkg.losses:make"], "train.loss=nope_pkg.losses:make"),
+        (["--epochs", "1"], "did you mean train.epochs=1?"),
+        (["--strategy", "fsdp", "--nproc", "2", "model.fsdp_cpu_offload=true"], "this job trains on the CPU"),
+    ],
+)
+def test_evaluate_makes_the_checks_of_train_before_anything(captured, tmp_path, args, message):
+    weights = tmp_path / "weights.pt"
+    torch.save({"not": "read"}, weights)  # the checks come first: it would be refused as not a state_dict
+    result = invoke(["evaluate", "--checkpoint", str(weights), *args], tmp_path)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "not a state_dict" not in result.output
+    assert not captured
 
 
 def test_fsdp_on_one_process_is_allowed_with_a_note(captured, tmp_path):

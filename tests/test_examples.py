@@ -1,11 +1,15 @@
-"""Every example runs (tiny settings) so none can rot. `python -m pytest tests/test_examples.py`."""
+"""Every example runs (tiny settings) so none can rot, and so do the commands of the tutorials and how-to guides
+that run them. `python -m pytest tests/test_examples.py`."""
 
+import json
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from tests.conftest import REPO
+from tests.docs_blocks import doc_block, run_block, sandbox
 
 pytestmark = [pytest.mark.distributed]
 
@@ -61,3 +65,78 @@ def test_readme_in_your_own_code_snippet(tmp_path):
     lines = sorted(line for line in result.stdout.splitlines() if "train_loss" in line)
     assert [line.split(":")[0] for line in lines] == ["rank 0", "rank 1"], result.stdout
     assert len({line.split("train_loss ")[1] for line in lines}) == 1  # the epoch mean over ranks, on every rank
+
+
+# The tutorials' and how-to guides' commands, run as the documentation writes them (tests/docs_blocks.py).
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(120)
+def test_dataparallel_before(tmp_path):
+    result = run_block(doc_block("dp-before"), sandbox(tmp_path))
+    assert float(result.stdout.split("epoch 3:")[1].split("val_accuracy")[1].split()[0]) > 0.9
+    assert (tmp_path / "model.pt").is_file()
+
+
+@pytest.mark.timeout(180)
+def test_dataparallel_after_cli(tmp_path):
+    result = run_block(doc_block("dp-cli"), sandbox(tmp_path))
+    assert "the best model loads into the plain Net" in result.stdout
+    assert metrics(tmp_path / "runs" / "dp-cli")[-1]["val_accuracy"] > 0.9
+
+
+@pytest.mark.timeout(180)
+def test_dataparallel_after_python(tmp_path):
+    import torch
+
+    from examples.dataparallel.project import Net
+
+    result = run_block(doc_block("dp-python"), sandbox(tmp_path))
+    lines = [line for line in result.stdout.splitlines() if line.startswith("epoch")]
+    assert len(lines) == 3, result.stdout  # printed by rank 0 only
+    assert float(lines[-1].split("val_accuracy")[1]) > 0.9
+    Net().load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))  # no "module." prefix
+
+
+@pytest.mark.timeout(180)
+def test_first_project_outside_the_repository(tmp_path):
+    run_block(doc_block("first-project"), sandbox(tmp_path))
+    run_dir = tmp_path / "waves" / "runs" / "waves"
+    assert metrics(run_dir)[-1]["val_accuracy"] > 0.8
+    assert list(run_dir.glob("best_model_*_val_accuracy=*.pt"))
+
+
+@pytest.mark.timeout(240)
+def test_huggingface_gpt2_under_fsdp(tmp_path):
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    result = run_block(doc_block("hf-gpt2"), sandbox(tmp_path), timeout=220)
+    assert "block(s) of GPT2Block sharded over 2 processes" in result.stderr + result.stdout
+    (line,) = metrics(tmp_path / "runs" / "gpt2")
+    assert line["train_loss"] < 5.5 and line["val_loss"] < 5.5  # below chance over 256 bytes (ln 256 = 5.55)
+    (best,) = (tmp_path / "runs" / "gpt2").glob("best_model_*.pt")
+    args = yaml.safe_load((REPO / "examples/huggingface/gpt2.yaml").read_text())["model"]["args"]
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**args))
+    model.load_state_dict(torch.load(best, weights_only=True))
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()  # still tied
+
+
+@pytest.mark.timeout(240)
+def test_huggingface_sequence_classifier(tmp_path):
+    pytest.importorskip("transformers")
+    run_block(doc_block("hf-classifier"), sandbox(tmp_path), timeout=220)
+    (line,) = metrics(tmp_path / "runs" / "classifier")
+    assert 0 <= line["val_accuracy"] <= 1 and line["iteration"] == 4
+
+
+@pytest.mark.timeout(200)
+def test_timm_vit(tmp_path):
+    pytest.importorskip("timm")
+    run_block(doc_block("timm-vit"), sandbox(tmp_path), timeout=180)
+    (line,) = metrics(tmp_path / "runs" / "vit")
+    assert line["iteration"] == 4 and "val_accuracy" in line

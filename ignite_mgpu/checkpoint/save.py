@@ -73,6 +73,20 @@ class RunInfo:
         self.loaded = dict(state)
 
 
+class LowerIsBetter(float):
+    """A loss as the best model's score. ignite keeps the highest score, so the value is the negated loss; the file
+    name shows the loss as reported (``best_model_2_val_loss=2.4889.pt``, not ``-2.4889``)."""
+
+    def __format__(self, spec: str) -> str:
+        return format(-float(self), spec)
+
+
+def best_score(metric: str, value: float) -> float:
+    """The score ignite ranks best models by (higher is better) for ``metric``'s ``value``, as reported or as a
+    file name holds it (old names hold a loss negated: the sign is ignored)."""
+    return value if metric == "accuracy" else LowerIsBetter(-abs(value))
+
+
 def create_checkpointers(
     objects: Mapping[str, Any],
     model: nn.Module,
@@ -84,13 +98,12 @@ def create_checkpointers(
     """(full training state ``checkpoint_<iteration>.pt``, best unwrapped model ``best_model_*.pt``)."""
     saver = SafeDiskSaver(dirname)
     full = Checkpoint(dict(objects), saver, n_saved=n_saved, global_step_transform=lambda e, _: e.state.iteration)
-    sign = 1.0 if metric == "accuracy" else -1.0
     best = Checkpoint(
         {"model": model},
         saver,
         filename_prefix="best",
         n_saved=1,
-        score_function=lambda e: sign * e.state.metrics[metric],
+        score_function=lambda e: best_score(metric, e.state.metrics[metric]),
         score_name=f"val_{metric}",
         global_step_transform=best_step,
     )
@@ -149,7 +162,7 @@ def adopt_existing(full: Checkpoint | ShardedCheckpoint, best: Checkpoint, dirna
         found = [(int(m.group(1)), p.name) for p in files if (m := CKPT_NAME.match(p.name))]
         full.load_state_dict({"_saved": sorted(found)})
     bests = [
-        (float(m.group(2)), p.name)  # the file name already holds the signed score
+        (best_score(m.group(2), float(m.group(3))), p.name)
         for p in Path(dirname).glob("best_model_*.pt")
         if (m := BEST_NAME.match(p.name))
     ]

@@ -167,20 +167,26 @@ def _builtin(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Dataset, Dat
         raise ConfigError(f"data.name={cfg.name}: {err} (looked in data.root={root}).") from None
 
 
-def check_sizes(train: Dataset, val: Dataset, batch_size: int, world_size: int) -> None:
-    """Raise ConfigError for an empty split, a global batch that does not split evenly, or one too large."""
-    if batch_size % world_size:
+def check_global_batch(batch_size: int, world_size: int, key: str = "data.batch_size") -> None:
+    """Raise ConfigError unless the global ``batch_size`` (named ``key`` in the message) splits evenly."""
+    if batch_size < 1 or batch_size % world_size:
         raise ConfigError(
-            f"data.batch_size={batch_size} is the global batch and must split evenly over {world_size} processes "
+            f"{key}={batch_size} is the global batch and must split evenly over {world_size} processes "
             f"(each would get {batch_size / world_size:.2f}); use a multiple of {world_size}, "
-            f"e.g. data.batch_size={max(1, batch_size // world_size) * world_size}."
+            f"e.g. {key}={max(1, batch_size // world_size) * world_size}."
         )
+
+
+def check_sizes(train: Dataset, val: Dataset, batch_size: int, world_size: int, key: str = "data.batch_size") -> None:
+    """Raise ConfigError for an empty split, a global batch that does not split evenly, or one too large."""
+    check_global_batch(batch_size, world_size, key)
     for split, ds in (("training", train), ("validation", val)):
         if len(ds) == 0:  # type: ignore[arg-type]  # map-style datasets are sized
-            raise ConfigError(f"the {split} dataset is empty; check data.root and data.name.")
+            fix = "check data.root and data.name" if key.startswith("data.") else "pass a dataset with samples"
+            raise ConfigError(f"the {split} dataset is empty; {fix}.")
     per_process = math.ceil(len(train) / world_size)  # type: ignore[arg-type]  # sized
     if batch_size // world_size > per_process:
         raise ConfigError(
-            f"data.batch_size={batch_size} gives {batch_size // world_size} samples per process, but each of the "
-            f"{world_size} processes only has {per_process} training samples; lower data.batch_size."
+            f"{key}={batch_size} gives {batch_size // world_size} samples per process, but each of the "
+            f"{world_size} processes only has {per_process} training samples; lower {key}."
         )

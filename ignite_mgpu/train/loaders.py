@@ -1,23 +1,23 @@
-"""The distributed data loaders of a job, built over ``idist.auto_dataloader``: ``data.batch_size`` is the global
-batch, training samples are shuffled with the job's seed, validation gives every sample to exactly one process; the
-training loader times its own waits. ignite is imported inside functions: the launching process imports this
-module's neighbours."""
+"""The distributed data loaders, built over ``idist.auto_dataloader``: ``create_dataloader`` (public) and the default
+job's ``create_dataloaders``. The batch is the global batch, training samples are shuffled with the job's seed,
+validation gives every sample to exactly one process; the default job's training loader times its own waits.
+ignite is imported inside functions: the launching process imports this module's neighbours."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from ignite_mgpu.config import DataConfig
 from ignite_mgpu.processes.binding import cpu_share
-from ignite_mgpu.train.datasets import GENERATED, build_datasets, check_sizes, collate_skipping_none
+from ignite_mgpu.train.datasets import GENERATED, build_datasets, check_global_batch, check_sizes, collate_skipping_none
 
 if TYPE_CHECKING:
     from ignite.engine import Engine
@@ -87,25 +87,61 @@ def auto_num_workers(name: str, share: int, threads: int, cuda: bool) -> int:
     return max(0, share - (1 if cuda else threads))
 
 
-def create_dataloaders(cfg: DataConfig, num_classes: int, seed: int) -> tuple[DataLoader, DataLoader]:
-    """Train and validation loaders for this rank; ``cfg.batch_size`` is the global batch.
+def create_dataloader(
+    dataset: Dataset,
+    batch_size: int,
+    *,
+    train: bool = True,
+    shuffle: bool = True,
+    seed: int = 0,
+    num_workers: int = 0,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    **kwargs: Any,
+) -> DataLoader:
+    """This process's loader of a map-style ``dataset``, with the CLI's semantics. Call it in every process.
 
-    ``idist.auto_dataloader`` divides the batch by the world size; both samplers are ours (a seeded
-    ``DistributedSampler`` for training, an unpadded one for validation) so 1 and N processes see the same data.
-    The trainer calls ``sampler.set_epoch`` every epoch (``engine.create_trainer``).
+    ``batch_size`` is the global batch: each of the N processes loads ``batch_size / N``. With ``train=True`` the
+    sampler is a ``DistributedSampler`` shuffled with ``seed`` (one permutation for any process count);
+    ``create_trainer`` sets its epoch at every epoch start (in a loop of your own: ``loader.sampler.set_epoch``).
+    With ``train=False`` every sample goes to exactly one process, unpadded, so metrics reduced over the processes
+    equal a one-process evaluation. ``num_workers`` are per node, split over its processes; other keyword
+    arguments reach ``DataLoader``.
+
+    Raises:
+        ConfigError: ``batch_size`` does not split evenly over the processes, or ``dataset`` is empty.
     """
-    import ignite.distributed as idist  # here, not at the top: the launching process imports this module
+    import ignite.distributed as idist
 
     world_size, rank = idist.get_world_size(), idist.get_rank()
+    if train:
+        check_sizes(dataset, dataset, batch_size, world_size, key="batch_size")
+        sampler: DistributedSampler = DistributedSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed)
+    else:
+        check_global_batch(batch_size, world_size, key="batch_size")
+        sampler = UnpaddedDistributedSampler(dataset, world_size, rank, shuffle=False)
+    if collate_fn is not None:
+        kwargs["collate_fn"] = collate_fn
+    kwargs.setdefault("pin_memory", "cuda" in idist.device().type)
+    kwargs.setdefault("persistent_workers", num_workers > 0)
+    # idist.auto_dataloader divides the batch (and the node's workers) by the processes: exact, as checked above.
+    loader = idist.auto_dataloader(dataset, sampler=sampler, batch_size=batch_size, num_workers=num_workers, **kwargs)
+    return loader  # type: ignore[return-value]  # a DataLoader: the XLA loader is only built on TPUs
+
+
+def create_dataloaders(cfg: DataConfig, num_classes: int, seed: int) -> tuple[DataLoader, DataLoader]:
+    """Train and validation loaders of the default job for this rank (``create_dataloader`` on the config's
+    datasets); ``cfg.batch_size`` is the global batch, the same data on 1 and N processes."""
+    import ignite.distributed as idist  # here, not at the top: the launching process imports this module
+
     # torchvision datasets write caches on first use; generated data (synthetic, fake) is built in parallel.
     first = contextlib.nullcontext() if cfg.name in GENERATED else idist.one_rank_first(local=True)
     with first:
         train_ds, val_ds, collate_fn = build_datasets(cfg, num_classes, seed)
-    check_sizes(train_ds, val_ds, cfg.batch_size, world_size)
-    cuda = "cuda" in idist.device().type
+    check_sizes(train_ds, val_ds, cfg.batch_size, idist.get_world_size())
     if isinstance(cfg.num_workers, int):
         workers = cfg.num_workers
     else:  # auto: per process; loader workers inherit the process's CPU binding (fork keeps the affinity mask)
+        cuda = "cuda" in idist.device().type
         local = idist.get_nproc_per_node()
         share, threads = cpu_share(local), torch.get_num_threads()
         mine = auto_num_workers(cfg.name, share, threads, cuda)
@@ -117,21 +153,12 @@ def create_dataloaders(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Da
             ", CUDA" if cuda else ", synthetic data in memory" if cfg.name == "synthetic" else "",
         )
         workers = mine * local  # per node: idist.auto_dataloader divides by the local processes again
-    common: dict[str, Any] = {
-        "batch_size": cfg.batch_size,
-        "num_workers": workers,
-        "pin_memory": cuda,
-        "persistent_workers": workers > 0,
-    }
-    if collate_fn is not None:
-        common["collate_fn"] = collate_fn
-    elif cfg.skip_bad_samples:
-        common["collate_fn"] = collate_skipping_none
-    train_sampler: DistributedSampler = DistributedSampler(train_ds, world_size, rank, shuffle=cfg.shuffle, seed=seed)
-    val_sampler = UnpaddedDistributedSampler(val_ds, world_size, rank, shuffle=False)
-    train_loader = idist.auto_dataloader(train_ds, sampler=train_sampler, **common)
-    val_loader = idist.auto_dataloader(val_ds, sampler=val_sampler, **common)
-    return timed(train_loader), val_loader  # type: ignore[arg-type, return-value]  # no XLA here: plain DataLoaders
+    if collate_fn is None and cfg.skip_bad_samples:
+        collate_fn = collate_skipping_none
+    common: dict[str, Any] = {"num_workers": workers, "collate_fn": collate_fn}
+    train_loader = create_dataloader(train_ds, cfg.batch_size, train=True, shuffle=cfg.shuffle, seed=seed, **common)
+    val_loader = create_dataloader(val_ds, cfg.batch_size, train=False, **common)
+    return timed(train_loader), val_loader
 
 
 def attach_skip_counter(trainer: Engine) -> None:

@@ -11,13 +11,14 @@ from torch import nn
 
 
 def create_optimizer(
-    model: nn.Module, name: str, lr: float, momentum: float, weight_decay: float
+    model: nn.Module, name: str, lr: float, momentum: float, weight_decay: float, nesterov: bool = True
 ) -> torch.optim.Optimizer:
-    """SGD (Nesterov momentum) or AdamW over the trainable parameters, wrapped by ``idist.auto_optim``."""
+    """SGD (Nesterov momentum when ``nesterov`` and ``momentum > 0``) or AdamW over the trainable parameters,
+    wrapped by ``idist.auto_optim``."""
     params = [p for p in model.parameters() if p.requires_grad]
     if name == "sgd":
         opt: torch.optim.Optimizer = torch.optim.SGD(
-            params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=momentum > 0
+            params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov and momentum > 0
         )
     elif name == "adamw":
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)

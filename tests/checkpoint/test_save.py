@@ -83,7 +83,8 @@ def test_best_model_loads_into_torchvision_resnet(tmp_path):
     "metric, names, better",
     [
         ("accuracy", ["best_model_1_val_accuracy=0.5000.pt"], 0.6),
-        ("loss", ["best_model_1_val_loss=-0.5000.pt"], 0.1),  # loss scores are stored negated: higher is better
+        ("loss", ["best_model_1_val_loss=0.5000.pt"], 0.1),  # the loss as reported; lower is better
+        ("loss", ["best_model_1_val_loss=-0.5000.pt"], 0.1),  # an older run's name: the loss negated
     ],
 )
 def test_resumed_best_model_rotation(tmp_path, metric, names, better):
@@ -98,9 +99,24 @@ def test_resumed_best_model_rotation(tmp_path, metric, names, better):
     adopt_existing(full, best, tmp_path)
     evaluator.state.metrics = {metric: better}
     best(evaluator)
-    assert [p.name for p in tmp_path.glob("best_model_*.pt")] == [
-        f"best_model_2_val_{metric}={better if metric == 'accuracy' else -better:.4f}.pt"
-    ]
+    assert [p.name for p in tmp_path.glob("best_model_*.pt")] == [f"best_model_2_val_{metric}={better:.4f}.pt"]
+
+
+@pytest.mark.parametrize("old", ["best_model_1_val_loss=0.2000.pt", "best_model_1_val_loss=-0.2000.pt"])
+def test_a_worse_loss_keeps_the_best_model_of_the_resumed_run(tmp_path, old):
+    torch.save(small().state_dict(), tmp_path / old)
+    trainer, evaluator = Engine(lambda e, b: None), Engine(lambda e, b: None)
+    trainer.state.epoch = 2
+    full, best = create_checkpointers(
+        {"model": small(), "trainer": trainer}, small(), tmp_path, 1, "loss", lambda e, _: trainer.state.epoch
+    )
+    adopt_existing(full, best, tmp_path)
+    evaluator.state.metrics = {"loss": 2.4889}
+    best(evaluator)
+    assert [p.name for p in tmp_path.glob("best_model_*.pt")] == [old]
+    evaluator.state.metrics = {"loss": 0.1}
+    best(evaluator)
+    assert [p.name for p in tmp_path.glob("best_model_*.pt")] == ["best_model_2_val_loss=0.1000.pt"]
 
 
 def test_time_based_and_iteration_checkpoints_land_on_window_ends_after_the_epoch_report(tmp_path, monkeypatch):

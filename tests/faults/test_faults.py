@@ -517,7 +517,7 @@ _BAD_YAML = "data:\n  batch_size: [64\n"
         (["data.batch_size=0"], ["data.batch_size", "0"]),
         (["optim.lr=nan"], ["optim.lr", "nan"]),
         (["--backend", "abc"], ["--backend", "abc"]),
-        (["optim.lrr=0.1"], ["optim.lrr", "Did you mean"]),
+        (["optim.lrr=0.1"], ["optim.lrr", "did you mean optim.lr=0.1?"]),
         (["--config", "BAD_YAML"], ["bad.yaml", "not valid YAML"]),
         (["--backend", "nccl"], ["nccl needs CUDA"]),
     ],

@@ -1,0 +1,154 @@
+"""The documentation cannot rot: every shell and Python block in docs/ is included from a file the suite runs,
+marked as not runnable here (with the reason), or run here; every YAML block is a valid config; the generated
+reference covers every config key. `python -m pytest -q tests/test_docs.py`."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tests.docs_blocks import RUNNABLE, all_blocks, doc_block, run_block, sandbox
+
+sys.path.insert(0, str(REPO / "tools"))
+from docs_reference import config_keys, exit_codes_page
+
+BLOCKS = all_blocks()
+TESTS_SOURCE = "\n".join(p.read_text() for p in (REPO / "tests").rglob("*.py"))
+RUN_HERE = [b for b in BLOCKS if b.lang in RUNNABLE and not b.included and not b.not_run_here and not b.name]
+
+
+def test_every_code_block_is_run_or_says_why_not():
+    named = [b.name for b in BLOCKS if b.name]
+    assert len(named) == len(set(named)), f"a block name is used twice: {named}"
+    for block in BLOCKS:
+        for path in block.included:
+            assert (REPO / path).is_file(), f"{block.id} includes {path}, which does not exist"
+            assert path.startswith(("examples/", "configs/")), f"{block.id}: include files the suite runs"
+        if block.name:
+            assert f'doc_block("{block.name}")' in TESTS_SOURCE, f"{block.id}: no test runs block {block.name}"
+        if block.title.startswith("Not run here"):
+            assert block.not_run_here, f"{block.id}: say why it cannot run here"
+        assert block.lang != "", f"{block.id}: give the block a language (text for output)"
+
+
+def test_the_reader_finds_the_blocks():  # a reader that found nothing would make every check above pass
+    assert len(BLOCKS) > 30 and len(RUN_HERE) >= 1 and sum(b.name != "" for b in BLOCKS) >= 7
+    assert sum(b.not_run_here for b in BLOCKS) >= 5 and sum(bool(b.included) for b in BLOCKS) >= 10
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("block", RUN_HERE, ids=[b.id for b in RUN_HERE])
+def test_block_runs(block, tmp_path):
+    run_block(block, sandbox(tmp_path))
+
+
+YAML_BLOCKS = [b for b in BLOCKS if b.lang == "yaml"]
+
+
+@pytest.mark.parametrize("block", YAML_BLOCKS, ids=[b.id for b in YAML_BLOCKS])
+def test_yaml_block_is_a_valid_config(block, tmp_path):
+    from ignite_mgpu import load_config
+
+    if block.included:
+        (path,) = block.included
+        load_config(REPO / path)
+    else:
+        file = tmp_path / "block.yaml"
+        file.write_text(block.text)
+        load_config(file)
+
+
+def test_config_reference_lists_every_key_with_its_default():
+    from omegaconf import OmegaConf
+
+    from ignite_mgpu import Config
+
+    def leaves(node, prefix=""):
+        for key, value in node.items():
+            if isinstance(value, dict) and key not in {"args"}:
+                yield from leaves(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    expected = dict(leaves(OmegaConf.to_container(OmegaConf.structured(Config))))
+    keys = {k.name: k for k in config_keys()}
+    assert list(keys) == list(expected)
+    assert keys["data.batch_size"].default == str(expected["data.batch_size"])
+    assert keys["optim.lr"].type == "float" and "learning rate" in keys["optim.lr"].meaning
+    assert all(k.meaning for k in keys.values())
+
+
+def test_exit_codes_page_is_the_table():
+    from ignite_mgpu.errors import EXIT_CODES
+
+    rows = re.findall(r"^\| (\d+) \|", exit_codes_page(), flags=re.M)
+    assert [int(r) for r in rows] == list(EXIT_CODES)
+
+
+def test_slurm_script_is_valid_bash():
+    script = REPO / "examples" / "slurm" / "train.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    assert "--resume auto" in script.read_text() and "#SBATCH --signal=USR1@" in script.read_text()
+
+
+def documented_names(page: str) -> list[str]:
+    """The first column of the tables of a reference page, without backticks."""
+    text = (REPO / "docs" / "reference" / page).read_text()
+    return [m.strip("`") for m in re.findall(r"^\| (`[^`]+`) \|", text, flags=re.M)]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_checkpoints_how_to_and_the_files_it_documents(tmp_path):
+    """One job (trained, inspected, evaluated, reported) checks the how-to's commands, the metrics.jsonl
+    fields and the checkpoint file names of the reference."""
+    import json
+
+    result = run_block(doc_block("checkpoints"), sandbox(tmp_path), timeout=220)
+    run_dir = tmp_path / "runs" / "ckpt"
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [line["epoch"] for line in lines] == [1]
+    assert set(lines[0]) == set(documented_names("metrics.md"))
+    evaluated = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+    assert evaluated["accuracy"] == pytest.approx(lines[0]["val_accuracy"])
+    patterns = [
+        re.escape(n).replace("<iteration>", r"\d+").replace("<epoch>", r"\d+")
+        for n in documented_names("checkpoint-files.md")
+    ]
+    patterns = [p.replace("<metric>", "val_(accuracy|loss)").replace("<score>", r"[0-9.]+") for p in patterns]
+    for path in run_dir.iterdir():
+        assert any(re.fullmatch(p.rstrip("/"), path.name) for p in patterns), f"{path.name} is not documented"
+
+
+def test_troubleshooting_messages_are_what_the_cli_prints(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from ignite_mgpu.cli import main
+    from ignite_mgpu.processes import launcher
+
+    monkeypatch.setattr(launcher, "run_plan", lambda *args, **kwargs: pytest.fail("a job was started"))
+    monkeypatch.chdir(tmp_path)
+    text = (REPO / "docs" / "how-to" / "troubleshooting.md").read_text()
+    rows = re.findall(r"^\| `ignite-mgpu ([^`]+)`[^|]*\| `([^`]+)` \|$", text, flags=re.M)
+    assert len(rows) >= 5
+    for command, message in rows:
+        result = CliRunner().invoke(main, shlex.split(command), catch_exceptions=False)
+        assert result.exit_code == 2 and message in result.output, (command, result.output)
+
+
+def test_checkpoint_files_page_names_every_file_of_the_code():
+    from ignite_mgpu.checkpoint import files
+    from ignite_mgpu.runs import folder
+
+    names = set(documented_names("checkpoint-files.md"))
+    for name in (folder.CONFIG, folder.METRICS, folder.LOCK, folder.REPORT_IMAGE, f"{folder.TENSORBOARD}/"):
+        assert name in names, f"{name} (ignite_mgpu.runs.folder) is missing from docs/reference/checkpoint-files.md"
+    page = (REPO / "docs" / "reference" / "checkpoint-files.md").read_text()
+    for name in (files.METADATA, files.TRAIN_STATE, files.TEMP_PREFIX):
+        assert name in page
