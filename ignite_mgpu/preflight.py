@@ -231,11 +231,12 @@ def prepared(cfg: Config) -> Iterator[LaunchPlan]:
         check_output_dir(cfg)
         warn_restarts_without_checkpoints(cfg)
     plan = make_plan(cfg.dist)
-    check_model_options(cfg, plan)
-    check_datasets(cfg, plan.world_size)
-    if not leader:
-        yield plan
-        return
-    with output_lock(run_dir(cfg)):
-        check_no_foreign_checkpoints(cfg)  # again under the lock: a job may have run there since the first check
-        yield plan
+    with plan.claims:  # the GPUs' claims: released if a check below fails, else when the job ends
+        check_model_options(cfg, plan)
+        check_datasets(cfg, plan.world_size)
+        if not leader:
+            yield plan
+            return
+        with output_lock(run_dir(cfg)):
+            check_no_foreign_checkpoints(cfg)  # again under the lock: a job may have run there since the first check
+            yield plan
