@@ -16,8 +16,8 @@ from ignite_mgpu.config import DistConfig
 from ignite_mgpu.errors import ConfigError, WaitTimedOut
 from ignite_mgpu.processes import claims, gpus
 from ignite_mgpu.processes.claims import GpuClaims
-from ignite_mgpu.processes.gpu_selection import GpuPlan, GpusTaken, parse_gpus, plan_gpus
-from ignite_mgpu.text import format_ids
+from ignite_mgpu.processes.gpu_selection import GpuPlan, GpusTaken, parse_gpus, plan_gpus, used_ids
+from ignite_mgpu.text import format_ids, plural
 
 POLL = 5.0  # seconds between two looks while waiting: a job starts within this long of its GPUs becoming free
 REPORT_EVERY = 60.0  # seconds between two lines saying what a waiting job waits for
@@ -38,7 +38,7 @@ def acquire(cfg: DistConfig, environ: Mapping[str, str], claim: bool = True) -> 
     """
     snapshot = gpus.query_gpus()
     first = plan_gpus(cfg.gpus, snapshot, environ, cfg.nproc)
-    if not claim or cfg.share or not first.physical_ids:
+    if not claim or cfg.share or not used_ids(cfg.gpus, first, snapshot, environ):
         return first, GpuClaims()
     dir_fd = claims.open_dir(claims.claims_dir(environ), create=True)
     assert dir_fd is not None
@@ -51,6 +51,7 @@ def acquire(cfg: DistConfig, environ: Mapping[str, str], claim: bool = True) -> 
 
 
 def _names(snapshot: list[gpus.GpuInfo], ids: list[int] | None) -> list[str]:
+    """The claim names of the GPUs ``ids`` (None: every GPU)."""
     return [claims.claim_name(g.uuid, g.pci_bus_id) for g in snapshot if ids is None or g.index in ids]
 
 
@@ -71,7 +72,7 @@ def _busy(snapshot: list[gpus.GpuInfo], min_free: float) -> dict[int, str]:
         why = []
         if g.n_processes > 0:
             whose = ", ".join(f"pid {p} of {claims.process_user(p) or '?'}" for p in g.pids[:4])
-            processes = f"{g.n_processes} process{'es' if g.n_processes > 1 else ''}"
+            processes = plural(g.n_processes, "process")
             why.append(f"runs {processes} ({whose})" if whose else f"runs {processes}")
         free, total = g.memory_total_mb - g.memory_used_mb, g.memory_total_mb
         if g.memory_total_mb > 0 and g.memory_used_mb >= 0 and free < min_free * total:
@@ -85,7 +86,7 @@ def _claim_now(cfg: DistConfig, snapshot: list[gpus.GpuInfo], environ: Mapping[s
     """No waiting: plan around the claims and claim; a job that claimed in between makes us look again."""
     for _ in range(_RACES):
         plan = plan_gpus(cfg.gpus, snapshot, environ, cfg.nproc, _claimed(snapshot, dir_fd))
-        held = claims.claim(dir_fd, _names(snapshot, plan.physical_ids))
+        held = claims.claim(dir_fd, _names(snapshot, used_ids(cfg.gpus, plan, snapshot, environ)))
         if held is not None:
             return plan, held
     raise ConfigError(
@@ -99,24 +100,25 @@ def _wait_and_claim(
 ) -> tuple[GpuPlan, GpuClaims]:
     """Wait in line (a ticket) until the GPUs are free and the earlier waiters have theirs, then claim them."""
     auto = cfg.gpus is not None and parse_gpus(cfg.gpus)[0] == "auto"
-    needed = len(first.physical_ids or [])
-    ticket = claims.Ticket(dir_fd, None if auto else _names(snapshot, first.physical_ids))
+    wanted = used_ids(cfg.gpus, first, snapshot, environ)
+    ticket = claims.Ticket(dir_fd, None if auto else _names(snapshot, wanted))
     start = time.monotonic()
-    deadline, report = start + (cfg.wait or 0.0), start
+    deadline, report, waited = start + (cfg.wait or 0.0), start, False
     try:
         while True:
-            plan, unavailable = _look(cfg, snapshot, environ, dir_fd, ticket)
-            if plan is not None:
-                held = claims.claim(dir_fd, _names(snapshot, plan.physical_ids))
-                if held is None:
-                    continue  # another job claimed them a moment ago: look again at once
-                if (waited := time.monotonic() - start) >= 1:
-                    _say(f"waited {_duration(waited)}; claimed GPU {format_ids(plan.physical_ids or [])}.")
+            plan, unavailable, ahead = _look(cfg, snapshot, environ, dir_fd, ticket)
+            ids = [] if plan is None else used_ids(cfg.gpus, plan, snapshot, environ)
+            held = None if plan is None else claims.claim(dir_fd, _names(snapshot, ids))
+            if plan is not None and held is not None:  # None: another job claimed them a moment ago
+                if waited:
+                    _say(f"waited {_duration(time.monotonic() - start)}; claimed GPU {format_ids(ids)}.")
                 return plan, held
             now = time.monotonic()
             what = f"--gpus {cfg.gpus}" if cfg.gpus is not None else "the GPUs CUDA_VISIBLE_DEVICES shows"
-            reasons = _reasons(unavailable, None if auto else first.physical_ids)
-            free_gpus = f"{needed} free GPU{'s' * (needed != 1)}"
+            reasons = _reasons(unavailable, None if auto else wanted)
+            if ahead:
+                reasons += f"; in line before it: {', '.join(who.describe() for who in ahead)}"
+            free_gpus = plural(len(wanted), "free GPU")
             if now >= deadline:
                 raise WaitTimedOut(
                     f"--wait {cfg.wait:g}: {what} did not find {free_gpus} within {_duration(cfg.wait or 0)}: "
@@ -128,34 +130,28 @@ def _wait_and_claim(
                 _say(f"waiting for {free_gpus} ({what}; {left}): {reasons}.")
                 report = now + REPORT_EVERY
             time.sleep(max(0.0, min(POLL, deadline - now, report - now)))
-            snapshot = gpus.query_gpus()
+            snapshot, waited = gpus.query_gpus(), True
     finally:
         ticket.close()
 
 
 def _look(
     cfg: DistConfig, snapshot: list[gpus.GpuInfo], environ: Mapping[str, str], dir_fd: int, ticket: claims.Ticket
-) -> tuple[GpuPlan | None, dict[int, str]]:
+) -> tuple[GpuPlan | None, dict[int, str], list[claims.Holder]]:
     """One look while waiting: the plan if its GPUs are free now and no earlier waiter comes first (else None),
-    and why each GPU that is not free is not."""
+    why each GPU that is not free is not, and the earlier waiters."""
     unavailable = {**_busy(snapshot, cfg.min_free_memory), **_claimed(snapshot, dir_fd)}
-    if not _earlier_waiters(ticket, snapshot, unavailable):
-        return None, unavailable
-    try:
-        return plan_gpus(cfg.gpus, snapshot, environ, cfg.nproc, unavailable), unavailable
-    except GpusTaken:
-        return None, unavailable
-
-
-def _earlier_waiters(ticket: claims.Ticket, snapshot: list[gpus.GpuInfo], unavailable: dict[int, str]) -> bool:
-    """Mark the GPUs that earlier waiting jobs wait for as theirs; False when one of them waits for any GPU."""
-    first_in_line = True
-    for who, wants in ticket.ahead():
+    ahead = ticket.ahead()
+    for _, wants in ahead:  # an earlier waiter's GPUs are its own, every GPU when it takes any (auto)
         for g in snapshot:
             if wants is None or claims.claim_name(g.uuid, g.pci_bus_id) in wants:
-                unavailable.setdefault(g.index, f"is waited for by an earlier job, {who.describe()}")
-        first_in_line = first_in_line and wants is not None
-    return first_in_line
+                unavailable.setdefault(g.index, "is waited for by an earlier job")
+    if any(wants is None for _, wants in ahead):
+        return None, unavailable, [who for who, _ in ahead]
+    try:
+        return plan_gpus(cfg.gpus, snapshot, environ, cfg.nproc, unavailable), unavailable, [who for who, _ in ahead]
+    except GpusTaken:
+        return None, unavailable, [who for who, _ in ahead]
 
 
 def _reasons(unavailable: dict[int, str], ids: list[int] | None) -> str:
@@ -164,12 +160,14 @@ def _reasons(unavailable: dict[int, str], ids: list[int] | None) -> str:
 
 
 def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds} s"
-    if seconds < 3600:
-        return f"{seconds // 60} min {seconds % 60} s"
-    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
+    if seconds < 10:
+        return f"{seconds:.1f}".rstrip("0").rstrip(".") + " s"
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole} s"
+    if whole < 3600:
+        return f"{whole // 60} min" + (f" {whole % 60} s" if whole % 60 else "")
+    return f"{whole // 3600} h" + (f" {whole % 3600 // 60} min" if whole % 3600 // 60 else "")
 
 
 def _say(line: str) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.processes.gpus import GpuInfo
-from ignite_mgpu.text import format_ids
+from ignite_mgpu.text import format_ids, plural
 
 _GRAMMAR = "all, none, auto (1 GPU), auto:N (N >= 1), or comma-separated physical GPU ids as nvidia-smi shows them"
 # GeForce RTX 40xx cards advertise PCIe peer-to-peer that hangs or corrupts NCCL collectives.
@@ -125,7 +125,9 @@ def plan_gpus(
     unavailable = unavailable or {}
     if spec is None:
         found = _as_exported(gpus, environ)
-        _refuse_taken("--gpus not given: the GPUs this job would use", found.physical_ids or [], gpus, unavailable)
+        _refuse_taken(
+            "--gpus not given: the GPUs this job would use", used_ids(None, found, gpus, environ), gpus, unavailable
+        )
         return found
     selected = _select(spec, gpus, nproc, messages, unavailable)
     wanted = "" if selected is None else ",".join(map(str, selected))
@@ -151,6 +153,16 @@ def plan_gpus(
     env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": wanted}
     env.update(_nccl_env([g for g in gpus if g.index in selected], environ, messages))
     return GpuPlan(selected, env, messages)
+
+
+def used_ids(spec: str | None, plan: GpuPlan, gpus: list[GpuInfo], environ: Mapping[str, str]) -> list[int]:
+    """The physical GPUs a job on ``plan`` uses, which it claims: the plan's; without ``--gpus``, those that
+    CUDA_VISIBLE_DEVICES names, by id or by GPU-<uuid> (a prefix, as CUDA reads it; MIG instances are not mapped)."""
+    if spec is not None or visible_ids(gpus, environ) is not None:
+        return plan.physical_ids or []
+    listed = [p.strip().lower() for p in environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    named = [p for p in listed if p.startswith("gpu-")]
+    return [g.index for g in gpus if g.uuid and any(g.uuid.lower().startswith(p) for p in named)]
 
 
 def _as_exported(gpus: list[GpuInfo], environ: Mapping[str, str]) -> GpuPlan:
@@ -221,7 +233,8 @@ def _choose(
         reasons = "; ".join(f"GPU {g.index} {unavailable[g.index]}" for g in whole if g.index in unavailable)
         ways = f"Ask for fewer (--gpus auto:{len(left)}), wait" if left else "Wait"
         raise GpusTaken(
-            f"--gpus {spec} needs {count} GPUs that no other job has, but {len(left)} of the {len(whole)} are left: "
+            f"--gpus {spec} needs {plural(count, 'GPU')} that no other job has, but {len(left)} of the {len(whole)} "
+            f"{'is' if len(left) == 1 else 'are'} left: "
             f"{reasons}. {ways} for them with --wait [SECONDS], or run beside the other jobs on purpose with --share."
         )
     ranked = sorted(left, key=_rank)
