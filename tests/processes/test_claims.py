@@ -28,7 +28,7 @@ from ignite_mgpu.errors import WAIT_TIMEOUT, ConfigError, WaitTimedOut
 from ignite_mgpu.processes import acquire, claims, gpus, launcher
 from ignite_mgpu.processes.gpu_selection import GpusTaken
 from ignite_mgpu.processes.plan import make_plan
-from tests.conftest import REPO
+from tests.conftest import REPO, run_cli
 
 FAKE = REPO / "tests" / "fake_gpus"
 CLAIMER = Path(__file__).with_name("claimer.py")
@@ -218,6 +218,23 @@ def test_the_wait_times_out_with_its_own_exit_code_and_one_paragraph(fake_gpus, 
         r"--share\.\n$",
         result.output,
     ), result.output
+
+
+@pytest.mark.timeout(120)
+def test_the_real_command_waits_then_ends_with_exit_code_4(fake_gpus, jobs, tmp_path):
+    holder = jobs("--gpus", "2", "--hold")
+    assert holder.line()["gpus"] == [2]
+    result = run_cli(["train", "--gpus", "2", "--output-dir", str(tmp_path / "run"), "--wait", "0.5"], tmp_path)
+    assert result.returncode == 4, result.stderr[-3000:]
+    waiting = (
+        r"^ignite-mgpu: waiting for 1 free GPU \(--gpus 2; 0.5 s left\): GPU 2 is claimed by \S+ \(pid "
+        rf"{holder.proc.pid}, `claimer.py --gpus 2 --hold`, since "
+    )
+    assert re.search(waiting, result.stderr, re.M), result.stderr
+    assert (
+        "ignite-mgpu: error: --wait 0.5: --gpus 2 did not find 1 free GPU within 0.5 s: GPU 2 is claimed"
+        in result.stderr
+    )
 
 
 def test_a_gpu_claimed_by_another_job_is_refused_naming_the_holder_and_the_fixes(fake_gpus, tmp_path):
