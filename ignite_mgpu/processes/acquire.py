@@ -82,7 +82,9 @@ def _busy(snapshot: list[gpus.GpuInfo], min_free: float) -> dict[int, str]:
     return found
 
 
-def _claim_now(cfg: DistConfig, snapshot: list[gpus.GpuInfo], environ: Mapping[str, str], dir_fd: int):
+def _claim_now(
+    cfg: DistConfig, snapshot: list[gpus.GpuInfo], environ: Mapping[str, str], dir_fd: int
+) -> tuple[GpuPlan, GpuClaims]:
     """No waiting: plan around the claims and claim; a job that claimed in between makes us look again."""
     for _ in range(_RACES):
         plan = plan_gpus(cfg.gpus, snapshot, environ, cfg.nproc, _claimed(snapshot, dir_fd))
@@ -114,7 +116,7 @@ def _wait_and_claim(
                     _say(f"waited {_duration(time.monotonic() - start)}; claimed GPU {format_ids(ids)}.")
                 return plan, held
             now = time.monotonic()
-            what = f"--gpus {cfg.gpus}" if cfg.gpus is not None else "the GPUs CUDA_VISIBLE_DEVICES shows"
+            what = f"--gpus {cfg.gpus}" if cfg.gpus is not None else "the GPUs this job sees (no --gpus)"
             reasons = _reasons(unavailable, None if auto else wanted)
             if ahead:
                 reasons += f"; in line before it: {', '.join(who.describe() for who in ahead)}"

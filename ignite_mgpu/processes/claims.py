@@ -105,14 +105,12 @@ def _holder_from(data: dict | None, owner: int) -> Holder:
     if data is None:
         return Holder(user_name(owner), problem="its holder file is unreadable")
     pid, command, since = data.get("pid"), data.get("command"), data.get("since")
-    good_since = type(since) in (int, float) and 0 < since < 1e11  # type: ignore[operator]  # a number: checked
-    return Holder(
-        user_name(owner),
-        pid if type(pid) is int and 0 < pid < 2**31 else None,
-        printable(command) if isinstance(command, str) else "",
-        float(since) if good_since else None,  # type: ignore[arg-type]  # a number: checked
-        known=True,
-    )
+    if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:
+        pid = None
+    if not isinstance(since, (int, float)) or isinstance(since, bool) or not 0 < since < 1e11:  # nan, 1e300
+        since = None
+    text = printable(command) if isinstance(command, str) else ""
+    return Holder(user_name(owner), pid, text, None if since is None else float(since), known=True)
 
 
 def holders(dir_fd: int | None, names: Iterable[str]) -> dict[str, Holder]:
@@ -280,7 +278,7 @@ class Ticket:
     def _remove_stale(self) -> None:
         """Tickets of this user's waits that ended without removing theirs (killed): unlocked, so dead."""
         for entry in shared_dir.entries(self.dir_fd):
-            m = _TICKET.fullmatch(entry)
+            m = _TICKET.fullmatch(entry.removeprefix("tmp-"))  # tmp-: killed before it was renamed
             if not m or int(m[3]) != os.geteuid() or entry == self.name:
                 continue
             opened = shared_dir.open_file(self.dir_fd, entry)

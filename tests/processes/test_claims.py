@@ -257,6 +257,22 @@ def test_a_gpu_claimed_by_another_job_is_refused_naming_the_holder_and_the_fixes
         assert shared.exit_code == 2 and "PyTorch sees no CUDA device" in shared.output, shared.output
 
 
+def test_a_job_that_keeps_losing_the_race_and_a_file_system_without_flock_say_so(fake_gpus, monkeypatch):
+    import fcntl
+
+    with monkeypatch.context() as patched:
+        patched.setattr(claims, "claim", lambda dir_fd, names: None)  # another job wins every time
+        with pytest.raises(ConfigError, match=r"^--gpus auto:2: other jobs kept claiming the GPUs this job chose, 20 "):
+            acquire.acquire(DistConfig(gpus="auto:2"), os.environ)
+
+    def no_flock(fd, operation):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    with pytest.raises(ConfigError, match=r"^cannot lock GPU claims in .* \(No locks available\): its file system has"):
+        acquire.acquire(DistConfig(gpus="2"), os.environ)
+
+
 def test_auto_skips_gpus_that_other_jobs_claim(fake_gpus):
     with hold_here(2):
         plan, held = acquire.acquire(DistConfig(gpus="auto:2"), os.environ)
