@@ -20,7 +20,7 @@ from ignite_mgpu.processes.gpu_selection import GpuPlan, GpusTaken, parse_gpus, 
 from ignite_mgpu.text import format_ids, plural
 
 POLL = 5.0  # seconds between two looks while waiting: a job starts within this long of its GPUs becoming free
-REPORT_EVERY = 60.0  # seconds between two lines saying what a waiting job waits for
+STATUS_EVERY = 60.0  # seconds between two lines saying what a waiting job waits for
 _RACES = 20  # another job claimed between our look and our lock: look again, at most this often
 
 
@@ -105,7 +105,7 @@ def _wait_and_claim(
     wanted = used_ids(cfg.gpus, first, snapshot, environ)
     ticket = claims.Ticket(dir_fd, None if auto else _names(snapshot, wanted))
     start = time.monotonic()
-    deadline, report, waited = start + (cfg.wait or 0.0), start, False
+    deadline, next_status, waited = start + (cfg.wait or 0.0), start, False
     try:
         while True:
             plan, unavailable, ahead = _look(cfg, snapshot, environ, dir_fd, ticket)
@@ -127,11 +127,11 @@ def _wait_and_claim(
                     f"{reasons}. Nothing was started. Wait longer (--wait alone waits without a limit), ask for "
                     "other GPUs, or run beside the other jobs on purpose with --share."
                 )
-            if now >= report:
+            if now >= next_status:
                 left = "no time limit" if deadline == float("inf") else f"{_duration(deadline - now)} left"
                 _say(f"waiting for {free_gpus} ({what}; {left}): {reasons}.")
-                report = now + REPORT_EVERY
-            time.sleep(max(0.0, min(POLL, deadline - now, report - now)))
+                next_status = now + STATUS_EVERY
+            time.sleep(max(0.0, min(POLL, deadline - now, next_status - now)))
             snapshot, waited = gpus.query_gpus(), True
     finally:
         ticket.close()
