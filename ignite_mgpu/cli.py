@@ -27,6 +27,8 @@ FLAGS = {
     "timeout": "dist.timeout",
     "cpu_binding": "dist.cpu_binding",
     "max_restarts": "dist.max_restarts",
+    "share": "dist.share",
+    "wait": "dist.wait",
     "output_dir": "output_dir",
     "resume": "resume",
     "seed": "seed",
@@ -36,6 +38,22 @@ FLAGS = {
 def _fail(message: str, code: int = 2) -> NoReturn:
     click.echo(f"ignite-mgpu: error: {message}", err=True)
     sys.exit(code)
+
+
+def _seconds(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    """--wait's value: seconds, or inf for no limit (the flag alone)."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise click.BadParameter(
+            f"{value!r} is not a number of seconds > 0. Give --wait alone (no limit) or --wait SECONDS, and put it "
+            "after the key=value overrides or before another flag."
+        )
+    return seconds
 
 
 def dist_options(fn: Any) -> Any:
@@ -62,6 +80,15 @@ def dist_options(fn: Any) -> Any:
             type=click.Choice(CPU_BINDINGS),
             help="Bind each process to its CPUs: cores (its own share), numa (its GPU's node), auto [none].",
         ),
+        click.option(
+            "--wait",
+            is_flag=False,
+            flag_value="inf",
+            callback=_seconds,
+            metavar="[SECONDS]",
+            help="Wait (up to SECONDS; alone: no limit) until the GPUs are free, in line with other waiting jobs.",
+        ),
+        click.option("--share", is_flag=True, default=None, help="Run on GPUs that other jobs claim, and claim none."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -186,11 +213,13 @@ def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | Non
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def devices(as_json: bool) -> None:
-    """List every GPU: physical id, PCI bus, memory, utilisation, processes, and its CUDA index here."""
+    """List every GPU: physical id, PCI bus, memory, utilisation, processes and their users, the job that claims
+    it, and its CUDA index here."""
     from ignite_mgpu.processes import gpus
-    from ignite_mgpu.processes.devices import format_devices
+    from ignite_mgpu.processes.devices import format_devices, who_has
 
-    click.echo(format_devices(gpus.query_gpus(), os.environ, as_json=as_json))
+    snapshot = gpus.query_gpus()
+    click.echo(format_devices(snapshot, os.environ, as_json=as_json, claims=who_has(snapshot, os.environ)))
 
 
 @main.command()

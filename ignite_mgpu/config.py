@@ -123,6 +123,9 @@ class DistConfig:
     cpu_binding: CpuBinding = "none"  # CPUs and threads of each process (processes/binding.py)
     max_restarts: int = 0  # restart the processes after a curable failure, from the newest complete checkpoint
     preempt_signal: str | None = "SIGUSR1"  # SLURM's time-limit warning: checkpoint, requeue the job, exit (null: off)
+    share: bool = False  # run on GPUs that other jobs claim, and claim none (processes/claims.py)
+    wait: float | None = None  # seconds to wait until the GPUs are free (.inf: no limit); null: refuse at once
+    min_free_memory: float = 0.9  # with wait: a GPU is free when this share of its memory is (and nobody has it)
 
 
 @dataclass
@@ -316,6 +319,14 @@ def _check_dist(dist: DistConfig) -> None:
         "use 0 (a failed rank ends the job) or a number of restarts, e.g. --max-restarts 3",
     )
     _check_preempt_signal(dist.preempt_signal)
+    wait = dist.wait
+    _check(wait is None or wait > 0, "dist.wait", wait, "use seconds > 0, .inf (no limit) or null (do not wait)")
+    free = dist.min_free_memory
+    _check(0 <= free <= 1, "dist.min_free_memory", free, "use a share of the GPU's memory from 0 to 1, e.g. 0.9")
+    if dist.share and wait is not None:
+        raise ConfigError(
+            "--share runs beside the other jobs' claims and --wait waits for them to end: choose one of the two."
+        )
     if dist.max_restarts and dist.nnodes > 1:
         raise ConfigError(
             f"--max-restarts {dist.max_restarts} with --nnodes {dist.nnodes}: each node's launcher would restart "

@@ -11,11 +11,12 @@ EXIT_CODES = {
     1: "a rank failed (or the checkpoint named by --resume is corrupt)",
     2: "usage or config error, found before anything started",
     3: "training diverged (non-finite loss)",
+    4: "--wait ran out before the GPUs were free (nothing started)",
     130: "SIGINT (Ctrl-C)",
     138: "SIGUSR1, pre-emption (dist.preempt_signal; 128 + its number): checkpointed, SLURM job requeued",
     143: "SIGTERM",
 }
-SUCCESS, FAILED, USAGE, DIVERGED = 0, 1, 2, 3
+SUCCESS, FAILED, USAGE, DIVERGED, WAIT_TIMEOUT = 0, 1, 2, 3, 4
 
 
 def exit_codes_text() -> str:
@@ -37,6 +38,12 @@ class ConfigError(ValueError):
     def __init__(self, message: str, detail: str = "") -> None:
         super().__init__(message)
         self.detail = detail
+
+
+class WaitTimedOut(ConfigError):
+    """``--wait`` ran out before the GPUs were free: as with a refused config nothing started, one paragraph."""
+
+    exit_code = WAIT_TIMEOUT
 
 
 class CheckpointError(RuntimeError):

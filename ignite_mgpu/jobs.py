@@ -34,7 +34,8 @@ def fit(cfg: Config | None = None) -> int:
 
     Returns:
         0 on success; 2 (the reason printed as one paragraph on stderr) when a check fails, 1 for a corrupt
-        ``resume`` file; otherwise the job's code: 1 a rank failed, 3 diverged, 130/143 stopped by a signal.
+        ``resume`` file, 4 when ``dist.wait`` ran out before the GPUs were free; otherwise the job's code: 1 a rank
+        failed, 3 diverged, 130/143 stopped by a signal.
     """
     cfg = cfg if cfg is not None else Config()
     try:

@@ -221,8 +221,12 @@ def checked_plan(cfg: Config) -> LaunchPlan:
     """The launch plan, and the checks that need it: the model options its device allows, the datasets over its
     processes. ``train`` and ``evaluate`` both run them, after ``check_job``."""
     plan = make_plan(cfg.dist)
-    check_model_options(cfg, plan)
-    check_datasets(cfg, plan.world_size)
+    try:
+        check_model_options(cfg, plan)
+        check_datasets(cfg, plan.world_size)
+    except BaseException:
+        plan.claims.close()  # the GPUs this plan claimed go back at once
+        raise
     return plan
 
 
@@ -240,9 +244,10 @@ def prepared(cfg: Config) -> Iterator[LaunchPlan]:
         check_output_dir(cfg)
         warn_restarts_without_checkpoints(cfg)
     plan = checked_plan(cfg)
-    if not leader:
-        yield plan
-        return
-    with output_lock(run_dir(cfg)):
-        check_no_foreign_checkpoints(cfg)  # again under the lock: a job may have run there since the first check
-        yield plan
+    with plan.claims:  # the GPUs' claims, held while the job runs
+        if not leader:
+            yield plan
+            return
+        with output_lock(run_dir(cfg)):
+            check_no_foreign_checkpoints(cfg)  # again under the lock: a job may have run there since the first check
+            yield plan

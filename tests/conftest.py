@@ -43,6 +43,13 @@ def _no_leaked_environment():
         pytest.fail(f"the test changed os.environ without monkeypatch: {leaked}")
 
 
+@pytest.fixture(autouse=True)
+def _private_claims_dir(_no_leaked_environment, tmp_path_factory, monkeypatch):
+    """GPU claims (processes/claims.py) in a folder of the test's own, never the machine's shared one; the test's
+    child processes inherit it."""
+    monkeypatch.setenv("IGNITE_MGPU_CLAIMS_DIR", str(tmp_path_factory.mktemp("claims")))
+
+
 def _dirs_without_nvidia_smi(path: str) -> str:
     return os.pathsep.join(d for d in path.split(os.pathsep) if d and not (Path(d) / "nvidia-smi").exists())
 

@@ -16,11 +16,15 @@ from dataclasses import dataclass
 
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.processes.gpus import GpuInfo
-from ignite_mgpu.text import format_ids
+from ignite_mgpu.text import format_ids, plural
 
 _GRAMMAR = "all, none, auto (1 GPU), auto:N (N >= 1), or comma-separated physical GPU ids as nvidia-smi shows them"
 # GeForce RTX 40xx cards advertise PCIe peer-to-peer that hangs or corrupts NCCL collectives.
 _P2P_BROKEN = re.compile(r"RTX\s*40\d\d")
+
+
+class GpusTaken(ConfigError):
+    """The GPUs asked for are claimed by other jobs (or, while waiting, not free): ``--wait`` waits this one out."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,13 @@ def visible_ids(gpus: list[GpuInfo], environ: Mapping[str, str]) -> list[int] | 
     return visible
 
 
-def plan_gpus(spec: str | None, gpus: list[GpuInfo], environ: Mapping[str, str], nproc: int | None = None) -> GpuPlan:
+def plan_gpus(
+    spec: str | None,
+    gpus: list[GpuInfo],
+    environ: Mapping[str, str],
+    nproc: int | None = None,
+    unavailable: Mapping[int, str] | None = None,
+) -> GpuPlan:
     """Turn ``--gpus`` plus a device snapshot into the physical GPUs to use and the env that selects them.
 
     Several GeForce RTX 40xx cards also get NCCL_P2P_DISABLE=1 and NCCL_IB_DISABLE=1 unless environ sets them.
@@ -103,15 +113,23 @@ def plan_gpus(spec: str | None, gpus: list[GpuInfo], environ: Mapping[str, str],
         environ: the launcher's environment (read only).
         nproc: ``--nproc``; with ``--gpus`` it must not exceed the selected GPUs (one GPU per process). Without
             ``--gpus`` it is not checked here: only the launcher knows whether the backend needs a GPU per process.
+        unavailable: physical id -> why another job has it ("is claimed by alice (...)"): ``auto`` skips these,
+            naming one of them is refused.
 
     Raises:
+        GpusTaken: too few GPUs left by ``unavailable``, or one of them named.
         ConfigError: bad spec, unknown ids, no GPUs, too few GPUs, or a conflicting CUDA_VISIBLE_DEVICES.
     """
     messages: list[str] = []
     exported = environ.get("CUDA_VISIBLE_DEVICES")
+    unavailable = unavailable or {}
     if spec is None:
-        return _as_exported(gpus, environ)
-    selected = _select(spec, gpus, nproc, messages)
+        found = _as_exported(gpus, environ)
+        _refuse_taken(
+            "--gpus not given: the GPUs this job would use", used_ids(None, found, gpus, environ), gpus, unavailable
+        )
+        return found
+    selected = _select(spec, gpus, nproc, messages, unavailable)
     wanted = "" if selected is None else ",".join(map(str, selected))
     if exported is not None and [p.strip() for p in exported.split(",")] != wanted.split(","):
         raise ConfigError(
@@ -137,6 +155,16 @@ def plan_gpus(spec: str | None, gpus: list[GpuInfo], environ: Mapping[str, str],
     return GpuPlan(selected, env, messages)
 
 
+def used_ids(spec: str | None, plan: GpuPlan, gpus: list[GpuInfo], environ: Mapping[str, str]) -> list[int]:
+    """The physical GPUs a job on ``plan`` uses, which it claims: the plan's; without ``--gpus``, those that
+    CUDA_VISIBLE_DEVICES names, by id or by GPU-<uuid> (a prefix, as CUDA reads it; MIG instances are not mapped)."""
+    if spec is not None or visible_ids(gpus, environ) is not None:
+        return plan.physical_ids or []
+    listed = [p.strip().lower() for p in environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    named = [p for p in listed if p.startswith("gpu-")]
+    return [g.index for g in gpus if g.uuid and any(g.uuid.lower().startswith(p) for p in named)]
+
+
 def _as_exported(gpus: list[GpuInfo], environ: Mapping[str, str]) -> GpuPlan:
     """Without ``--gpus``: the GPUs CUDA_VISIBLE_DEVICES shows (every GPU when it is not set)."""
     messages: list[str] = []
@@ -150,7 +178,9 @@ def _as_exported(gpus: list[GpuInfo], environ: Mapping[str, str]) -> GpuPlan:
     return GpuPlan(visible, _nccl_env([g for g in gpus if g.index in visible], environ, messages), messages)
 
 
-def _select(spec: str, gpus: list[GpuInfo], nproc: int | None, messages: list[str]) -> list[int] | None:
+def _select(
+    spec: str, gpus: list[GpuInfo], nproc: int | None, messages: list[str], unavailable: Mapping[int, str]
+) -> list[int] | None:
     """The physical ids ``spec`` selects (None: ``none``, the CPU); ``auto`` adds the line saying what it chose."""
     kind, arg = parse_gpus(spec)
     if kind == "none":
@@ -170,15 +200,25 @@ def _select(spec: str, gpus: list[GpuInfo], nproc: int | None, messages: list[st
                 "(physical ids as nvidia-smi shows them). Pick ids from `ignite-mgpu devices`."
             )
         _refuse_mig(spec, [g for g in gpus if g.index in arg])
+        _refuse_taken(f"--gpus {spec}", arg, gpus, unavailable)
         return arg
     if kind == "all":
         _refuse_mig(spec, gpus)
+        _refuse_taken(f"--gpus {spec}", [g.index for g in gpus], gpus, unavailable)
         return [g.index for g in gpus]
-    return _choose(spec, gpus, arg if isinstance(arg, int) else None, nproc, messages)
+    return _choose(spec, gpus, arg if isinstance(arg, int) else None, nproc, messages, unavailable)
 
 
-def _choose(spec: str, gpus: list[GpuInfo], count: int | None, nproc: int | None, messages: list[str]) -> list[int]:
-    """``auto`` / ``auto:N``: the idlest cards not in MIG mode (``_rank``), and a line naming the chosen and skipped."""
+def _choose(
+    spec: str,
+    gpus: list[GpuInfo],
+    count: int | None,
+    nproc: int | None,
+    messages: list[str],
+    unavailable: Mapping[int, str],
+) -> list[int]:
+    """``auto`` / ``auto:N``: the idlest cards not in MIG mode (``_rank``) that no other job has, and a line naming
+    the chosen and skipped."""
     whole = [g for g in gpus if not g.mig]  # a MIG card's memory and load are the whole card's, not a slice's
     count = count if count is not None else min(nproc or 1, len(whole))
     if count > len(whole):
@@ -189,13 +229,35 @@ def _choose(spec: str, gpus: list[GpuInfo], count: int | None, nproc: int | None
             f"(GPUs {format_ids([g.index for g in gpus])}); ask for at most {len(whole)} or "
             f"{'name the ids of cards not in MIG mode' if mig else 'use --gpus all'}."
         )
-    ranked = sorted(whole, key=_rank)
+    if count > len(left := [g for g in whole if g.index not in unavailable]):
+        reasons = "; ".join(f"GPU {g.index} {unavailable[g.index]}" for g in whole if g.index in unavailable)
+        ways = f"Ask for fewer (--gpus auto:{len(left)}), wait" if left else "Wait"
+        raise GpusTaken(
+            f"--gpus {spec} needs {plural(count, 'GPU')} that no other job has, but {len(left)} of the {len(whole)} "
+            f"{'is' if len(left) == 1 else 'are'} left: "
+            f"{reasons}. {ways} for them with --wait [SECONDS], or run beside the other jobs on purpose with --share."
+        )
+    ranked = sorted(left, key=_rank)
     chosen, skipped = ranked[:count], ranked[count:]
     line = f"--gpus {spec} chose {', '.join(_describe(g) for g in chosen)}"
     messages.append(line + (f"; skipped {', '.join(_describe(g) for g in skipped)}." if skipped else "."))
     if busy := [g for g in chosen if g.n_processes > 0]:
         messages.append(f"Not enough idle GPUs: GPU {format_ids([g.index for g in busy])} already runs other work.")
     return sorted(g.index for g in chosen)
+
+
+def _refuse_taken(what: str, ids: list[int], gpus: list[GpuInfo], unavailable: Mapping[int, str]) -> None:
+    """Naming a GPU that another job has is refused with who has it and the three ways out."""
+    taken = [i for i in ids if i in unavailable]
+    if not taken:
+        return
+    others = [g.index for g in gpus if g.index not in unavailable and g.index not in ids]
+    hint = f" (GPU {format_ids(others)} {'is' if len(others) == 1 else 'are'} not taken)" if others else ""
+    them = "it" if len(taken) == 1 else "them"
+    raise GpusTaken(
+        f"{what}: {'; '.join(f'GPU {i} {unavailable[i]}' for i in taken)}. Choose other GPUs with --gpus{hint}, "
+        f"wait for {them} with --wait [SECONDS], or run beside the other job on purpose with --share."
+    )
 
 
 def _refuse_mig(spec: str, selected: list[GpuInfo]) -> None:

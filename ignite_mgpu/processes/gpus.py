@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import re
 import subprocess
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 _QUERY_GPUS = "--query-gpu=index,pci.bus_id,name,memory.used,memory.total,utilization.gpu"
-_GPU_ARGV = ["nvidia-smi", _QUERY_GPUS + ",mig.mode.current", "--format=csv,noheader,nounits"]
-_GPU_ARGV_NO_MIG = ["nvidia-smi", _QUERY_GPUS, "--format=csv,noheader,nounits"]  # drivers that predate MIG
+# The UUID comes last, where a recording without it (older answers) leaves the other columns as they were.
+_GPU_ARGV = ["nvidia-smi", _QUERY_GPUS + ",mig.mode.current,uuid", "--format=csv,noheader,nounits"]
+_GPU_ARGV_NO_MIG = ["nvidia-smi", _QUERY_GPUS + ",uuid", "--format=csv,noheader,nounits"]  # drivers before MIG
 _APPS_ARGV = ["nvidia-smi", "--query-compute-apps=gpu_bus_id,pid", "--format=csv,noheader"]
 
 
@@ -28,6 +28,8 @@ class GpuInfo:
     utilization: int  # percent, -1 if unknown
     n_processes: int  # compute processes on it, -1 if unknown
     mig: bool = False  # in MIG mode: CUDA sees its MIG instances (nvidia-smi -L), not the card
+    uuid: str = ""  # "GPU-8a0e..." (claims.py names the GPU by it); "" if unknown
+    pids: tuple[int, ...] = ()  # its compute processes, as far as listed
 
 
 def _bus(bus_id: str) -> str:
@@ -61,17 +63,26 @@ def _query_nvml() -> list[GpuInfo] | None:
         return value.decode() if isinstance(value, bytes) else value
 
     mig_mode = getattr(pynvml, "nvmlDeviceGetMigMode", None)  # absent from old pynvml releases
+    uuid_of = getattr(pynvml, "nvmlDeviceGetUUID", lambda handle: "")
     try:
         gpus = []
         for i in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)  # NVML enumerates in PCI bus order, like nvidia-smi
             mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
             util = optional(lambda h: pynvml.nvmlDeviceGetUtilizationRates(h).gpu, handle)
-            n_proc = optional(lambda h: len(pynvml.nvmlDeviceGetComputeRunningProcesses(h)), handle)
+            try:
+                running = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                n_proc, pids = len(running), tuple(p.pid for p in running if isinstance(getattr(p, "pid", None), int))
+            except pynvml.NVMLError:
+                n_proc, pids = -1, ()
             bus = _bus(text(pynvml.nvmlDeviceGetPciInfo(handle).busId))
             name = text(pynvml.nvmlDeviceGetName(handle))
             mig = mig_mode is not None and optional(lambda h: mig_mode(h)[0], handle) == 1  # (current, pending)
-            gpus.append(GpuInfo(i, bus, name, mem.used // 2**20, mem.total // 2**20, util, n_proc, mig))
+            try:
+                uuid = text(uuid_of(handle))
+            except pynvml.NVMLError:
+                uuid = ""
+            gpus.append(GpuInfo(i, bus, name, mem.used // 2**20, mem.total // 2**20, util, n_proc, mig, uuid, pids))
         return gpus
     except pynvml.NVMLError:
         return None
@@ -100,22 +111,35 @@ def query_gpus(run: Callable[[list[str]], str] | None = None) -> list[GpuInfo]:
             gpu_text, with_mig = run(_GPU_ARGV_NO_MIG), False
         except (OSError, subprocess.SubprocessError):
             return []
-    try:  # one line per compute process: "00000000:07:00.0, 23817"
-        apps = run(_APPS_ARGV).splitlines()
-        procs: Counter[str] | None = Counter(_bus(line.split(",")[0]) for line in apps if "," in line)
-    except (OSError, subprocess.SubprocessError):
-        procs = None
+    procs = _compute_apps(run)
     gpus = []
     for line in gpu_text.splitlines():
         parts = [p.strip() for p in line.split(",")]
+        uuid = parts.pop() if len(parts) >= 7 and parts[-1].startswith(("GPU-", "gpu-")) else ""
         mig = with_mig and len(parts) >= 7 and parts.pop().lower() == "enabled"
         if len(parts) < 6 or not parts[0].isdigit():
             continue  # e.g. "No devices were found"
         bus = _bus(parts[1])
         used, total, util = (int(p) if p.isdigit() else -1 for p in parts[-3:])  # "[N/A]" -> -1
-        n_proc = -1 if procs is None else procs[bus]
-        gpus.append(GpuInfo(int(parts[0]), bus, ", ".join(parts[2:-3]), used, total, util, n_proc, mig))
+        listed = [] if procs is None else procs.get(bus, [])
+        pids, n_proc = tuple(p for p in listed if p > 0), -1 if procs is None else len(listed)
+        name = ", ".join(parts[2:-3])
+        gpus.append(GpuInfo(int(parts[0]), bus, name, used, total, util, n_proc, mig, uuid, pids))
     return sorted(gpus, key=lambda g: g.index)
+
+
+def _compute_apps(run: Callable[[list[str]], str]) -> dict[str, list[int]] | None:
+    """Each GPU's compute processes by bus id, from lines such as "00000000:07:00.0, 23817"; None if unknown."""
+    try:
+        apps = run(_APPS_ARGV).splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    procs: dict[str, list[int]] = {}
+    for line in apps:
+        bus, sep, pid = line.partition(",")
+        if sep:
+            procs.setdefault(_bus(bus), []).append(int(pid) if pid.strip().isdigit() else -1)
+    return procs
 
 
 def query_numa_affinity(run: Callable[[list[str]], str] | None = None) -> dict[int, int | None]:

@@ -26,8 +26,14 @@ def run_plan(
     """Run ``fn(local_rank, *args)`` as the plan says; returns the job's exit code (errors.EXIT_CODES).
 
     ``restart(k)`` gives the arguments of restart k (``plan.max_restarts``; without it ``fn`` runs again with
-    ``args``). After a stop on the pre-emption signal, global rank 0 requeues the SLURM job.
+    ``args``). After a stop on the pre-emption signal, global rank 0 requeues the SLURM job. The plan's GPU
+    claims are released when the job ends.
     """
+    with plan.claims:
+        return _run(plan, fn, args, restart)
+
+
+def _run(plan: LaunchPlan, fn: Callable[..., Any], args: tuple, restart: Callable[[int], Restart] | None) -> int:
     for line in plan.messages:
         print(f"ignite-mgpu: {line}", file=sys.stderr)
     first = cluster.is_first_process()
@@ -85,6 +91,8 @@ def launch(
     timeout: float = 300.0,
     cpu_binding: str = "none",
     max_restarts: int = 0,
+    share: bool = False,
+    wait: float | None = None,
 ) -> None:
     """Run ``fn(local_rank, *args)`` in ``nproc`` processes per node inside ``ignite.distributed.Parallel``.
 
@@ -94,22 +102,20 @@ def launch(
     ("2,3"), "all", "none", "auto" or "auto:N". ``cpu_binding`` (auto, none, cores, numa) binds each process to its
     CPUs and sets its intra-op threads (README: the --cpu-binding flag). ``max_restarts``: after a failure a
     restart can cure (a crash, a killed rank, a collective timeout), every process is stopped and ``fn`` runs again
-    from its start, up to that many times; the job must resume from its own checkpoints.
+    from its start, up to that many times; the job must resume from its own checkpoints. The GPUs are claimed for
+    the job's life (another job cannot take them); ``share=True`` runs beside other jobs' claims, ``wait`` waits up
+    to that many seconds (``math.inf``: no limit) until the GPUs are free.
 
     Raises:
-        ConfigError: an impossible request (bad nproc, nccl without GPUs, busy master_port), before spawning.
+        ConfigError: an impossible request (bad nproc, nccl without GPUs, busy master_port, GPUs claimed by another
+            job; ``errors.WaitTimedOut`` when ``wait`` ran out), before spawning.
         SystemExit: with the job's exit code when a rank failed (1), the loss diverged (3) or on SIGINT/SIGTERM
             (130/143); the failing rank's error has been printed once.
     """
     from ignite_mgpu.config import Config, validate
 
-    for name, value, choices in (
-        ("backend", backend, BACKENDS),
-        ("strategy", strategy, STRATEGIES),
-        ("cpu_binding", cpu_binding, CPU_BINDINGS),
-    ):
-        if value not in choices:
-            raise ConfigError(f"{name}={value!r}: use {', '.join(choices)}.")
+    choices = {"backend": (backend, BACKENDS), "strategy": (strategy, STRATEGIES)}
+    _check_choices(**choices, cpu_binding=(cpu_binding, CPU_BINDINGS))
     dist_cfg = DistConfig(
         nproc=nproc,
         backend=backend,  # type: ignore[arg-type]  # checked against the Literal just above
@@ -122,8 +128,16 @@ def launch(
         timeout=timeout,
         cpu_binding=cpu_binding,  # type: ignore[arg-type]  # checked against the Literal just above
         max_restarts=max_restarts,
+        share=share,
+        wait=wait,
     )
     validate(Config(dist=dist_cfg))
     code = run_plan(make_plan(dist_cfg), fn, *args)
     if code:
         raise SystemExit(code)
+
+
+def _check_choices(**given: tuple[str, tuple[str, ...]]) -> None:
+    for name, (value, choices) in given.items():
+        if value not in choices:
+            raise ConfigError(f"{name}={value!r}: use {', '.join(choices)}.")

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 from ignite_mgpu.config import DistConfig
 from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.processes import cluster, gpu_selection, gpus
+from ignite_mgpu.processes import acquire, cluster, gpu_selection
 from ignite_mgpu.processes.binding import BindingPlan, plan_for_job
+from ignite_mgpu.processes.claims import GpuClaims
 
 
 @dataclass
@@ -42,6 +43,8 @@ class LaunchPlan:
     binding: BindingPlan = field(default_factory=BindingPlan)  # CPUs and threads of each local rank
     max_restarts: int = 0  # restarts of the whole group after a failure a restart can cure (supervisor.py)
     preempt_signal: int | None = None  # the pre-emption signal: checkpoint, stop, requeue the SLURM job
+    # The job's GPU claims, held by the launching process until the job ends (run_plan releases them).
+    claims: GpuClaims = field(default_factory=GpuClaims, compare=False, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -83,25 +86,33 @@ def make_plan(cfg: DistConfig, environ: dict[str, str] | os._Environ[str] = os.e
 
     The chosen GPUs' environment (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER) is the one change to ``environ``, made
     before torch is asked anything: CUDA reads it once, when this process first asks. Everything else the plan
-    sets (``plan.env``) is applied in the workers.
+    sets (``plan.env``) is applied in the workers. A job on GPUs claims them (``acquire.py``; ``plan.claims``,
+    released by ``run_plan``, or here when a check fails); one that torchrun or SLURM started claims nothing.
 
     Raises:
         ConfigError: every impossible request, before anything is spawned.
     """
     check_outer_launcher(cfg, environ)
-    gpu_plan = None
-    if cfg.gpus is not None:
-        gpu_plan = gpu_selection.plan_gpus(cfg.gpus, gpus.query_gpus(), environ, cfg.nproc)
-        gpu_selection.check_cuda_not_initialized(gpu_plan.physical_ids, environ)
-        environ.update(gpu_plan.env)
-    plan = decide(cfg, gpu_plan, probe_machine(), environ)
-    if plan.backend is not None and not plan.external and cfg.master_port is not None and cfg.node_rank == 0:
-        check_port_free(cfg.master_addr, cfg.master_port)
-    on_gpu = plan.device == "cuda" and not plan.external
-    binding = plan_for_job(
-        cfg.cpu_binding, plan.nproc, plan.gpus, on_gpu, cfg.strategy, environ, external=plan.external
-    )
-    return dataclasses.replace(plan, binding=binding)
+    external = cluster.started_externally(environ)
+    gpu_plan, held = None, GpuClaims()
+    try:
+        if cfg.gpus is not None:
+            gpu_plan, held = acquire.acquire(cfg, environ, claim=not external)
+            gpu_selection.check_cuda_not_initialized(gpu_plan.physical_ids, environ)
+            environ.update(gpu_plan.env)
+        plan = decide(cfg, gpu_plan, probe_machine(), environ)
+        if cfg.gpus is None and plan.device == "cuda" and not external:  # the GPUs as the environment has them
+            held = acquire.acquire(cfg, environ)[1]
+        if plan.backend is not None and not plan.external and cfg.master_port is not None and cfg.node_rank == 0:
+            check_port_free(cfg.master_addr, cfg.master_port)
+        on_gpu = plan.device == "cuda" and not plan.external
+        binding = plan_for_job(
+            cfg.cpu_binding, plan.nproc, plan.gpus, on_gpu, cfg.strategy, environ, external=plan.external
+        )
+    except BaseException:
+        held.close()
+        raise
+    return dataclasses.replace(plan, binding=binding, claims=held)
 
 
 def check_outer_launcher(cfg: DistConfig, environ: Mapping[str, str]) -> None:
@@ -113,6 +124,12 @@ def check_outer_launcher(cfg: DistConfig, environ: Mapping[str, str]) -> None:
             "this process was started by torchrun/SLURM, which decides the processes: drop --nproc, and choose "
             "GPUs with physical ids (--gpus 2,3) or CUDA_VISIBLE_DEVICES, not --gpus auto (each process would "
             "choose on its own)."
+        )
+    if cfg.wait is not None:
+        raise ConfigError(
+            "--wait: this process was started by torchrun/SLURM, which own the GPUs they give a job (ignite-mgpu "
+            "claims GPUs and waits for them only for the jobs it starts itself). Drop --wait; under SLURM the "
+            "scheduler queues the job until its GPUs are free."
         )
     if cfg.max_restarts:
         raise ConfigError(

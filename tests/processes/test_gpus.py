@@ -71,7 +71,7 @@ def rtx():
 
 
 def test_query_parses_recorded_nvidia_smi(a100):
-    assert a100[0] == GpuInfo(0, "00000000:07:00.0", "NVIDIA A100-SXM4-80GB", 71680, 81920, 97, 2)
+    assert a100[0] == GpuInfo(0, "00000000:07:00.0", "NVIDIA A100-SXM4-80GB", 71680, 81920, 97, 2, pids=(23817, 23818))
     assert [g.n_processes for g in a100] == [2, 1, 0, 0]
     assert [g.index for g in a100] == [0, 1, 2, 3]
 
@@ -325,8 +325,8 @@ def test_cuda_index_map(a100, visible, expected):
 def test_format_devices_table(a100):
     text = format_devices(a100, {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "2,3"})
     header, gpu0, _, gpu2, gpu3, legend = text.splitlines()
-    assert header.startswith("GPU  PCI bus id        Name ") and header.endswith("Procs  CUDA index")
-    assert " ".join(gpu0.split()) == "0 00000000:07:00.0 NVIDIA A100-SXM4-80GB 71680 / 81920 97% 2 -"
+    assert header.startswith("GPU  PCI bus id        Name ") and header.endswith("Procs  Claimed by  CUDA index")
+    assert " ".join(gpu0.split()) == "0 00000000:07:00.0 NVIDIA A100-SXM4-80GB 71680 / 81920 97% 2 - -"
     assert gpu2.split()[-1] == "0" and gpu3.split()[-1] == "1"
     assert legend == "CUDA index: device number under CUDA_VISIBLE_DEVICES='2,3' ('-' = hidden)."
 
@@ -339,7 +339,7 @@ def test_format_devices_marks_missing_pci_bus_order(a100):
 
 def test_format_devices_unknown_values():
     text = format_devices(query_gpus(recorded(MIG_GPUS, "")), {"CUDA_VISIBLE_DEVICES": "MIG-4d5e6f"})
-    assert text.splitlines()[1].split()[-3:] == ["n/a", "0", "?"]
+    assert text.splitlines()[1].split()[-4:] == ["n/a", "0", "-", "?"]
 
 
 def test_format_devices_all_hidden(a100):
@@ -358,7 +358,11 @@ def test_format_devices_json_round_trip(a100):
         "utilization": 0,
         "n_processes": 0,
         "mig": False,
+        "uuid": "",
+        "pids": [],
         "cuda_index": 0,
+        "claim": None,
+        "process_users": {},
     }
     assert [g["cuda_index"] for g in data["gpus"]] == [None, None, None, 0]
 

@@ -115,6 +115,7 @@ def test_a_job_on_chosen_gpus_runs_in_a_fresh_process_even_alone(cuda, monkeypat
     cuda(1)  # what torch reports after CUDA_VISIBLE_DEVICES=2 (counted afresh)
     plan = make_plan(DistConfig(gpus="2"))
     assert (plan.nproc, plan.backend, plan.spawn_one, plan.device) == (1, None, True, "cuda")
+    plan.claims.close()  # its claim on GPU 2: the next plan takes every GPU
     assert not make_plan(DistConfig()).spawn_one  # without --gpus the one process runs here, as before
 
 

@@ -1,0 +1,141 @@
+"""Files in a folder that several users write (the GPU claims folder): opened relative to the folder's fd, never
+through a symlink, never blocking (a FIFO), read at most 4 KiB, written only when this user owns them. Nothing read
+here is trusted: a caller gets an fd and its fstat, or why the file cannot be used. Torch-free."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import pwd
+import stat
+
+MAX_READ = 4096  # bytes read of any file in the folder: a huge file costs no more than a small one
+MAX_ENTRIES = 10_000  # folder entries looked at when searching
+OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC  # O_NONBLOCK: a FIFO never blocks open
+
+
+class UnsafeFolder(Exception):
+    """The folder cannot be trusted or used; the message says why."""
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return f"uid {uid}"
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """Untrusted text made safe for a terminal: no control characters (escape sequences), at most ``limit``."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
+
+
+def open_dir(path: str, create: bool) -> int | None:
+    """An fd of the folder (every later open is relative to it, so a swapped path cannot redirect them); made
+    sticky and writable by all (like /tmp) when ``create`` and missing. None when missing and not ``create``.
+
+    Raises:
+        UnsafeFolder: not a real folder, or writable by others without the sticky bit (anyone could delete a file).
+    """
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o1777)
+            with contextlib.suppress(OSError):  # the umask took bits off
+                os.chmod(path, 0o1777, follow_symlinks=False)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if not create:
+            return None
+        raise UnsafeFolder("it does not exist and cannot be made") from None
+    except OSError as err:
+        why = "it is a symlink, which is never followed" if os.path.islink(path) else (err.strerror or str(err))
+        raise UnsafeFolder(why) from None
+    mode = os.fstat(fd).st_mode
+    if mode & (stat.S_IWGRP | stat.S_IWOTH) and not mode & stat.S_ISVTX:
+        os.close(fd)
+        raise UnsafeFolder("it is writable by other users but not sticky, so any of them could delete a claim")
+    return fd
+
+
+def open_file(dir_fd: int, name: str, writable: bool = False) -> tuple[int, os.stat_result] | str | None:
+    """(fd, fstat) of the regular file ``name``; None when it does not exist; else why it cannot be used."""
+    try:
+        fd = os.open(name, (os.O_RDWR if writable else os.O_RDONLY) | OPEN_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return f"{name} in the claims folder is a symlink, which is never followed"
+        return f"{name} in the claims folder cannot be opened ({err.strerror})"
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return f"{name} in the claims folder is not a regular file"
+    return fd, st
+
+
+def create_file(dir_fd: int, name: str, writable: bool) -> int | None:
+    """A new file ``name`` readable by every user (so anyone can flock it), or None when the name is taken."""
+    try:
+        fd = os.open(name, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o644,
+                     dir_fd=dir_fd)  # fmt: skip
+    except OSError:
+        return None
+    os.fchmod(fd, 0o644)  # whatever the umask
+    return fd
+
+
+def is_locked(fd: int) -> bool | None:
+    """Whether another open file holds an flock on it; None when this file system has no flock."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def read_json(fd: int) -> dict | None:
+    """The JSON object in the file's first MAX_READ bytes, or None for anything else."""
+    try:
+        value = json.loads(os.pread(fd, MAX_READ, 0).decode("utf-8"))
+    except Exception:  # garbage, truncated, too deeply nested: unknown, never a crash
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def entries(dir_fd: int) -> list[str]:
+    try:
+        return sorted(os.listdir(dir_fd))[:MAX_ENTRIES]
+    except OSError:
+        return []
+
+
+def write_own(dir_fd: int, name: str, data: bytes) -> int | None:
+    """Write ``data`` into this user's file ``name`` and hold an flock on it; None (nothing written) when the
+    name is taken by something that is not this user's regular file, or by a holder of its lock."""
+    opened = open_file(dir_fd, name, writable=True)
+    if opened is None:
+        fd = create_file(dir_fd, name, writable=True)
+        if fd is None:
+            return None
+    elif isinstance(opened, str) or opened[1].st_uid != os.geteuid():
+        if isinstance(opened, tuple):
+            os.close(opened[0])  # another user's file (root could write it): never written
+        return None
+    else:
+        fd = opened[0]
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, data, 0)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
