@@ -1,20 +1,31 @@
-"""Running a job: ``launch(fn, ...)`` for Python code, ``run_plan`` for a decided plan (``plan.make_plan``). The
-supervisor spawns one worker per process and runs ``fn(local_rank, *args)`` inside ``idist.Parallel`` there; a job of
-one process, or one that torchrun or SLURM started, runs in this process and joins their group.
+"""Running a job: ``launch(fn, ...)`` for Python code, ``run_job`` / ``run_plan`` for a decided plan
+(``plan.make_plan``). The supervisor spawns (from a notebook: forks) one worker per process and runs
+``fn(local_rank, *args)`` inside ``idist.Parallel`` there; a job of one process, or one that torchrun or SLURM
+started, runs in this process and joins their group.
 
 Exit codes: errors.EXIT_CODES.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from ignite_mgpu.config import BACKENDS, CPU_BINDINGS, STRATEGIES, DistConfig
-from ignite_mgpu.errors import FAILED, SUCCESS, ConfigError, TrainingStopped, is_user_error, signal_exit_code
-from ignite_mgpu.processes import cluster
+from ignite_mgpu.errors import (
+    FAILED,
+    SUCCESS,
+    ConfigError,
+    JobFailed,
+    TrainingStopped,
+    is_user_error,
+    signal_exit_code,
+)
+from ignite_mgpu.processes import cluster, notebook
 from ignite_mgpu.processes.binding import apply_binding
+from ignite_mgpu.processes.outcome import Outcome
 from ignite_mgpu.processes.plan import LaunchPlan, Restart, make_plan
 from ignite_mgpu.processes.supervisor import Supervisor
 from ignite_mgpu.processes.worker import in_process_signals, run_in_group
@@ -28,38 +39,61 @@ def run_plan(
     ``restart(k)`` gives the arguments of restart k (``plan.max_restarts``; without it ``fn`` runs again with
     ``args``). After a stop on the pre-emption signal, global rank 0 requeues the SLURM job.
     """
+    return run_job(plan, fn, *args, restart=restart)[0].code
+
+
+def in_workers(plan: LaunchPlan) -> bool:
+    """Whether the job runs in workers of this process (else in this process itself)."""
+    return not plan.external and (plan.backend is not None or plan.spawn_one)
+
+
+def run_job(
+    plan: LaunchPlan,
+    fn: Callable[..., Any],
+    *args: Any,
+    restart: Callable[[int], Restart] | None = None,
+    report: bool = True,
+) -> tuple[Outcome, Any]:
+    """``run_plan``, returning how the job ended and what ``fn`` returned on global rank 0 (None where it failed
+    or returned nothing). ``report=False``: how it ended is left to the caller, not printed."""
     for line in plan.messages:
         print(f"ignite-mgpu: {line}", file=sys.stderr)
     first = cluster.is_first_process()
     if plan.binding.reason and first:  # once per job
         print(f"ignite-mgpu: {plan.binding.reason}", file=sys.stderr)
-    if plan.external or (plan.backend is None and not plan.spawn_one):
-        code = _run_here(plan, fn, args)
-    else:
-        code = Supervisor(plan, fn, args, restart).run()
+    if in_workers(plan):
+        supervisor = Supervisor(plan, fn, args, restart, report)
+        supervisor.run()
+        ended, value = supervisor.outcome, supervisor.value
+        if supervisor.note and not report:
+            ended = dataclasses.replace(ended, details="\n".join(filter(None, [ended.details, supervisor.note])))
         first = plan.node_rank == 0
-    if plan.preempt_signal and code == signal_exit_code(plan.preempt_signal) and first:
+    else:
+        ended, value = _run_here(plan, fn, args, report)
+    if plan.preempt_signal and ended.code == signal_exit_code(plan.preempt_signal) and first:
         print(f"ignite-mgpu: {cluster.requeue()}", file=sys.stderr, flush=True)
-    return code
+    return ended, value
 
 
-def _run_here(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> int:
+def _run_here(plan: LaunchPlan, fn: Callable[..., Any], args: tuple, report: bool = True) -> tuple[Outcome, Any]:
     """One process of the job in this process: a one-process job, or one that torchrun / srun started."""
     unbind = apply_binding(plan.binding.rank(cluster.local_rank()))  # restored after the job
     with in_process_signals(plan.preempt_signal):
         try:
-            run_in_group(plan, fn, args)
+            value = run_in_group(plan, fn, args)
         except TrainingStopped as err:
-            print(f"ignite-mgpu: {err}", file=sys.stderr)
-            return err.exit_code
+            ended = Outcome(err.exit_code, str(err))
         except Exception as err:
             if not is_user_error(err):
                 raise
-            print(f"ignite-mgpu: {type(err).__name__}: {err}", file=sys.stderr)
-            return FAILED
+            ended = Outcome(FAILED, f"{type(err).__name__}: {err}", rank=cluster.global_rank())
+        else:
+            return Outcome(SUCCESS), value
         finally:
             unbind()
-    return SUCCESS
+    if report:
+        print(f"ignite-mgpu: {ended.cause}", file=sys.stderr)
+    return ended, None
 
 
 def run_named(local_rank: int, target: str, *args: Any) -> Any:
@@ -85,8 +119,9 @@ def launch(
     timeout: float = 300.0,
     cpu_binding: str = "none",
     max_restarts: int = 0,
-) -> None:
-    """Run ``fn(local_rank, *args)`` in ``nproc`` processes per node inside ``ignite.distributed.Parallel``.
+) -> Any:
+    """Run ``fn(local_rank, *args)`` in ``nproc`` processes per node inside ``ignite.distributed.Parallel``; returns
+    what ``fn`` returned on global rank 0 (None where it returned nothing; pickled, tensors moved to the CPU).
 
     ``backend="auto"`` is nccl with CUDA, else gloo; ``nproc`` defaults to the selected GPUs, or 1 on the CPU.
     Under torchrun / SLURM it spawns nothing and joins the group. On one node without ``master_port`` the
@@ -94,12 +129,15 @@ def launch(
     ("2,3"), "all", "none", "auto" or "auto:N". ``cpu_binding`` (auto, none, cores, numa) binds each process to its
     CPUs and sets its intra-op threads (README: the --cpu-binding flag). ``max_restarts``: after a failure a
     restart can cure (a crash, a killed rank, a collective timeout), every process is stopped and ``fn`` runs again
-    from its start, up to that many times; the job must resume from its own checkpoints.
+    from its start, up to that many times; the job must resume from its own checkpoints. From a notebook (``fn``
+    defined in a cell) the workers are forked: call launch() before anything touches CUDA there.
 
     Raises:
-        ConfigError: an impossible request (bad nproc, nccl without GPUs, busy master_port), before spawning.
-        SystemExit: with the job's exit code when a rank failed (1), the loss diverged (3) or on SIGINT/SIGTERM
-            (130/143); the failing rank's error has been printed once.
+        ConfigError: an impossible request (bad nproc, nccl without GPUs, busy master_port; from a notebook, CUDA
+            already used in the kernel), before spawning.
+        SystemExit: from a script, with the job's exit code when a rank failed (1), the loss diverged (3) or on
+            SIGINT/SIGTERM (130/143); the failing rank's error has been printed once.
+        JobFailed: the same, from a notebook or an interactive session: the failing rank's error is its message.
     """
     from ignite_mgpu.config import Config, validate
 
@@ -124,6 +162,15 @@ def launch(
         max_restarts=max_restarts,
     )
     validate(Config(dist=dist_cfg))
-    code = run_plan(make_plan(dist_cfg), fn, *args)
-    if code:
-        raise SystemExit(code)
+    method = notebook.start_method(fn, args)
+    with notebook.fork_safe_cuda_queries(method == "fork"):
+        plan = dataclasses.replace(make_plan(dist_cfg), start_method=method)
+    if method == "fork" and in_workers(plan):
+        notebook.check_fork_safe(plan.device)
+    interactive = notebook.interactive()
+    ended, value = run_job(plan, fn, *args, report=not interactive)
+    if ended.code == SUCCESS:
+        return value
+    if interactive:
+        raise JobFailed(ended.message(), ended.code, ended.rank, ended.details)
+    raise SystemExit(ended.code)

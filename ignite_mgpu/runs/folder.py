@@ -13,6 +13,7 @@ METRICS = "metrics.jsonl"  # one JSON line per epoch
 LOCK = ".lock"  # held by the job writing there (lock.output_lock)
 TENSORBOARD = "tb"  # train.tensorboard's event files
 REPORT_IMAGE = "report.png"  # ignite-mgpu report's figure of one run
+BEST_NAME = re.compile(r"^best_model_(\d+)_val_\w+=(-?[\d.]+)\.pt$")  # the best model: iteration, signed score
 
 
 def run_dir(output_dir: str | None) -> Path:
