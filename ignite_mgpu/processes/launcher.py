@@ -162,6 +162,11 @@ def launch(
         max_restarts=max_restarts,
     )
     validate(Config(dist=dist_cfg))
+    return _launch(dist_cfg, fn, args)
+
+
+def _launch(dist_cfg: DistConfig, fn: Callable[..., Any], args: tuple) -> Any:
+    """launch() once its arguments are checked: fork or spawn, run, and end as a script or a notebook expects."""
     method = notebook.start_method(fn, args)
     with notebook.fork_safe_cuda_queries(method == "fork"):
         plan = dataclasses.replace(make_plan(dist_cfg), start_method=method)

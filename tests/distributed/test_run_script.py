@@ -9,13 +9,14 @@ timeout, and no process may outlive it (tests/faults/harness.py).
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, needs_gpus
 from tests.faults.harness import Harness
 
 pytestmark = [pytest.mark.distributed]
@@ -162,3 +163,77 @@ def test_under_an_outer_torchrun_it_refuses_to_nest_launchers(h: Harness) -> Non
     assert "exitcode  : 2" in r.stderr, r  # torchrun's report of our exit code
     assert "Epoch" not in r.stdout
     h.assert_no_leftovers()
+
+
+# ------------------------------------------------------------------------------------------------ gpu twins
+
+WHERE = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl")
+total = torch.ones(1, device="cuda") * (dist.get_rank() + 1)
+dist.all_reduce(total)
+if sys.argv[1:] == ["crash"] and dist.get_rank() == 1:
+    raise RuntimeError("rank 1 lost its GPU")
+seen = {v: os.environ.get(v) for v in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK")}
+seen |= {"devices": torch.cuda.device_count(), "sum": total.item()}
+print("SEEN", json.dumps(seen), flush=True)
+dist.destroy_process_group()
+"""
+
+
+class GpuHarness(Harness):
+    """The harness with the machine's GPUs as they are (the CPU scenarios hide them)."""
+
+    def env(self, tag, fault, extra=None):
+        env = super().env(tag, fault, extra)
+        if "CUDA_VISIBLE_DEVICES" in os.environ:
+            env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            env.pop("CUDA_VISIBLE_DEVICES")
+        return env
+
+
+@pytest.fixture
+def g(tmp_path: Path):
+    harness = GpuHarness(tmp_path)
+    yield harness
+    harness.cleanup()
+
+
+def seen_lines(stdout: str) -> list[dict]:
+    return sorted((json.loads(line[5:]) for line in stdout.splitlines() if line.startswith("SEEN ")), key=str)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_gpu_run_chooses_gpus_by_physical_id_before_the_script_starts(g: GpuHarness) -> None:
+    needs_gpus(1)
+    (g.root / "where.py").write_text(WHERE)
+    r = g.run(["run", "--gpus", "0", "where.py"], 200)
+    assert r.rc == 0, str(r)
+    seen = seen_lines(r.stdout)
+    assert seen == [
+        {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "LOCAL_RANK": "0", "devices": 1, "sum": 1.0}
+    ], r
+    g.assert_no_leftovers()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(400)
+def test_gpu_the_ddp_tutorial_on_2_gpus_matches_torchrun_and_a_failing_rank_ends_the_job(g: GpuHarness) -> None:
+    needs_gpus(2)
+    tutorial = str(SCRIPTS / "tutorial_ddp.py")
+    ours = g.run(["run", "--gpus", "0,1", tutorial, "--epochs", "1", "--out", "ours.pt"], 150, tag="ours")
+    assert ours.rc == 0, str(ours)
+    torchrun = [*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port())]
+    theirs = g.run([tutorial, "--epochs", "1", "--out", "theirs.pt"], 150, tag="torchrun", command=torchrun)
+    assert theirs.rc == 0, str(theirs)
+    assert state_dicts_equal(g.root / "ours.pt", g.root / "theirs.pt")
+    (g.root / "where.py").write_text(WHERE)
+    crashed = g.run(["run", "--gpus", "0,1", "where.py", "crash"], 150, tag="crash")
+    assert crashed.rc == 1 and "rank 1 failed with RuntimeError: rank 1 lost its GPU" in crashed.stderr, crashed
+    g.assert_no_leftovers()
