@@ -84,7 +84,7 @@ class Supervisor:
         what = (
             "stops and writes a checkpoint at the next check; the job then requeues itself"
             if preempt
-            else ("stops at the next check")
+            else ("stops at the next check" if self.plan.join_group else "is sent SIGTERM")  # a script: as torchrun
         )
         print(
             f"ignite-mgpu: {signal.Signals(signum).name} received{' (pre-emption)' if preempt else ''}: every rank "
