@@ -184,9 +184,10 @@ def worker_main(
     # Before anything imports torch here (unless unpickling the job function already did: then it resizes the pool).
     apply_binding(plan.binding.rank(local_rank))
     address = plan.master_addr, plan.master_port or 29500
+    restarts = cluster.outer_restarts() + attempt  # a requeued SLURM job's restarts count too (SLURM_RESTART_COUNT)
     os.environ.update(
         cluster.worker_environment(
-            rank, local_rank, plan.world_size, plan.nproc, plan.node_rank, *address, attempt, plan.max_restarts
+            rank, local_rank, plan.world_size, plan.nproc, plan.node_rank, *address, restarts, plan.max_restarts
         )
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)
