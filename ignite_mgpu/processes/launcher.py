@@ -65,8 +65,8 @@ def run_job(
         supervisor = Supervisor(plan, fn, args, restart, report)
         supervisor.run()
         ended, value = supervisor.outcome, supervisor.value
-        if supervisor.note and not report:
-            ended = dataclasses.replace(ended, details="\n".join(filter(None, [ended.details, supervisor.note])))
+        if supervisor.note and not report:  # "gave up after 1 restart(s)": the caller's message says it too
+            ended = dataclasses.replace(ended, advice=" ".join(filter(None, [ended.advice, supervisor.note])))
         first = plan.node_rank == 0
     else:
         ended, value = _run_here(plan, fn, args, report)

@@ -42,6 +42,7 @@ def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> Any:
     before_group = thread_ids()
     own_group = plan.external and plan.backend is not None and _join_torchrun_attempt(plan.backend)
     returned = []  # Parallel.run drops what the function returns
+    _raised_at.clear()  # one job's (a forked worker starts with its parent's memory)
 
     def run(local_rank: int, *args: Any) -> None:
         try:
@@ -175,7 +176,6 @@ def worker_main(
     """The spawned (or forked) process's entry: set up the process, run ``fn``, exit with its code (an error file
     on failure; rank 0's return value in ``RESULT_FILE``). ``attempt``: the restart count (0: the first start)."""
     _set_pdeathsig()
-    _raised_at.clear()  # a forked worker starts with its parent's memory
     os.setpgid(0, 0)  # own process group: Ctrl-C reaches only the launcher, which then stops the workers
     for var in cluster.slurm_task_variables():
         del os.environ[var]  # inside an allocation ignite would read the launcher's SLURM task, not this rank
