@@ -1,8 +1,8 @@
 """`ignite-mgpu run` on real scripts, 2 gloo processes each: the PyTorch DDP tutorial's script ends with the weights
-torchrun gives it, an idist.Parallel script joins the group, a failing rank ends the job with its error once, a
-script rejecting its arguments is reported as such, --max-restarts runs a script that crashed once again (and
-launch() inside it joins the group), an outer torchrun is refused. Every job runs in its own session with a hard
-timeout, and no process may outlive it (tests/faults/harness.py).
+torchrun gives it, an idist.Parallel script joins the group, a failing rank ends the job with its error once (the
+script's work inside launch(), which joins the group as it would torchrun's), a script rejecting its arguments is
+reported as such, --max-restarts runs a script that crashed once again, an outer torchrun is refused. Every job
+runs in its own session with a hard timeout, and no process may outlive it (tests/faults/harness.py).
 `python -m pytest tests/distributed/test_run_script.py`.
 """
 
@@ -24,14 +24,13 @@ SCRIPTS = REPO / "examples" / "scripts"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 # Crashes on rank 1 while the marker file is missing (and creates it); else every rank writes what it was given.
-# The work runs inside ignite_mgpu.launch(), which joins the group `ignite-mgpu run` set up, as it would torchrun's.
+# With "launch", the work runs inside ignite_mgpu.launch(), which joins the group `ignite-mgpu run` set up as it
+# would join torchrun's; else the script joins it itself with init_process_group().
 CRASH_ONCE = """
 import json, os, sys
 
 import torch
 import torch.distributed as dist
-
-from ignite_mgpu import launch
 
 VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
         "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
@@ -51,7 +50,14 @@ def work(local_rank, marker, out):
 
 
 if __name__ == "__main__":
-    launch(work, sys.argv[1], sys.argv[2])
+    if sys.argv[3:] == ["launch"]:
+        from ignite_mgpu import launch
+
+        launch(work, sys.argv[1], sys.argv[2])
+    else:
+        dist.init_process_group("gloo")
+        work(int(os.environ["LOCAL_RANK"]), sys.argv[1], sys.argv[2])
+        dist.destroy_process_group()
 """
 
 
@@ -101,7 +107,7 @@ def test_an_idist_parallel_script_joins_the_group_it_is_given(h: Harness) -> Non
 @pytest.mark.timeout(200)
 def test_a_failing_rank_ends_the_job_with_its_error_shown_once(h: Harness) -> None:
     (h.root / "crashonce.py").write_text(CRASH_ONCE)
-    r = h.run(["run", "--nproc", "2", "crashonce.py", "marker", "seen"], 150)
+    r = h.run(["run", "--nproc", "2", "crashonce.py", "marker", "seen", "launch"], 150)
     assert r.rc == 1, str(r)
     assert r.stderr.count("ignite-mgpu: rank 1 failed with ValueError: the batch on rank 1 is corrupt") == 1, r
     line = next(n for n, text in enumerate(CRASH_ONCE.splitlines(), 1) if "raise ValueError" in text)
@@ -147,7 +153,7 @@ def test_max_restarts_runs_a_script_that_crashed_once_again_with_torchruns_varia
             "TORCHELASTIC_RESTART_COUNT": "1",
             "TORCHELASTIC_MAX_RESTARTS": "1",
             "local_rank": rank,
-            "sum": 3.0,  # launch() inside the script joined the 2-process group
+            "sum": 3.0,  # the script's init_process_group() joined the 2-process group
         }
     assert int(seen[0]["MASTER_PORT"]) > 0
     h.assert_no_leftovers()
