@@ -8,9 +8,11 @@ Exit codes: errors.EXIT_CODES.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ignite_mgpu.config import BACKENDS, CPU_BINDINGS, STRATEGIES, DistConfig
@@ -29,6 +31,8 @@ from ignite_mgpu.processes.outcome import Outcome
 from ignite_mgpu.processes.plan import LaunchPlan, Restart, make_plan
 from ignite_mgpu.processes.supervisor import Supervisor
 from ignite_mgpu.processes.worker import in_process_signals, run_in_group
+
+_GPU_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")  # what make_plan exports for gpus=
 
 
 def run_plan(
@@ -94,6 +98,21 @@ def _run_here(plan: LaunchPlan, fn: Callable[..., Any], args: tuple, report: boo
     if report:
         print(f"ignite-mgpu: {ended.cause}", file=sys.stderr)
     return ended, None
+
+
+@contextlib.contextmanager
+def _gpus_restored() -> Iterator[None]:
+    """The GPU selection that the plan exports (``gpus=``) is the workers'; afterwards this process has its own
+    back, so that a notebook can launch again on other GPUs (a job on chosen GPUs never runs in this process)."""
+    saved = {var: os.environ.get(var) for var in _GPU_VARS}
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
 
 
 def run_named(local_rank: int, target: str, *args: Any) -> Any:
@@ -168,12 +187,12 @@ def launch(
 def _launch(dist_cfg: DistConfig, fn: Callable[..., Any], args: tuple) -> Any:
     """launch() once its arguments are checked: fork or spawn, run, and end as a script or a notebook expects."""
     method = notebook.start_method(fn, args)
-    with notebook.fork_safe_cuda_queries(method == "fork"):
+    with _gpus_restored(), notebook.fork_safe_cuda_queries(method == "fork"):
         plan = dataclasses.replace(make_plan(dist_cfg), start_method=method)
-    if method == "fork" and in_workers(plan):
-        notebook.check_fork_safe(plan.device)
-    interactive = notebook.interactive()
-    ended, value = run_job(plan, fn, *args, report=not interactive)
+        if method == "fork" and in_workers(plan):
+            notebook.check_fork_safe(plan.device)
+        interactive = notebook.interactive()
+        ended, value = run_job(plan, fn, *args, report=not interactive)
     if ended.code == SUCCESS:
         return value
     if interactive:

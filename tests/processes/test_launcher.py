@@ -49,3 +49,22 @@ def test_a_failed_job_exits_from_a_script_and_raises_in_a_notebook(monkeypatch, 
         launcher.launch(refuse)
     assert (raised.value.exit_code, raised.value.rank) == (1, 0) and isinstance(raised.value, RuntimeError)
     assert capsys.readouterr().err == ""  # said once, by the exception
+
+
+def test_the_gpus_a_job_chose_are_the_workers_and_this_process_gets_its_own_back(monkeypatch):
+    import os
+
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+    def plan_on_gpus(cfg):
+        os.environ.update(CUDA_VISIBLE_DEVICES="2,3", CUDA_DEVICE_ORDER="PCI_BUS_ID")  # as make_plan exports them
+        return LaunchPlan(backend="nccl", nproc=2, gpus=[2, 3], device="cuda")
+
+    seen = []
+    monkeypatch.setattr(launcher, "make_plan", plan_on_gpus)
+    monkeypatch.setattr(
+        launcher, "run_job", lambda *a, **k: seen.append(os.environ["CUDA_VISIBLE_DEVICES"]) or (Outcome(0), 7)
+    )
+    assert launcher.launch(answer, 1, gpus="2,3") == 7 and seen == ["2,3"]  # the workers start with them
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and "CUDA_DEVICE_ORDER" not in os.environ  # a notebook can go on
