@@ -112,7 +112,7 @@ def attach_checkpoints(
     Periodic saves go through ``GuardEvents.CHECKPOINT``: the guard fires it for every_iters and every_minutes (at
     the same iteration on every rank, at the end of an accumulation window, never after an unchecked NaN, and at
     an epoch's end only after its other handlers), and this module at the end of every ``every``-th epoch, after
-    validation and the epoch report: a checkpoint of a finished epoch always has that epoch recorded.
+    validation and the epoch log: a checkpoint of a finished epoch always has that epoch recorded.
     """
     full: Checkpoint | ShardedCheckpoint
     full, best = create_checkpointers(

@@ -1,4 +1,4 @@
-"""The ``ignite-mgpu devices`` report: every GPU of the snapshot, what runs on it, and its CUDA index under this
+"""The ``ignite-mgpu devices`` table: every GPU of the snapshot, what runs on it, and its CUDA index under this
 environment's CUDA_VISIBLE_DEVICES. Torch-free."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def cuda_index_map(gpus: list[GpuInfo], environ: Mapping[str, str]) -> dict[int,
 
 
 def format_devices(gpus: list[GpuInfo], environ: Mapping[str, str], as_json: bool = False) -> str:
-    """Render the ``ignite-mgpu devices`` report: a table, or JSON with ``as_json``."""
+    """The ``ignite-mgpu devices`` table, or JSON with ``as_json``."""
     cuda = cuda_index_map(gpus, environ)
     cpu_only = all(v is None for v in cuda.values()) and visible_ids(gpus, environ) is not None
     fallback = {"backend": "gloo", "nproc": 1} if cpu_only else None
@@ -53,7 +53,7 @@ def format_devices(gpus: list[GpuInfo], environ: Mapping[str, str], as_json: boo
     shown = "unset" if exported is None else repr(exported)
     lines.append(f"CUDA index: device number under CUDA_VISIBLE_DEVICES={shown} ('-' = hidden).")
     if unknown:
-        lines.append("'?': CUDA_VISIBLE_DEVICES names GPUs by UUID/MIG id, which this report does not map.")
+        lines.append("'?': CUDA_VISIBLE_DEVICES names GPUs by UUID/MIG id, which this table does not map.")
     if unordered:
         lines.append("*: assumes CUDA_DEVICE_ORDER=PCI_BUS_ID (unset here; CUDA then orders fastest-first).")
     if mig := [g.index for g in gpus if g.mig]:

@@ -45,7 +45,7 @@ def collective_timeout() -> float | None:
 
 
 def set_status_file(path: str | Path | None) -> None:
-    """Where this worker tells its supervisor how far it got (None: nobody asks; every report is a no-op).
+    """Where this worker tells its supervisor how far it got (None: nobody asks; every note is a no-op).
 
     The file is mapped into memory: noting an iteration is one store into a shared page, no system call, so it
     can be done after every iteration.

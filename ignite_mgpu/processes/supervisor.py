@@ -27,7 +27,7 @@ from ignite_mgpu.processes.plan import LaunchPlan, Restart, free_port
 from ignite_mgpu.processes.worker import RESULT_FILE, worker_main
 
 # After the first failure the other ranks get this long to exit by themselves (a peer that lost its connection
-# does at once; the failing rank's report is written by then); longer only while one of them writes a checkpoint.
+# does at once; the failing rank's failure file is written by then); longer only while one of them writes a checkpoint.
 FAILURE_SETTLE = 1.0
 BACKOFF, MAX_BACKOFF = 1.0, 30.0  # seconds before restart k: BACKOFF * 2**(k-1), at most MAX_BACKOFF
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

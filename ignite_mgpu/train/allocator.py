@@ -3,9 +3,8 @@
 glibc serves every block above its mmap threshold (128 KiB at first, at most 32 MiB) with a fresh ``mmap`` and gives
 it back on ``free``, and trims the top of its heap back to the kernel too. A CPU training step allocates and frees
 the same activations and gradients every time, so each step page-faults them in again, and the kernel zero-fills
-every page: about 7,300 faults per step of the default small CNN (batch 128), and 47 ms per step instead of 31
-(``benchmarks/bench_cpu_allocator.py``). tcmalloc and jemalloc keep such memory; so does PyTorch's CUDA caching
-allocator on the GPU.
+every page (``benchmarks/allocator/bench_cpu_allocator.py`` measures what it costs). tcmalloc and jemalloc keep such
+memory; so does PyTorch's CUDA caching allocator on the GPU.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ def keep_freed_memory() -> str | None:
     ``mallopt(M_TRIM_THRESHOLD, -1)`` (the heap is never trimmed back to the kernel). Call it once, early, in each
     CPU training process; ``ignite-mgpu train`` does so on the CPU unless ``train.keep_cpu_memory=false``. The process
     keeps its peak memory until it exits (so do DataLoader workers forked after the call), and the peak can grow a
-    little: aligned blocks fragment the heap (+15 % peak RSS at batch 1024 in the benchmark, none at 128). It is
-    process-wide and cannot be undone.
+    little: aligned blocks fragment the heap (``benchmarks/`` measures how much). It is process-wide and cannot be
+    undone.
 
     Returns None when applied, else why not: not Linux with glibc, a ``MALLOC_*`` variable or a glibc malloc
     tunable already set, or jemalloc/tcmalloc/mimalloc in ``LD_PRELOAD``; in those cases nothing is changed. If
@@ -62,8 +61,8 @@ def setup_cpu_memory(keep: bool, device_type: str, sharded: bool = False) -> Non
     ``keep`` is False, from ``train.keep_cpu_memory``), and log what was done.
 
     Not for a model that FSDP shards over several processes (``sharded``): it gathers and frees every block's
-    parameters and gradients each step, and a heap that keeps freed blocks fragments under that pattern (the
-    benchmark's 169M-parameter MLP peaked at 5.5 GB per process instead of 2.4), which defeats sharding's purpose.
+    parameters and gradients each step, and a heap that keeps freed blocks fragments under that pattern (several
+    times the memory: ``benchmarks/`` measures it), which defeats sharding's purpose.
     """
     if not keep or device_type != "cpu":
         return

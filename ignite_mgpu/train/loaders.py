@@ -144,7 +144,7 @@ def attach_skip_counter(trainer: Engine) -> None:
     def count(engine: Engine) -> None:
         skipped[0] += int(engine.state.batch[2])  # type: ignore[index]  # the skip collate adds a 3rd entry
 
-    def report(engine: Engine) -> None:
+    def log_skipped(engine: Engine) -> None:
         total = int(idist.all_reduce(torch.tensor(skipped[0])))
         skipped[0] = 0
         if total:
@@ -153,4 +153,4 @@ def attach_skip_counter(trainer: Engine) -> None:
             )
 
     trainer.add_event_handler(Events.ITERATION_COMPLETED, count)
-    trainer.add_event_handler(Events.EPOCH_COMPLETED, report)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, log_skipped)

@@ -9,6 +9,7 @@ import ignite.distributed as idist
 import pytest
 
 from ignite_mgpu import launch
+from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.processes import gpus
 
 pytestmark = [pytest.mark.distributed]
@@ -46,12 +47,12 @@ def test_workers_see_the_selected_gpus(tmp_path, monkeypatch, spec, expected):
 def test_bad_gpu_requests_fail_before_spawning(monkeypatch):
     monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    with pytest.raises(gpus.ConfigError, match="GPU 5 requested; this machine has GPUs 0-3"):
+    with pytest.raises(ConfigError, match="GPU 5 requested; this machine has GPUs 0-3"):
         launch(report_environment, "/nonexistent", gpus="5", backend="gloo")
-    with pytest.raises(gpus.ConfigError, match="--nproc 3"):
+    with pytest.raises(ConfigError, match="--nproc 3"):
         launch(report_environment, "/nonexistent", gpus="2,3", nproc=3, backend="gloo")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    with pytest.raises(gpus.ConfigError, match="CUDA_VISIBLE_DEVICES"):
+    with pytest.raises(ConfigError, match="CUDA_VISIBLE_DEVICES"):
         launch(report_environment, "/nonexistent", gpus="2,3", backend="gloo")
 
 

@@ -1,4 +1,4 @@
-"""Tests for ignite_mgpu.processes.gpus: the --gpus grammar, GPU planning and the devices report, fed recorded
+"""GPU discovery, the --gpus grammar and planning (gpus, gpu_selection), and the devices table, fed recorded
 nvidia-smi output.
 
 Run: python -m pytest tests/processes/test_gpus.py -q   (no GPU and no torch import needed)

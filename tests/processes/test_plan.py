@@ -147,3 +147,19 @@ def test_fsdp_with_fewer_processes_than_chosen_gpus_is_refused(cuda, monkeypatch
         make_plan(DistConfig(strategy="fsdp", gpus="2,3", nproc=1))
     plan = make_plan(DistConfig(strategy="fsdp", gpus="2,3"))
     assert (plan.nproc, plan.backend, plan.device) == (2, "nccl", "cuda")  # a process per GPU, as ddp
+
+
+def test_deciding_is_pure_over_the_config_and_a_machine_snapshot():
+    from ignite_mgpu.processes.plan import Machine, decide
+
+    before = dict(os.environ)
+    plan = decide(DistConfig(nproc=2), None, Machine(cuda_devices=0, cpu_count=8), {})
+    assert (plan.backend, plan.nproc, plan.device, plan.env["OMP_NUM_THREADS"]) == ("gloo", 2, "cpu", "4")
+    assert plan.env["GLOO_SOCKET_IFNAME"] == "lo" and plan.binding.mode == "none"  # binding: make_plan's, not here
+    kept = decide(DistConfig(nproc=2), None, Machine(cuda_devices=0, loopback=False), {"OMP_NUM_THREADS": "3"})
+    assert "OMP_NUM_THREADS" not in kept.env and "GLOO_SOCKET_IFNAME" not in kept.env
+    on_gpus = decide(DistConfig(), None, Machine(cuda_devices=4), {})
+    assert (on_gpus.backend, on_gpus.nproc, on_gpus.device) == ("nccl", 4, "cuda")
+    assert dict(os.environ) == before  # nothing applied while deciding
+    with pytest.raises(ConfigError, match="--backend nccl needs CUDA"):
+        decide(DistConfig(backend="nccl"), None, Machine(cuda_devices=0), {})
