@@ -19,6 +19,7 @@ _PUBLIC = {
     "Config": "ignite_mgpu.config",
     "ConfigError": "ignite_mgpu.errors",
     "CheckpointError": "ignite_mgpu.errors",
+    "JobFailed": "ignite_mgpu.errors",
     "load_config": "ignite_mgpu.config",
     "training": "ignite_mgpu.train.job",
     "keep_freed_memory": "ignite_mgpu.train.allocator",

@@ -210,6 +210,51 @@ def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | Non
     sys.exit(evaluate_job(cfg, checkpoint_path, as_json))
 
 
+@main.command(
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+    epilog=f"Exit codes: {exit_codes_text()}.",
+)
+@click.argument("script", metavar="SCRIPT")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[SCRIPT ARGS]...")
+@click.option("-m", "--module", is_flag=True, help="SCRIPT is a module name, run as python -m MODULE.")
+@click.option("--nproc", type=int, help="Processes on this node [default: selected GPUs, or 1 on CPU].")
+@click.option("--gpus", help="Physical GPU ids as nvidia-smi shows them (2,3), all, none, auto or auto:N.")
+@click.option("--nnodes", type=int, default=1, help="Machines in the job (multi-node: also --node-rank, --master-*).")
+@click.option("--node-rank", type=int, default=0, help="This machine's index, 0..nnodes-1.")
+@click.option("--master-addr", default="127.0.0.1", help="Address of node 0 [default: 127.0.0.1].")
+@click.option("--master-port", type=int, help="TCP port on node 0 [default on one node: a free port].")
+@click.option(
+    "--cpu-binding",
+    type=click.Choice(CPU_BINDINGS),
+    default="none",
+    help="Bind each process to its CPUs: cores (its own share), numa (its GPU's node), auto [none].",
+)
+@click.option("--max-restarts", type=int, default=0, help="Start every process again after a rank crashed [0].")
+def run(script: str, script_args: tuple[str, ...], module: bool, **flags: Any) -> None:
+    """Run your own training SCRIPT (or -m MODULE) in N processes, as torchrun starts them.
+
+    \b
+      ignite-mgpu run --nproc 2 train.py --epochs 1
+      ignite-mgpu run --gpus 2,3 -m mypkg.train --lr 0.1
+      ignite-mgpu run --gpus auto:2 --max-restarts 1 train.py --resume last.pt
+
+    Each process gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+    MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...), so init_process_group(), ignite's
+    idist.Parallel and ignite_mgpu.launch() in the script join the group unchanged; the script chooses the
+    backend and its collective timeout. Options go before SCRIPT; what follows it is the script's. A rank that
+    fails stops every process, and its error is shown once; a script that exits with 2 (argparse, click)
+    rejected its arguments, and nothing restarts it. Refused under torchrun or srun: one launcher at a time.
+    """
+    from ignite_mgpu.config import DistConfig
+
+    with _errors_to_exit():
+        from ignite_mgpu.processes.script import run_script_job
+
+        cfg = DistConfig(**flags, preempt_signal=None)
+        code = run_script_job(cfg, script, list(script_args), module)
+    sys.exit(code)
+
+
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def devices(as_json: bool) -> None:

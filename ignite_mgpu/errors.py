@@ -80,6 +80,21 @@ class TrainingInterrupted(TrainingStopped):
         self.exit_code = signal_exit_code(signum)
 
 
+class ScriptArgumentsError(ConfigError):
+    """A script run by ``ignite-mgpu run`` rejected its own arguments: it exited with code 2, the code argparse and
+    click exit with after printing the usage (exit code 2; a restart would meet the same arguments)."""
+
+
+class JobFailed(RuntimeError):
+    """A job launched from a notebook or an interactive session failed: raised by ``launch`` where a script gets
+    ``SystemExit``. ``exit_code`` is the job's code (errors.EXIT_CODES), ``rank`` the global rank that failed first
+    (None: not one rank's error), ``traceback`` that rank's traceback (text; also at the end of the message)."""
+
+    def __init__(self, message: str, exit_code: int, rank: int | None = None, traceback: str = "") -> None:
+        super().__init__(message)
+        self.exit_code, self.rank, self.traceback = exit_code, rank, traceback
+
+
 def is_user_error(err: BaseException) -> bool:
     """Errors whose message says it all (bad config or checkpoint, a deliberate stop): reported without a
     traceback."""

@@ -1,5 +1,6 @@
 """The default job's entries, shared by the CLI and Python code: ``fit`` trains after every pre-flight check the
-CLI makes, ``evaluate`` scores saved weights. Both return the job's exit code (errors.EXIT_CODES)."""
+CLI makes, ``evaluate`` scores saved weights. Both return the job's exit code (errors.EXIT_CODES); ``fit``'s comes
+with the run's folder, its last epoch's metrics and its best model (``FitResult``)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import dataclasses
 import functools
 import sys
 from pathlib import Path
+from typing import Any
 
 from ignite_mgpu.config import Config, run_dir, validate
 from ignite_mgpu.errors import CheckpointError, ConfigError
 from ignite_mgpu.preflight import check_job, checked_plan, prepared
 from ignite_mgpu.processes import cluster, launcher
 from ignite_mgpu.processes.plan import Restart
+from ignite_mgpu.runs.read import best_model, last_epoch
 
 TRAINING = "ignite_mgpu.train.job:training"
 
@@ -24,7 +27,38 @@ def _refused(err: ConfigError | CheckpointError) -> int:
     return err.exit_code
 
 
-def fit(cfg: Config | None = None) -> int:
+class FitResult(int):
+    """What ``fit`` returns: the job's exit code, as an int (``sys.exit(fit(cfg))`` and ``fit(cfg) == 0`` work), with
+    the run's folder (``output_dir``), the last epoch's line of metrics.jsonl (``metrics``: {} before the first
+    epoch ended) and the best model's file (``best_model``: None before the first validation)."""
+
+    output_dir: Path | None
+    metrics: dict[str, Any]
+    best_model: Path | None
+
+    def __new__(
+        cls,
+        exit_code: int,
+        output_dir: Path | None = None,
+        metrics: dict[str, Any] | None = None,
+        best_model: Path | None = None,
+    ) -> FitResult:
+        result = super().__new__(cls, exit_code)
+        result.output_dir, result.metrics, result.best_model = output_dir, metrics or {}, best_model
+        return result
+
+    @property
+    def exit_code(self) -> int:
+        return int(self)
+
+    def __repr__(self) -> str:
+        out, best = (str(p) if p is not None else None for p in (self.output_dir, self.best_model))
+        return f"FitResult(exit_code={int(self)}, output_dir={out!r}, best_model={best!r}, metrics={self.metrics!r})"
+
+    __str__ = int.__repr__  # printed or formatted, it is the exit code
+
+
+def fit(cfg: Config | None = None) -> FitResult:
     """Train the default job (``train.training``) as ``ignite-mgpu train`` does, with the same checks.
 
     Before anything starts: the config's values, the model name, the output folder (not locked by another job, no
@@ -33,9 +67,10 @@ def fit(cfg: Config | None = None) -> int:
     With ``dist.max_restarts``, a failed job restarts from the newest complete checkpoint in ``output_dir``.
 
     Returns:
-        0 on success; 2 (the reason printed as one paragraph on stderr) when a check fails, 1 for a corrupt
-        ``resume`` file, 4 when ``dist.wait`` ran out before the GPUs were free; otherwise the job's code: 1 a rank
-        failed, 3 diverged, 130/143 stopped by a signal.
+        A ``FitResult``, an int: 0 on success; 2 (the reason printed as one paragraph on stderr) when a check
+        fails, 1 for a corrupt ``resume`` file, 4 when ``dist.wait`` ran out before the GPUs were free; otherwise the
+        job's code: 1 a rank failed, 3 diverged, 130/143 stopped by a signal. Its ``output_dir``, ``metrics`` and
+        ``best_model`` say what the run left.
     """
     cfg = cfg if cfg is not None else Config()
     try:
@@ -43,9 +78,11 @@ def fit(cfg: Config | None = None) -> int:
         with prepared(cfg) as plan:
             # Only the target's name is pickled for the workers: this process never imports ignite.
             restart = functools.partial(_resume_newest, cfg, cluster.outer_restarts())
-            return launcher.run_plan(plan, launcher.run_named, TRAINING, cfg, restart=restart)
+            code = launcher.run_plan(plan, launcher.run_named, TRAINING, cfg, restart=restart)
     except (ConfigError, CheckpointError) as err:
-        return _refused(err)
+        return FitResult(_refused(err))
+    out = run_dir(cfg)  # resolved by the pre-flight: a new folder under runs/ for a run without output_dir
+    return FitResult(code, out, last_epoch(out), best_model(out))
 
 
 def _resume_newest(cfg: Config, outer_restarts: int, attempt: int) -> Restart:

@@ -20,12 +20,11 @@ from typing import Any
 import torch
 
 from ignite_mgpu.errors import CheckpointError
+from ignite_mgpu.runs.folder import BEST_NAME as BEST_NAME  # the best model's name, with the run folder's names
 
 logger = logging.getLogger(__name__)
 PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
 CKPT_NAME = re.compile(r"^checkpoint_(\d+)(\.pt)?$")  # a file (format full) or a folder (format sharded)
-# best_model_<epoch>_val_<metric>=<score>.pt; a loss used to be written negated (val_loss=-2.4889): read both.
-BEST_NAME = re.compile(r"^best_model_(\d+)_val_(accuracy|loss)=(-?[\d.]+)\.pt$")
 TEMP_PREFIX, TEMP_SUFFIX = ".tmp-", ".pt"  # a file being written; renamed into place once complete
 METADATA = ".metadata"  # written by torch.distributed.checkpoint last, once every rank's shards are on disk
 TRAIN_STATE = "train_state.pt"  # in a sharded folder: everything but the model and the optimizer, one plain file

@@ -58,18 +58,33 @@ def torchrun_store(environ: Mapping[str, str] = os.environ) -> tuple[str, int, s
 
 
 def worker_environment(
-    rank: int, local: int, world_size: int, local_world_size: int, node_rank: int, master_addr: str, master_port: int
+    rank: int,
+    local: int,
+    world_size: int,
+    local_world_size: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+    restart_count: int = 0,
+    max_restarts: int = 0,
 ) -> dict[str, str]:
-    """The variables a spawned worker gets: the ones torchrun gives its processes, so ``idist`` and
-    ``init_process_group()`` read them as they would under torchrun."""
+    """The variables a spawned worker gets: the ones torchrun gives its processes, so ``idist``,
+    ``init_process_group()`` and a script written for torchrun read them as they would under torchrun.
+    (Not TORCHELASTIC_USE_AGENT_STORE: the job's rank 0 hosts the rendezvous store on MASTER_PORT.)"""
     return {
         "RANK": str(rank),
         "LOCAL_RANK": str(local),
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(local_world_size),
         "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(world_size // local_world_size),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "ROLE_NAME": "default",
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
     }
 
 

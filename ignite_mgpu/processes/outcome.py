@@ -7,7 +7,7 @@ import signal
 from dataclasses import dataclass
 from typing import Any
 
-from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, signal_exit_code
+from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, USAGE, signal_exit_code
 
 Failure = dict[str, Any]  # a worker's failure file (worker.failure_record): rank, time, type, message, traceback, code
 
@@ -22,6 +22,7 @@ class Outcome:
     advice: str = ""
     details: str = ""
     failed: str = ""  # "rank 1", "rank(s) 1, 3"
+    rank: int | None = None  # the global rank whose error is the cause (None: not one rank's error)
 
     def message(self, advice: bool = True) -> str:
         text = f"{self.cause} {self.advice}" if advice and self.advice else self.cause
@@ -64,6 +65,11 @@ def outcome(
         return Outcome(SUCCESS)
     if len(stopped) == len(exit_codes):  # every worker was signalled directly (e.g. by a scheduler)
         return Outcome(int(stopped[0]["code"]), f"{stopped[0]['message']}.")
+    usage = [f for f in failures if f["code"] == USAGE]  # a script rejected its arguments (ignite-mgpu run)
+    if usage:
+        first = min(usage, key=lambda f: f["time"])
+        where = "" if len(usage) == len(exit_codes) else f"rank {first['rank']}: "
+        return Outcome(USAGE, f"{where}{first['message']}", rank=first["rank"])
     diverged = [f for f in failures if f["code"] == DIVERGED]
     if diverged:
         return Outcome(DIVERGED, f"training diverged: {diverged[0]['message']}")
@@ -99,6 +105,7 @@ def _killed(first_failure: tuple[int, int], rank_offset: int) -> Outcome:
         "the other ranks.",
         "Resume from the last checkpoint with --resume auto.",
         failed=f"rank {rank_offset + local_rank}",
+        rank=rank_offset + local_rank,
     )
 
 
@@ -120,7 +127,7 @@ def _raised(failed: list[Failure], exit_codes: list[int | None], rank_offset: in
         # The earliest error is the cause; later ones are usually peers losing their connection to it.
         first = min(failed, key=lambda f: f["time"])
         cause = f"rank {first['rank']} failed with {first['type']}: {first['message']}"
-        return Outcome(FAILED, cause, "", first["traceback"], f"rank {first['rank']}")
+        return Outcome(FAILED, cause, "", first["traceback"], f"rank {first['rank']}", first["rank"])
     return Outcome(FAILED, f"a rank exited with codes {exit_codes}.")
 
 
@@ -136,6 +143,8 @@ def no_restart_reason(
         return "the job was asked to stop"
     if all(c == 0 for c in exit_codes):
         return "the job succeeded"
+    if any(f["code"] == USAGE for f in failures):
+        return "the script rejected its arguments, and a restart would give it the same ones"
     if any(f["code"] == DIVERGED for f in failures):
         return "training diverged, and a restart from the last checkpoint would diverge again"
     if first_failure and first_failure[1] in (-signal.SIGINT, -signal.SIGTERM):

@@ -45,6 +45,8 @@ class LaunchPlan:
     preempt_signal: int | None = None  # the pre-emption signal: checkpoint, stop, requeue the SLURM job
     # The job's GPU claims, held by the launching process until the job ends (run_plan releases them).
     claims: GpuClaims = field(default_factory=GpuClaims, compare=False, repr=False)
+    start_method: str = "spawn"  # "fork" from a notebook, whose function a fresh process cannot import
+    join_group: bool = True  # False: the job creates its own process group (ignite-mgpu run: a user's script)
 
     @property
     def world_size(self) -> int:
@@ -59,6 +61,7 @@ class Restart:
     checkpoint: str | None = None  # the checkpoint the restarted job resumes from (None: from its beginning)
     iteration: int = 0  # that checkpoint's iteration
     resumes: bool = True  # False: a plain function run again (launch()), nothing known about its progress
+    name: str = "the job function"  # what runs again from its start when it does not resume (a script's name)
 
 
 @dataclass(frozen=True)
@@ -81,13 +84,17 @@ def probe_machine() -> Machine:
     return Machine(n_cuda, torch.__version__, torch.version.cuda, os.cpu_count() or 1, loopback)
 
 
-def make_plan(cfg: DistConfig, environ: dict[str, str] | os._Environ[str] = os.environ) -> LaunchPlan:
+def make_plan(
+    cfg: DistConfig, environ: dict[str, str] | os._Environ[str] = os.environ, join_group: bool = True
+) -> LaunchPlan:
     """Decide backend, process count, GPUs and rendezvous from ``cfg`` and this machine.
 
     The chosen GPUs' environment (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER) is the one change to ``environ``, made
     before torch is asked anything: CUDA reads it once, when this process first asks. Everything else the plan
     sets (``plan.env``) is applied in the workers. A job on GPUs claims them (``acquire.py``; ``plan.claims``,
     released by ``run_plan``, or here when a check fails); one that torchrun or SLURM started claims nothing.
+    ``join_group=False``: a script that creates its own process group from the torchrun environment
+    (``processes/script.py``), on whichever backend it chooses.
 
     Raises:
         ConfigError: every impossible request, before anything is spawned.
@@ -100,7 +107,7 @@ def make_plan(cfg: DistConfig, environ: dict[str, str] | os._Environ[str] = os.e
             gpu_plan, held = acquire.acquire(cfg, environ, claim=not external)
             gpu_selection.check_cuda_not_initialized(gpu_plan.physical_ids, environ)
             environ.update(gpu_plan.env)
-        plan = decide(cfg, gpu_plan, probe_machine(), environ)
+        plan = decide(cfg, gpu_plan, probe_machine(), environ, join_group)
         if cfg.gpus is None and plan.device == "cuda" and not external:  # the GPUs as the environment has them
             held = acquire.acquire(cfg, environ)[1]
         if plan.backend is not None and not plan.external and cfg.master_port is not None and cfg.node_rank == 0:
@@ -152,11 +159,23 @@ def check_port_free(addr: str, port: int) -> None:
             ) from None
 
 
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A TCP port that nothing listens on now, for a rendezvous of a script on one node (ignite-mgpu run)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr if addr != "localhost" else "127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def decide(
-    cfg: DistConfig, gpu_plan: gpu_selection.GpuPlan | None, machine: Machine, environ: Mapping[str, str]
+    cfg: DistConfig,
+    gpu_plan: gpu_selection.GpuPlan | None,
+    machine: Machine,
+    environ: Mapping[str, str],
+    join_group: bool = True,
 ) -> LaunchPlan:
     """The plan without its CPU binding: a pure function of the config, the chosen GPUs, the machine and the
-    launcher's environment (read only)."""
+    launcher's environment (read only). A script (``join_group=False``) chooses its own backend: the checks of
+    ours (nccl needs a GPU per process) are its to make."""
     n_cuda = machine.cuda_devices
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if n_cuda else "gloo")
     check_devices(cfg, backend, gpu_plan, machine)
@@ -168,7 +187,7 @@ def decide(
     nproc = cfg.nproc if cfg.nproc is not None else (selected if selected and cfg.strategy != "dp" else 1)
     if cfg.strategy == "fsdp":
         _check_fsdp_processes(cfg, nproc, chosen, messages)
-    if backend == "nccl" and nproc > n_cuda:
+    if backend == "nccl" and nproc > n_cuda and join_group:
         raise ConfigError(
             f"--nproc {nproc} with nccl needs {nproc} GPUs, but {n_cuda} {'is' if n_cuda == 1 else 'are'} visible; "
             f"NCCL cannot put two ranks on one GPU. Use --nproc {n_cuda}, select more GPUs with --gpus, or use "
@@ -190,13 +209,15 @@ def decide(
         # included, without is_initialized() turning true), and this process may have asked before --gpus was
         # applied: a job on chosen GPUs always runs in a spawned process, also a single one.
         # A restart needs a process to restart: one process with --max-restarts runs in a spawned worker too.
-        spawn_one=bool(chosen) or cfg.max_restarts > 0,
+        # A script always runs in spawned workers: they get the torchrun environment, this process supervises.
+        spawn_one=bool(chosen) or cfg.max_restarts > 0 or not join_group,
         messages=messages,
         max_restarts=cfg.max_restarts,
         preempt_signal=cluster.signal_number(cfg.preempt_signal),
+        join_group=join_group,
     )
     if plan.backend is not None:
-        _group_environment(plan, backend, n_cuda, gpu_plan is None, machine, environ)
+        _group_environment(plan, backend, n_cuda, gpu_plan is None and join_group, machine, environ)
     return plan
 
 

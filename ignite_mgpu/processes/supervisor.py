@@ -5,9 +5,11 @@ signal stops them all; a failure that a restart can cure (``outcome.no_restart_r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import multiprocessing as mp
 import os
+import pickle
 import shutil
 import signal
 import sys
@@ -21,8 +23,8 @@ from typing import Any
 from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, signal_exit_code
 from ignite_mgpu.processes import stop
 from ignite_mgpu.processes.outcome import Failure, Outcome, no_restart_reason, outcome
-from ignite_mgpu.processes.plan import LaunchPlan, Restart
-from ignite_mgpu.processes.worker import worker_main
+from ignite_mgpu.processes.plan import LaunchPlan, Restart, free_port
+from ignite_mgpu.processes.worker import RESULT_FILE, worker_main
 
 # After the first failure the other ranks get this long to exit by themselves (a peer that lost its connection
 # does at once; the failing rank's failure file is written by then); longer only while one of them writes a checkpoint.
@@ -38,12 +40,22 @@ def _print(message: str) -> None:
 
 class Supervisor:
     """Starts the workers, watches them, stops them all on the first failure or a signal, and restarts them up to
-    ``plan.max_restarts`` times after a failure a restart can cure (``restart`` gives each restart's arguments)."""
+    ``plan.max_restarts`` times after a failure a restart can cure (``restart`` gives each restart's arguments).
+
+    After ``run``, ``outcome`` says how the job ended and ``value`` holds what ``fn`` returned on global rank 0
+    (None: it returned nothing, or the job failed). ``report=False``: the caller reports the ending (a notebook's
+    exception) instead of the last lines on stderr."""
 
     def __init__(
-        self, plan: LaunchPlan, fn: Callable[..., Any], args: tuple, restart: Callable[[int], Restart] | None = None
+        self,
+        plan: LaunchPlan,
+        fn: Callable[..., Any],
+        args: tuple,
+        restart: Callable[[int], Restart] | None = None,
+        report: bool = True,
     ) -> None:
-        self.plan, self.fn, self.args, self.restart = plan, fn, args, restart
+        self.plan, self.fn, self.args, self.restart, self.report = plan, fn, args, restart, report
+        self.outcome, self.value, self.note = Outcome(SUCCESS), None, ""
         self.error_dir = tempfile.mkdtemp(prefix="ignite-mgpu-")  # 0700: private to this user
         self.signal_received = 0
         self.procs: list[Any] = []
@@ -72,7 +84,7 @@ class Supervisor:
         what = (
             "stops and writes a checkpoint at the next check; the job then requeues itself"
             if preempt
-            else ("stops at the next check")
+            else ("stops at the next check" if self.plan.join_group else "is sent SIGTERM")  # a script: as torchrun
         )
         print(
             f"ignite-mgpu: {signal.Signals(signum).name} received{' (pre-emption)' if preempt else ''}: every rank "
@@ -109,15 +121,16 @@ class Supervisor:
             for s, h in old.items():
                 signal.signal(s, h)
             shutil.rmtree(self.error_dir, ignore_errors=True)
-        _print(result.message())
-        if note:
+        self.outcome, self.note = result, note
+        if self.report:
+            _print(result.message())
             _print(note)
         return result.code
 
     def _attempt(self, attempt: int, args: tuple) -> tuple[Outcome, str | None, int]:
         """Start every worker, watch them, stop them all. Returns how they ended, why a restart cannot cure it
         (None: it can), and the last iteration that every rank had completed."""
-        ctx = mp.get_context("spawn")
+        ctx: Any = mp.get_context(self.plan.start_method)  # "spawn" or "fork": both contexts have Process
         plan = self.plan
         folder = Path(self.error_dir, f"attempt{attempt}")
         folder.mkdir()
@@ -125,6 +138,9 @@ class Supervisor:
             plan.init_method = "file://" + os.path.join(
                 self.error_dir, "rendezvous" + (str(attempt) if attempt else "")
             )
+            if not plan.join_group:
+                # A script rendezvous through MASTER_PORT (env://): a port free now, a fresh one for every attempt.
+                plan = dataclasses.replace(plan, master_port=free_port(plan.master_addr))
         self.procs, self.first_failure = [], None
         self.deadline = self.failure_deadline = self.failure_time = float("inf")
         try:
@@ -133,7 +149,7 @@ class Supervisor:
                     break  # stopped while starting: start no more workers
                 p = ctx.Process(
                     target=worker_main,
-                    args=(local_rank, plan, self.fn, args, str(folder)),
+                    args=(local_rank, plan, self.fn, args, str(folder), attempt),
                     name=f"ignite-mgpu-rank{local_rank}",
                 )
                 p.start()
@@ -151,6 +167,7 @@ class Supervisor:
         result = outcome(failures, exit_codes, self.first_failure, self.signal_received, offset, plan.timeout)
         reason = no_restart_reason(failures, exit_codes, self.first_failure, self.signal_received)
         reached = min((status[0] for status in self._statuses(folder)), default=0)
+        self.value = self._read_value(folder) if result.code == SUCCESS else None
         return result, reason, reached
 
     def _announce_restart(self, attempt: int, failure: Outcome, reached: int) -> tuple:
@@ -159,7 +176,7 @@ class Supervisor:
         info = self.restart(attempt) if self.restart is not None else Restart(self.args, resumes=False)
         delay = min(MAX_BACKOFF, BACKOFF * 2 ** (attempt - 1))
         if not info.resumes:
-            where = "running the job function again from its start"
+            where = f"running {info.name} again from its start"
         elif info.checkpoint:
             where = f"resuming from {info.checkpoint} at iteration {info.iteration}"
         else:
@@ -209,6 +226,12 @@ class Supervisor:
     def _statuses(folder: Path) -> list[tuple[int, bool]]:
         found = (stop.read_status(f) for f in folder.glob("status*"))
         return [s for s in found if s is not None]
+
+    @staticmethod
+    def _read_value(folder: Path) -> Any:
+        """What ``fn`` returned on global rank 0 (written by its worker; None where it returned nothing)."""
+        path = folder / RESULT_FILE
+        return pickle.loads(path.read_bytes()) if path.is_file() else None
 
     @staticmethod
     def _read_failures(folder: Path) -> list[Failure]:

@@ -11,6 +11,7 @@ import ctypes
 import json
 import logging
 import os
+import pickle
 import signal
 import sys
 import time
@@ -19,16 +20,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ignite_mgpu.errors import FAILED, TrainingStopped, is_user_error
+from ignite_mgpu.errors import FAILED, ScriptArgumentsError, TrainingStopped, is_user_error
 from ignite_mgpu.processes import cluster, stop
 from ignite_mgpu.processes.binding import apply_binding, current, free_group_threads, thread_ids
 
 if TYPE_CHECKING:
     from ignite_mgpu.processes.plan import LaunchPlan
 
+RESULT_FILE = "result.pkl"  # what the job function returned on global rank 0, beside the failure files
+_raised_at: list[float] = []  # when the job function raised in this process (the failure file's time)
 
-def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> None:
-    """Join the job's process group (or none, for one process) and run ``fn(local_rank, *args)`` in it."""
+
+def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> Any:
+    """Join the job's process group (or none, for one process) and run ``fn(local_rank, *args)`` in it; returns
+    what ``fn`` returned."""
     import ignite.distributed as idist
 
     stop.set_collective_timeout(plan.timeout)
@@ -36,11 +41,23 @@ def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> None:
         logging.getLogger(f"ignite.distributed.{name}").setLevel(logging.WARNING)  # ignite keeps existing loggers
     before_group = thread_ids()
     own_group = plan.external and plan.backend is not None and _join_torchrun_attempt(plan.backend)
+    returned = []  # Parallel.run drops what the function returns
+    _raised_at.clear()  # one job's (a forked worker starts with its parent's memory)
+
+    def run(local_rank: int, *args: Any) -> None:
+        try:
+            returned.append(fn(local_rank, *args))
+        except BaseException:
+            # Leaving Parallel destroys the process group, and the peers fail on it at once: the failure's time is
+            # taken now, so that the supervisor names this rank's error as the cause, not theirs.
+            _raised_at.append(time.time())
+            raise
+
     try:
         with idist.Parallel(backend=None if own_group else plan.backend, init_method=plan.init_method) as parallel:
             free_group_threads(before_group)  # cores: gloo's threads communicate on the job's CPUs
             _say_where(plan)
-            parallel.run(fn, *args)
+            parallel.run(run, *args)
             if idist.get_world_size() > 1:
                 # A gloo thread releases the last collective's tensors a moment after wait() returned, and needs
                 # the GIL for it. A process that exits normally (started by torchrun or srun) can reach interpreter
@@ -53,6 +70,7 @@ def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> None:
             import torch.distributed as dist
 
             dist.destroy_process_group()
+    return returned[0] if returned else None
 
 
 def _join_torchrun_attempt(backend: str) -> bool:
@@ -121,17 +139,42 @@ def failure_record(rank: int, err: BaseException) -> dict[str, Any]:
     """What a failed worker tells the supervisor in its failure file: its rank, when, the error, its exit code."""
     return {
         "rank": rank,
-        "time": time.time(),
+        "time": _raised_at[0] if _raised_at else time.time(),
         "type": type(err).__name__,
         "message": str(err),
         "traceback": getattr(err, "detail", "") if is_user_error(err) else traceback.format_exc(),
-        "code": err.exit_code if isinstance(err, TrainingStopped) else FAILED,
+        "code": err.exit_code if isinstance(err, (TrainingStopped, ScriptArgumentsError)) else FAILED,
         "user_error": is_user_error(err),  # a restart would meet it again
     }
 
 
-def worker_main(local_rank: int, plan: LaunchPlan, fn: Callable[..., Any], args: tuple, error_dir: str) -> None:
-    """The spawned process's entry: set up the process, run ``fn``, exit with its code (an error file on failure)."""
+def write_result(path: Path, value: Any) -> None:
+    """Pickle what the job function returned on global rank 0 for the supervisor; tensors go to the CPU (the
+    launching process must not initialise CUDA to read them: a notebook could not fork workers again)."""
+    torch = sys.modules.get("torch")
+
+    class ToCpu(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+                return obj.cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+            return NotImplemented
+
+    try:
+        with path.open("wb") as f:
+            ToCpu(f, pickle.HIGHEST_PROTOCOL).dump(value)
+    except Exception as err:
+        raise TypeError(
+            f"the job function returned a {type(value).__name__} on rank 0 that cannot be pickled ({err}), so it "
+            "cannot reach the launching process. Return plain data (numbers, strings, lists, dicts, tensors, a "
+            "state_dict), or save the object to a file and return its path."
+        ) from None
+
+
+def worker_main(
+    local_rank: int, plan: LaunchPlan, fn: Callable[..., Any], args: tuple, error_dir: str, attempt: int = 0
+) -> None:
+    """The spawned (or forked) process's entry: set up the process, run ``fn``, exit with its code (an error file
+    on failure; rank 0's return value in ``RESULT_FILE``). ``attempt``: the restart count (0: the first start)."""
     _set_pdeathsig()
     os.setpgid(0, 0)  # own process group: Ctrl-C reaches only the launcher, which then stops the workers
     for var in cluster.slurm_task_variables():
@@ -140,19 +183,24 @@ def worker_main(local_rank: int, plan: LaunchPlan, fn: Callable[..., Any], args:
     os.environ.update(plan.env)
     # Before anything imports torch here (unless unpickling the job function already did: then it resizes the pool).
     apply_binding(plan.binding.rank(local_rank))
+    address = plan.master_addr, plan.master_port or 29500
+    restarts = cluster.outer_restarts() + attempt  # a requeued SLURM job's restarts count too (SLURM_RESTART_COUNT)
     os.environ.update(
         cluster.worker_environment(
-            rank, local_rank, plan.world_size, plan.nproc, plan.node_rank, plan.master_addr, plan.master_port or 29500
+            rank, local_rank, plan.world_size, plan.nproc, plan.node_rank, *address, restarts, plan.max_restarts
         )
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_signal)
+    # A script knows nothing of our stop requests: SIGTERM ends it, as torchrun's SIGTERM does.
+    signal.signal(signal.SIGTERM, _on_signal if plan.join_group else signal.SIG_DFL)
     if plan.preempt_signal:  # SLURM signals every process of the step, the workers too: the same stop
         signal.signal(plan.preempt_signal, _on_signal)
     stop.set_status_file(Path(error_dir, f"status{rank}"))  # how far it got, and whether it is saving
     code = 0
     try:
-        run_in_group(plan, fn, args)
+        value = run_in_group(plan, fn, args) if plan.join_group else fn(local_rank, *args)
+        if rank == 0 and value is not None:
+            write_result(Path(error_dir, RESULT_FILE), value)
     except BaseException as err:  # every failure becomes a failure file and an exit code
         record = failure_record(rank, err)
         code = record["code"]

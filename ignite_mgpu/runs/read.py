@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.runs.folder import CONFIG, METRICS
+from ignite_mgpu.runs.folder import BEST_NAME, CONFIG, METRICS
 from ignite_mgpu.text import plural
 
 
@@ -119,6 +119,23 @@ def _read_dist(folder: Path) -> tuple[dict[str, Any], str]:
         return {}, "config.yaml unreadable"
     dist = config.get("dist") if isinstance(config, dict) else None
     return (dist, "") if isinstance(dist, dict) else ({}, "config.yaml without dist")
+
+
+def last_epoch(folder: str | Path) -> dict[str, Any]:
+    """The last complete epoch of a run's metrics.jsonl; {} where there is none (yet)."""
+    try:
+        epochs, _ = read_metrics(Path(folder) / METRICS)
+    except OSError:
+        return {}
+    return epochs[-1] if epochs else {}
+
+
+def best_model(folder: str | Path) -> Path | None:
+    """The run's best model file (best_model_<epoch>_val_<metric>=<score>.pt: the highest accuracy, the lowest
+    loss, whatever the sign an older name gave it)."""
+    scored = ((m[2], float(m[3]), p) for p in Path(folder).glob("best_model_*.pt") if (m := BEST_NAME.match(p.name)))
+    found = [(value if metric == "accuracy" else -abs(value), p) for metric, value, p in scored]
+    return max(found)[1] if found else None
 
 
 def read_run(folder: str | Path) -> Run:

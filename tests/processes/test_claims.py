@@ -27,6 +27,7 @@ from ignite_mgpu.config import Config, DistConfig, validate
 from ignite_mgpu.errors import WAIT_TIMEOUT, ConfigError, WaitTimedOut
 from ignite_mgpu.processes import acquire, claims, gpus, launcher
 from ignite_mgpu.processes.gpu_selection import GpusTaken
+from ignite_mgpu.processes.outcome import Outcome
 from ignite_mgpu.processes.plan import make_plan
 from tests.conftest import REPO, run_cli
 
@@ -294,7 +295,7 @@ def test_the_plan_holds_the_claims_until_the_job_ends_and_lets_them_go_on_a_fail
     assert plan.claims.names == [UUID(2)] and set(claimed()) == {UUID(2)}
     assert pickle.loads(pickle.dumps(plan)).claims.names == []  # a spawned worker holds nothing
     assert all(not os.get_inheritable(fd) for fd in plan.claims._fds)  # nor does any process started by exec
-    monkeypatch.setattr(launcher, "_run", lambda *args: 0)
+    monkeypatch.setattr(launcher, "_run_job", lambda *args: (Outcome(0), None))
     assert launcher.run_plan(plan, print) == 0
     assert claimed() == {}
 

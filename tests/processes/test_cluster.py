@@ -58,16 +58,23 @@ def test_who_started_the_process_and_where_it_stands():
 
 
 def test_a_worker_gets_torchruns_variables_and_drops_the_launchers_slurm_task():
-    env = cluster.worker_environment(5, 1, 8, 4, 1, "10.0.0.1", 29500)
+    env = cluster.worker_environment(5, 1, 8, 4, 1, "10.0.0.1", 29500, restart_count=1, max_restarts=2)
     assert env == {
         "RANK": "5",
         "LOCAL_RANK": "1",
         "WORLD_SIZE": "8",
         "LOCAL_WORLD_SIZE": "4",
         "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "2",
+        "ROLE_RANK": "5",
+        "ROLE_WORLD_SIZE": "8",
+        "ROLE_NAME": "default",
         "MASTER_ADDR": "10.0.0.1",
         "MASTER_PORT": "29500",
+        "TORCHELASTIC_RESTART_COUNT": "1",
+        "TORCHELASTIC_MAX_RESTARTS": "2",
     }
+    assert cluster.outer_restarts(env) == 1  # a restarted script reads it as it would under torchrun
     assert cluster.started_externally(env)  # what the job function sees is what torchrun would give it
     slurm = {"SLURM_PROCID": "0", "SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1", "PATH": "/bin"}
     assert sorted(cluster.slurm_task_variables(slurm)) == ["SLURM_JOB_ID", "SLURM_PROCID"]

@@ -1,19 +1,70 @@
-"""Running a decided plan: the requeue after a pre-emption stop. The spawned jobs are in tests/distributed and
-tests/faults. `python -m pytest tests/processes/test_launcher.py`."""
+"""Running a decided plan: the requeue after a pre-emption stop; what launch() returns and raises for a job run
+in this process. The spawned jobs are in tests/distributed and tests/faults.
+`python -m pytest tests/processes/test_launcher.py`."""
 
-from ignite_mgpu.processes import cluster, launcher
+import pytest
+
+from ignite_mgpu.errors import ConfigError, JobFailed
+from ignite_mgpu.processes import cluster, launcher, notebook
+from ignite_mgpu.processes.outcome import Outcome
 from ignite_mgpu.processes.plan import LaunchPlan
 
 
 def test_a_preempted_job_requeues_once_from_global_rank_0(monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(cluster, "requeue", lambda: calls.append(1) or "requeued SLURM job 7")
-    monkeypatch.setattr(launcher, "_run_here", lambda plan, fn, args: 138)
+    monkeypatch.setattr(launcher, "_run_here", lambda plan, fn, args, report: (Outcome(138), None))
     plan = LaunchPlan(backend="gloo", nproc=1, external=True, preempt_signal=10)
     monkeypatch.setenv("RANK", "1")
     assert launcher.run_plan(plan, print) == 138 and not calls  # not rank 0
     monkeypatch.setenv("RANK", "0")
     assert launcher.run_plan(plan, print) == 138 and calls == [1]
     assert "ignite-mgpu: requeued SLURM job 7" in capsys.readouterr().err
-    monkeypatch.setattr(launcher, "_run_here", lambda plan, fn, args: 143)  # SIGTERM: the user stopped it
+    monkeypatch.setattr(
+        launcher, "_run_here", lambda plan, fn, args, report: (Outcome(143), None)
+    )  # SIGTERM: the user stopped it
     assert launcher.run_plan(plan, print) == 143 and calls == [1]
+
+
+def answer(local_rank, base):
+    return {"local_rank": local_rank, "answer": base + 1}
+
+
+def refuse(local_rank):
+    raise ConfigError("data.root=/nope: no such folder.")
+
+
+def test_launch_returns_what_the_function_returned():
+    assert launcher.launch(answer, 41) == {"local_rank": 0, "answer": 42}  # one process: run here
+    assert launcher.launch(print) is None
+
+
+def test_a_failed_job_exits_from_a_script_and_raises_in_a_notebook(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exited:
+        launcher.launch(refuse)
+    assert exited.value.code == 1
+    assert capsys.readouterr().err == "ignite-mgpu: ConfigError: data.root=/nope: no such folder.\n"
+    monkeypatch.setattr(notebook, "interactive", lambda: True)
+    with pytest.raises(JobFailed, match=r"^ConfigError: data.root=/nope: no such folder\.$") as raised:
+        launcher.launch(refuse)
+    assert (raised.value.exit_code, raised.value.rank) == (1, 0) and isinstance(raised.value, RuntimeError)
+    assert capsys.readouterr().err == ""  # said once, by the exception
+
+
+def test_the_gpus_a_job_chose_are_the_workers_and_this_process_gets_its_own_back(monkeypatch):
+    import os
+
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+    def plan_on_gpus(cfg):
+        os.environ.update(CUDA_VISIBLE_DEVICES="2,3", CUDA_DEVICE_ORDER="PCI_BUS_ID")  # as make_plan exports them
+        return LaunchPlan(backend="nccl", nproc=2, gpus=[2, 3], device="cuda")
+
+    seen = []
+    monkeypatch.setattr(launcher, "make_plan", plan_on_gpus)
+    monkeypatch.setattr(
+        launcher, "run_job", lambda *a, **k: seen.append(os.environ["CUDA_VISIBLE_DEVICES"]) or (Outcome(0), 7)
+    )
+    assert launcher.launch(answer, 1, gpus="2,3") == 7 and seen == ["2,3"]  # the workers start with them
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and "CUDA_DEVICE_ORDER" not in os.environ  # a notebook can go on

@@ -101,3 +101,26 @@ def test_a_stop_signal_during_the_backoff_cancels_the_restart(monkeypatch, capsy
     monkeypatch.setattr(supervisor.time, "sleep", lambda s: setattr(sup, "signal_received", signal.SIGTERM))
     assert sup.run() == 143 and len(sup.started) == 1
     assert capsys.readouterr().err.endswith("ignite-mgpu: stopped by SIGTERM before a restart.\n")
+
+
+def test_rank_0s_return_value_travels_pickled_with_tensors_on_the_cpu(tmp_path):
+    import threading
+
+    import torch
+
+    from ignite_mgpu.processes.worker import RESULT_FILE, write_result
+
+    write_result(tmp_path / RESULT_FILE, {"loss": 0.5, "weight": torch.ones(2)})
+    value = Supervisor._read_value(tmp_path)
+    assert value["loss"] == 0.5 and torch.equal(value["weight"], torch.ones(2))
+    assert Supervisor._read_value(tmp_path / "nothing") is None  # returned None: no file
+    with pytest.raises(TypeError, match=r"the job function returned a lock on rank 0 that cannot be pickled \("):
+        write_result(tmp_path / "lock.pkl", threading.Lock())
+
+
+def test_not_reporting_leaves_the_ending_to_the_caller(no_backoff, capsys):
+    failed = Outcome(1, "rank 1 failed with ValueError: boom", details="Traceback ...")
+    quiet = Scripted(LaunchPlan(backend="gloo", nproc=2), [(failed, None, 0)])
+    quiet.report = False
+    assert quiet.run() == 1 and quiet.outcome is failed and quiet.value is None
+    assert capsys.readouterr().err == ""

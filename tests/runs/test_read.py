@@ -235,3 +235,17 @@ def test_report_imports_neither_torch_nor_ignite(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.splitlines()[-1] == "[]" and (run / "report.png").read_bytes().startswith(PNG)
+
+
+def test_what_fit_returns_is_read_from_the_run_folder(tmp_path):
+    assert runs.last_epoch(tmp_path) == {} and runs.best_model(tmp_path) is None  # nothing written yet
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(epoch(1)) + "\n" + json.dumps(epoch(2)) + '\n{"epo')
+    assert runs.last_epoch(tmp_path) == epoch(2)
+    for name in ("best_model_32_val_accuracy=0.9100.pt", "best_model_64_val_accuracy=0.9790.pt", "notes.pt"):
+        (tmp_path / name).write_bytes(b"")
+    assert runs.best_model(tmp_path) == tmp_path / "best_model_64_val_accuracy=0.9790.pt"
+    (tmp_path / "best_model_96_val_loss=-0.0500.pt").write_bytes(b"")  # a loss is kept negated: higher is better
+    (tmp_path / "best_model_32_val_accuracy=0.9100.pt").unlink()
+    (tmp_path / "best_model_64_val_accuracy=0.9790.pt").unlink()
+    (tmp_path / "best_model_128_val_loss=-0.0700.pt").write_bytes(b"")
+    assert runs.best_model(tmp_path) == tmp_path / "best_model_96_val_loss=-0.0500.pt"

@@ -1,0 +1,245 @@
+"""`ignite-mgpu run` on real scripts, 2 gloo processes each: the PyTorch DDP tutorial's script ends with the weights
+torchrun gives it, an idist.Parallel script joins the group, a failing rank ends the job with its error once (the
+script's work inside launch(), which joins the group as it would torchrun's), a script rejecting its arguments is
+reported as such, --max-restarts runs a script that crashed once again, an outer torchrun is refused. Every job
+runs in its own session with a hard timeout, and no process may outlive it (tests/faults/harness.py).
+`python -m pytest tests/distributed/test_run_script.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, needs_gpus
+from tests.faults.harness import Harness
+
+pytestmark = [pytest.mark.distributed]
+SCRIPTS = REPO / "examples" / "scripts"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+# Crashes on rank 1 while the marker file is missing (and creates it); else every rank writes what it was given.
+# With "launch", the work runs inside ignite_mgpu.launch(), which joins the group `ignite-mgpu run` set up as it
+# would join torchrun's; else the script joins it itself with init_process_group().
+CRASH_ONCE = """
+import json, os, sys
+
+import torch
+import torch.distributed as dist
+
+VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_ADDR",
+        "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+
+
+def work(local_rank, marker, out):
+    total = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(total)
+    if dist.get_rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        raise ValueError("the batch on rank 1 is corrupt")
+    dist.barrier()
+    seen = {v: os.environ.get(v) for v in VARS} | {"local_rank": local_rank, "sum": total.item()}
+    with open(f"{out}.{dist.get_rank()}", "w") as f:
+        json.dump(seen, f)
+    return seen
+
+
+if __name__ == "__main__":
+    if sys.argv[3:] == ["launch"]:
+        from ignite_mgpu import launch
+
+        launch(work, sys.argv[1], sys.argv[2])
+    else:
+        dist.init_process_group("gloo")
+        work(int(os.environ["LOCAL_RANK"]), sys.argv[1], sys.argv[2])
+        dist.destroy_process_group()
+"""
+
+
+@pytest.fixture
+def h(tmp_path: Path):
+    harness = Harness(tmp_path)
+    yield harness
+    harness.cleanup()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def state_dicts_equal(a: Path, b: Path) -> bool:
+    import torch
+
+    first, second = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.timeout(300)
+def test_the_ddp_tutorials_script_trains_to_the_weights_torchrun_gives(h: Harness) -> None:
+    tutorial = str(SCRIPTS / "tutorial_ddp.py")
+    ours = h.run(["run", "--nproc", "2", tutorial, "--epochs", "1", "--out", "ours.pt"], 150, tag="ours")
+    assert ours.rc == 0, str(ours)
+    assert "[GPU0] Epoch 0 | Steps: 16" in ours.stdout and "[GPU1] Epoch 0 | Steps: 16" in ours.stdout
+    torchrun = [*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port())]
+    theirs = h.run([tutorial, "--epochs", "1", "--out", "theirs.pt"], 150, tag="torchrun", command=torchrun)
+    assert theirs.rc == 0, str(theirs)
+    assert state_dicts_equal(h.root / "ours.pt", h.root / "theirs.pt")  # bit for bit
+    h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(200)
+def test_an_idist_parallel_script_joins_the_group_it_is_given(h: Harness) -> None:
+    r = h.run(["run", "--nproc", "2", str(SCRIPTS / "idist_parallel.py"), "--out", "result.json"], 150)
+    assert r.rc == 0, str(r)
+    result = json.loads((h.root / "result.json").read_text())
+    assert (result["world_size"], result["backend"], result["sum_of_ranks"]) == (2, "gloo", 1.0)
+    assert result["losses"][-1] < result["losses"][0]
+    h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(200)
+def test_a_failing_rank_ends_the_job_with_its_error_shown_once(h: Harness) -> None:
+    (h.root / "crashonce.py").write_text(CRASH_ONCE)
+    r = h.run(["run", "--nproc", "2", "crashonce.py", "marker", "seen", "launch"], 150)
+    assert r.rc == 1, str(r)
+    assert r.stderr.count("ignite-mgpu: rank 1 failed with ValueError: the batch on rank 1 is corrupt") == 1, r
+    line = next(n for n, text in enumerate(CRASH_ONCE.splitlines(), 1) if "raise ValueError" in text)
+    assert r.stderr.count("Traceback") == 1 and f'crashonce.py", line {line}, in work' in r.stderr, r
+    assert not list(h.root.glob("seen.*"))  # rank 0 never finished: it was stopped
+    h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(200)
+def test_a_script_rejecting_its_arguments_is_reported_as_such(h: Harness) -> None:
+    r = h.run(["run", "--nproc", "2", str(SCRIPTS / "tutorial_ddp.py"), "--epochs", "1", "--bogus"], 150)
+    assert r.rc == 2, str(r)
+    assert r.stderr.count("usage: tutorial_ddp.py") == 1, r  # printed by rank 0 only
+    assert "tutorial_ddp.py: error: unrecognized arguments: --bogus" in r.stderr
+    assert r.stderr.rstrip().endswith(
+        "ignite-mgpu: tutorial_ddp.py rejected its arguments: it exited with code 2, as argparse and click do after "
+        "printing its usage (above). Fix the arguments after the script's name (ignite-mgpu run [OPTIONS] "
+        "tutorial_ddp.py [ARGS]; tutorial_ddp.py --help lists them)."
+    ), r
+    h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(240)
+def test_max_restarts_runs_a_script_that_crashed_once_again_with_torchruns_variables(h: Harness) -> None:
+    (h.root / "crashonce.py").write_text(CRASH_ONCE)
+    r = h.run(["run", "--nproc", "2", "--max-restarts", "1", "-m", "crashonce", "marker", "seen"], 200)
+    assert r.rc == 0, str(r)
+    assert r.stderr.count("rank 1 failed with ValueError: the batch on rank 1 is corrupt") == 1, r
+    assert "restart 1 of 1 (dist.max_restarts) after rank 1 failed, in 1 s: running crashonce again from its start" in (
+        r.stderr
+    )
+    seen = [json.loads((h.root / f"seen.{rank}").read_text()) for rank in (0, 1)]
+    for rank, env in enumerate(seen):
+        assert env == {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": seen[0]["MASTER_PORT"],
+            "TORCHELASTIC_RESTART_COUNT": "1",
+            "TORCHELASTIC_MAX_RESTARTS": "1",
+            "local_rank": rank,
+            "sum": 3.0,  # the script's init_process_group() joined the 2-process group
+        }
+    assert int(seen[0]["MASTER_PORT"]) > 0
+    h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(200)
+def test_under_an_outer_torchrun_it_refuses_to_nest_launchers(h: Harness) -> None:
+    torchrun = [*TORCHRUN, "--nproc_per_node", "1", "--master_port", str(free_port()), "-m", "ignite_mgpu"]
+    # (no --nproc here: torchrun's own parser would take it for its --nproc-per-node)
+    r = h.run(["run", str(SCRIPTS / "tutorial_ddp.py"), "--epochs", "1"], 150, command=torchrun)
+    assert r.rc != 0, str(r)
+    assert "ignite-mgpu: error: ignite-mgpu run was started by torchrun or srun" in r.stderr, r
+    assert "exitcode  : 2" in r.stderr, r  # torchrun's report of our exit code
+    assert "Epoch" not in r.stdout
+    h.assert_no_leftovers()
+
+
+# ------------------------------------------------------------------------------------------------ gpu twins
+
+WHERE = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl")
+total = torch.ones(1, device="cuda") * (dist.get_rank() + 1)
+dist.all_reduce(total)
+if sys.argv[1:] == ["crash"] and dist.get_rank() == 1:
+    raise RuntimeError("rank 1 lost its GPU")
+seen = {v: os.environ.get(v) for v in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "LOCAL_RANK")}
+seen |= {"devices": torch.cuda.device_count(), "sum": total.item()}
+print("SEEN", json.dumps(seen), flush=True)
+dist.destroy_process_group()
+"""
+
+
+class GpuHarness(Harness):
+    """The harness with the machine's GPUs as they are (the CPU scenarios hide them)."""
+
+    def env(self, tag, fault, extra=None):
+        env = super().env(tag, fault, extra)
+        if "CUDA_VISIBLE_DEVICES" in os.environ:
+            env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            env.pop("CUDA_VISIBLE_DEVICES")
+        return env
+
+
+@pytest.fixture
+def g(tmp_path: Path):
+    harness = GpuHarness(tmp_path)
+    yield harness
+    harness.cleanup()
+
+
+def seen_lines(stdout: str) -> list[dict]:
+    return sorted((json.loads(line[5:]) for line in stdout.splitlines() if line.startswith("SEEN ")), key=str)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_gpu_run_chooses_gpus_by_physical_id_before_the_script_starts(g: GpuHarness) -> None:
+    needs_gpus(1)
+    (g.root / "where.py").write_text(WHERE)
+    r = g.run(["run", "--gpus", "0", "where.py"], 200)
+    assert r.rc == 0, str(r)
+    seen = seen_lines(r.stdout)
+    assert seen == [
+        {"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "LOCAL_RANK": "0", "devices": 1, "sum": 1.0}
+    ], r
+    g.assert_no_leftovers()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(400)
+def test_gpu_the_ddp_tutorial_on_2_gpus_matches_torchrun_and_a_failing_rank_ends_the_job(g: GpuHarness) -> None:
+    needs_gpus(2)
+    tutorial = str(SCRIPTS / "tutorial_ddp.py")
+    ours = g.run(["run", "--gpus", "0,1", tutorial, "--epochs", "1", "--out", "ours.pt"], 150, tag="ours")
+    assert ours.rc == 0, str(ours)
+    torchrun = [*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port())]
+    theirs = g.run([tutorial, "--epochs", "1", "--out", "theirs.pt"], 150, tag="torchrun", command=torchrun)
+    assert theirs.rc == 0, str(theirs)
+    assert state_dicts_equal(g.root / "ours.pt", g.root / "theirs.pt")
+    (g.root / "where.py").write_text(WHERE)
+    crashed = g.run(["run", "--gpus", "0,1", "where.py", "crash"], 150, tag="crash")
+    assert crashed.rc == 1 and "rank 1 failed with RuntimeError: rank 1 lost its GPU" in crashed.stderr, crashed
+    g.assert_no_leftovers()
