@@ -6,13 +6,13 @@ Precedence is fixed: dataclass defaults < ``--config FILE.yaml`` < dotted overri
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from ignite_mgpu import text
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.runs import folder
 
@@ -151,57 +151,22 @@ def _paragraph(err: Exception, where: str) -> str:
     return f"{head} ({where}): {msg} See `ignite-mgpu train --help` and configs/default.yaml for valid keys."
 
 
-def _keys() -> dict[str, list[str]]:
-    """Section name -> its keys ("" holds the top-level keys), from the dataclasses."""
-    sections: dict[str, list[str]] = {"": []}
-    defaults = Config()
-    for f in dataclasses.fields(defaults):
-        value = getattr(defaults, f.name)
-        if dataclasses.is_dataclass(value):
-            sections[f.name] = [g.name for g in dataclasses.fields(value)]
-        else:
-            sections[""].append(f.name)
-    return sections
-
-
 def dotted_keys() -> list[str]:
     """Every key as written on the command line (``train.epochs``), in the dataclasses' order."""
-    return [f"{s}.{k}" if s else k for s, keys in _keys().items() for k in keys]
-
-
-def _unknown_key(key: str, where: str, overrides: list[str] | tuple[str, ...]) -> str:
-    """The paragraph for a key no section has: the same name in another section (``epochs`` -> ``train.epochs``),
-    else the closest key of its section (``optim.lrr`` -> ``optim.lr``), else the closest name anywhere; with the
-    override's value, so that the suggestion can be pasted."""
-    import difflib  # here: the CLI imports this module, and --help stays fast
-
-    sections = _keys()
-    section, _, name = key.rpartition(".")
-    every = dotted_keys() + [s for s in sections if s]
-    near = [f"{section}.{k}" if section else k for k in difflib.get_close_matches(name, sections[section], n=1)]
-    moved = [k for k in every if k.rpartition(".")[2] == name]
-    last = {k.rpartition(".")[2]: k for k in reversed(every)}
-    guess = moved or near or [last[k] for k in difflib.get_close_matches(name, list(last), n=1, cutoff=0.7)]
-    value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), None)
-    place = f"not a key of section {section}" if section else "not a top-level key"
-    if guess:
-        hint = f"; did you mean {guess[0]}{'' if value is None else '=' + value}?"
-    else:
-        hint = f" (its keys: {', '.join(sections[section])})."
-    return f"config key '{key}' ({where}) is {place}{hint} configs/default.yaml lists every key with its default."
+    return text.dotted(text.sections_of(Config()))
 
 
 def _check_keys(layer: Any, where: str, overrides: list[str] | tuple[str, ...]) -> None:
     """Unknown keys of one layer (a YAML file, the overrides), down to the sections' keys: ``model.args`` and
-    ``data.args`` take any key."""
-    sections = _keys()
+    ``data.args`` take any key. The message suggests the key meant (``text.unknown_key``)."""
+    sections = text.sections_of(Config())
     for key, value in layer.items():
         if key in sections and key != "":
             for sub in value if isinstance(value, dict) else ():
                 if sub not in sections[key]:
-                    raise ConfigError(_unknown_key(f"{key}.{sub}", where, overrides))
+                    raise ConfigError(text.unknown_key(f"{key}.{sub}", where, sections, overrides))
         elif key not in sections[""]:
-            raise ConfigError(_unknown_key(str(key), where, overrides))
+            raise ConfigError(text.unknown_key(str(key), where, sections, overrides))
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -1,8 +1,11 @@
-"""How messages write counts and lists of ids: one spelling everywhere. Torch-free, a leaf like errors.py."""
+"""How messages write counts, lists of ids and the config key a user meant: one spelling everywhere. Torch-free, a
+leaf like errors.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 
 def plural(count: int, noun: str) -> str:
@@ -20,3 +23,41 @@ def format_ids(ids: Iterable[int]) -> str:
         else:
             runs.append([i])
     return ",".join(f"{r[0]}-{r[-1]}" if len(r) >= 3 else ",".join(map(str, r)) for r in runs)
+
+
+def sections_of(defaults: Any) -> dict[str, list[str]]:
+    """A config dataclass's sections -> their keys ("" holds the top-level keys)."""
+    sections: dict[str, list[str]] = {"": []}
+    for f in dataclasses.fields(defaults):
+        value = getattr(defaults, f.name)
+        if dataclasses.is_dataclass(value):
+            sections[f.name] = [g.name for g in dataclasses.fields(value)]
+        else:
+            sections[""].append(f.name)
+    return sections
+
+
+def dotted(sections: Mapping[str, Sequence[str]]) -> list[str]:
+    """Every key as written on the command line (``train.epochs``), in the sections' order."""
+    return [f"{s}.{k}" if s else k for s, keys in sections.items() for k in keys]
+
+
+def unknown_key(key: str, where: str, sections: Mapping[str, Sequence[str]], overrides: Sequence[str] = ()) -> str:
+    """The paragraph for a key no section has: the same name in another section (``epochs`` -> ``train.epochs``),
+    else the closest key of its section (``optim.lrr`` -> ``optim.lr``), else the closest name anywhere; with the
+    override's value, so that the suggestion can be pasted."""
+    import difflib  # here: the CLI imports this module, and --help stays fast
+
+    section, _, name = key.rpartition(".")
+    every = dotted(sections) + [s for s in sections if s]
+    near = [f"{section}.{k}" if section else k for k in difflib.get_close_matches(name, sections[section], n=1)]
+    moved = [k for k in every if k.rpartition(".")[2] == name]
+    last = {k.rpartition(".")[2]: k for k in reversed(every)}
+    guess = moved or near or [last[k] for k in difflib.get_close_matches(name, list(last), n=1, cutoff=0.7)]
+    value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key), None)
+    place = f"not a key of section {section}" if section else "not a top-level key"
+    if guess:
+        hint = f"; did you mean {guess[0]}{'' if value is None else '=' + value}?"
+    else:
+        hint = f" (its keys: {', '.join(sections[section])})."
+    return f"config key '{key}' ({where}) is {place}{hint} configs/default.yaml lists every key with its default."
