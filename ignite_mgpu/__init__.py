@@ -16,6 +16,7 @@ _PUBLIC = {
     "GuardEvents": "ignite_mgpu.train.guard",
     "prepare_model": "ignite_mgpu.train.strategy",
     "load_checkpoint": "ignite_mgpu.checkpoint.load",
+    "save_weights": "ignite_mgpu.checkpoint.weights",
     "Config": "ignite_mgpu.config",
     "ConfigError": "ignite_mgpu.errors",
     "CheckpointError": "ignite_mgpu.errors",

@@ -164,7 +164,9 @@ def main() -> None:
 @dist_options
 @click.option("--output-dir", help="Folder for config.yaml, metrics.jsonl and checkpoints.")
 @click.option(
-    "--resume", help="Checkpoint path, or auto (newest complete checkpoint in output_dir; none yet: a new run)."
+    "--resume",
+    help="Checkpoint path, or auto (newest complete checkpoint in output_dir; none yet: a new run), or a "
+    ".safetensors file (weights only: a new run from them, fresh optimizer and schedule, epoch 0).",
 )
 @click.option(
     "--max-restarts",
@@ -195,7 +197,7 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
     "checkpoint_path",
     required=True,
     type=click.Path(),  # a folder too: a sharded checkpoint is refused with how to convert it
-    help="A best_model_*.pt, checkpoint_*.pt or any (even module.-prefixed) state_dict file.",
+    help="A best_model_*.pt, checkpoint_*.pt, .safetensors or any (even module.-prefixed) state_dict file.",
 )
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML of the run (model, data).")
 @dist_options
@@ -297,14 +299,16 @@ def report(run_dirs: tuple[str, ...], out: str | None, as_json: bool) -> None:
 
 @main.group()
 def checkpoint() -> None:
-    """Inspect or convert checkpoint files and sharded folders (always loaded with weights_only=True)."""
+    """Inspect or convert checkpoint files, safetensors files and sharded folders (.pt files always loaded with
+    weights_only=True)."""
 
 
 @checkpoint.command()
 @click.argument("path", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def inspect(path: str, as_json: bool) -> None:
-    """Show what a checkpoint file or sharded folder holds: entries, step, parameters, dtypes, wrapper prefixes."""
+    """Show what a checkpoint file or sharded folder holds: entries, step, parameters, dtypes, wrapper prefixes (of a
+    .safetensors file: its metadata and tied names too)."""
     import json
 
     with _errors_to_exit():
@@ -320,8 +324,10 @@ def inspect(path: str, as_json: bool) -> None:
 def convert(src: str, dst: str) -> None:
     """Write a clean model state_dict (no module./_orig_mod. prefixes) from SRC into DST.
 
-    SRC is a checkpoint or state_dict file, or a sharded checkpoint folder (checkpoint.format=sharded), whose
-    shards are gathered here, in one process, into one file that loads anywhere.
+    SRC is a checkpoint, state_dict or .safetensors file, or a sharded checkpoint folder (checkpoint.format=sharded),
+    whose shards are gathered here, in one process, into one file that loads anywhere. A DST ending in .safetensors
+    is written as safetensors (no pickle; tied weights once; the run's model settings as metadata), any other name
+    with torch.save.
     """
     from pathlib import Path
 

@@ -104,6 +104,7 @@ class CheckpointConfig:
     save_on_stop: bool = True  # on SIGTERM/SIGINT write one checkpoint before exiting
     allow_config_change: bool = False  # let --resume continue a checkpoint written with other settings
     format: Literal["full", "sharded"] = "full"  # full: one file, written by rank 0; sharded: a folder, by every rank
+    best_format: Literal["pt", "safetensors"] = "pt"  # the best model's file: a torch.save state_dict, or safetensors
 
 
 @dataclass

@@ -87,11 +87,15 @@ def fit(cfg: Config | None = None) -> FitResult:
 
 def _resume_newest(cfg: Config, outer_restarts: int, attempt: int) -> Restart:
     """Restart ``attempt`` of the default job: ``--resume auto``, the newest complete checkpoint in output_dir (or
-    from the beginning when none was written yet); named here for the supervisor's log line."""
-    from ignite_mgpu.checkpoint.files import CKPT_NAME, find_resumable
+    from the beginning when none was written yet, from the weights of a ``--resume X.safetensors`` start); named
+    here for the supervisor's log line."""
+    from ignite_mgpu.checkpoint.files import CKPT_NAME, find_resumable, weights_only_resume
 
     path = find_resumable(run_dir(cfg))
     match = CKPT_NAME.match(path.name) if path is not None else None
+    if path is None and weights_only_resume(cfg.resume):
+        args = (TRAINING, cfg, outer_restarts + attempt)
+        return Restart(args, str(cfg.resume), 0)
     args = (TRAINING, dataclasses.replace(cfg, resume="auto"), outer_restarts + attempt)
     return Restart(args, str(path) if path is not None else None, int(match.group(1)) if match else 0)
 

@@ -130,7 +130,7 @@ def check_datasets(cfg: Config, world_size: int) -> None:
 def check_output_dir(cfg: Config) -> None:
     """Never mix two runs' checkpoints, never write where another job writes; ``--resume`` must name something
     resumable."""
-    from ignite_mgpu.checkpoint.files import is_complete
+    from ignite_mgpu.checkpoint.files import is_complete, is_safetensors
 
     out = run_dir(cfg)
     owner = lock_owner(out)
@@ -146,7 +146,7 @@ def check_output_dir(cfg: Config) -> None:
         if not path.exists():
             raise ConfigError(
                 f"--resume {path}: no such file. Pass a checkpoint_<iteration>.pt path, a checkpoint_<iteration> "
-                "folder (checkpoint.format=sharded), or auto."
+                "folder (checkpoint.format=sharded), a .safetensors file (a new run from its weights), or auto."
             )
         if path.is_dir() and not is_complete(path):
             raise CorruptCheckpointError(
@@ -155,18 +155,27 @@ def check_output_dir(cfg: Config) -> None:
                 "--resume auto to pick the newest complete one."
             )
         if not is_complete(path):
+            what = "safetensors file" if is_safetensors(path) else "checkpoint archive"
             raise CorruptCheckpointError(
-                f"--resume {path.resolve()}: the file is corrupt or truncated (not a complete checkpoint "
-                "archive). Use an earlier checkpoint, or --resume auto to pick the newest complete one."
+                f"--resume {path.resolve()}: the file is corrupt or truncated (not a complete {what}). Use an "
+                "earlier checkpoint, or --resume auto to pick the newest complete one."
             )
 
 
 def check_no_foreign_checkpoints(cfg: Config) -> None:
-    """A new run (no --resume) needs an output_dir without checkpoints; checked again once the lock is held."""
-    from ignite_mgpu.checkpoint.files import list_checkpoints
+    """A new run (no --resume, or a .safetensors file's weights) needs an output_dir without checkpoints; checked
+    again once the lock is held."""
+    from ignite_mgpu.checkpoint.files import list_checkpoints, weights_only_resume
 
     out = run_dir(cfg)
     existing = list_checkpoints(out) if out.is_dir() else []
+    if weights_only_resume(cfg.resume) and existing and not cluster.outer_restarts():  # a requeue continues them
+        raise ConfigError(
+            f"--resume {cfg.resume} starts a new run from its weights (a fresh optimizer and schedule, epoch 0), but "
+            f"output_dir {out.resolve()} already holds checkpoints of an earlier run ({existing[0].name}, ...), "
+            "which would mix with the new run's. Choose a new --output-dir, or continue that run exactly with "
+            "--resume auto; nothing was deleted."
+        )
     if cfg.resume is None and existing:
         raise ConfigError(
             f"output_dir {out.resolve()} already holds checkpoints of an earlier run ({existing[0].name}, ...). "

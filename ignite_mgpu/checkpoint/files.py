@@ -1,5 +1,5 @@
-"""Checkpoint files on disk: their names, which are complete, reading one safely (``weights_only=True``), wrapper
-prefixes. The leaf of the package.
+"""Checkpoint files on disk: their names, which are complete, reading one safely (``weights_only=True``, or a
+safetensors file with its ties restored), wrapper prefixes. The leaf of the package.
 
 Imports torch but not ignite: the launching process checks the output folder with it before it spawns the
 workers, and importing ignite there would delay every start by about a second.
@@ -8,6 +8,7 @@ workers, and importing ignite there would delay every start by about a second.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -26,6 +27,8 @@ logger = logging.getLogger(__name__)
 PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
 CKPT_NAME = re.compile(r"^checkpoint_(\d+)(\.pt)?$")  # a file (format full) or a folder (format sharded)
 TEMP_PREFIX, TEMP_SUFFIX = ".tmp-", ".pt"  # a file being written; renamed into place once complete
+SAFETENSORS = ".safetensors"  # weights only, no pickle: checkpoint.best_format=safetensors, checkpoint convert
+TIED = "ignite_mgpu.tied"  # a safetensors file's metadata: JSON {name not written: the name whose tensor it shares}
 METADATA = ".metadata"  # written by torch.distributed.checkpoint last, once every rank's shards are on disk
 TRAIN_STATE = "train_state.pt"  # in a sharded folder: everything but the model and the optimizer, one plain file
 
@@ -43,11 +46,45 @@ def is_complete(path: Path) -> bool:
     with its metadata and a complete train state."""
     if path.is_dir():
         return (path / METADATA).is_file() and is_complete(path / TRAIN_STATE)
+    if is_safetensors(path):
+        return _safetensors_complete(path)
     try:
         with zipfile.ZipFile(path) as zf:
             return zf.testzip() is None
     except (OSError, zipfile.BadZipFile, EOFError):
         return False
+
+
+def is_safetensors(path: str | Path) -> bool:
+    """A safetensors file: by its suffix, or by its first bytes (the header's length, then its JSON's ``{``)."""
+    path = Path(path)
+    if path.suffix == SAFETENSORS:
+        return True
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        return False
+    return len(head) == 9 and head[8:] == b"{" and int.from_bytes(head[:8], "little") < 2**27
+
+
+def _safetensors_complete(path: Path) -> bool:
+    """The header reads as JSON and the file ends where its last tensor does (the format covers every byte)."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header: dict[str, Any] = json.loads(f.read(size)) if 0 < size < 2**27 else {}
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        if not header:
+            return False
+        return path.stat().st_size == 8 + size + max(ends, default=0)
+    except (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError):
+        return False
+
+
+def weights_only_resume(resume: str | None) -> bool:
+    """``--resume`` names a safetensors file: weights only, so a new run starts from them (not an exact resume)."""
+    return resume not in (None, "auto") and is_safetensors(str(resume))
 
 
 def find_resumable(dirname: str | Path) -> Path | None:
@@ -65,9 +102,11 @@ def find_resumable(dirname: str | Path) -> Path | None:
 
 
 def clean_stale_temp_files(dirname: str | Path) -> None:
-    """Remove temp files and folders a killed writer left behind (only ours: ``.tmp-*.pt``, ``.tmp-checkpoint_*``)."""
-    for tmp in Path(dirname).glob(f"{TEMP_PREFIX}*{TEMP_SUFFIX}"):
-        tmp.unlink(missing_ok=True)
+    """Remove temp files and folders a killed writer left behind (only ours: ``.tmp-*.pt``, ``.tmp-*.safetensors``,
+    ``.tmp-checkpoint_*``)."""
+    for suffix in (TEMP_SUFFIX, SAFETENSORS):
+        for tmp in Path(dirname).glob(f"{TEMP_PREFIX}*{suffix}"):
+            tmp.unlink(missing_ok=True)
     for tmp in Path(dirname).glob(f"{TEMP_PREFIX}checkpoint_*"):
         if tmp.is_dir():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -117,7 +156,9 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     if path.is_dir():
         raise CheckpointError(sharded_folder_message(path))
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist; pass the path of a .pt file.")
+        raise CheckpointError(f"checkpoint {path} does not exist; pass the path of a .pt or .safetensors file.")
+    if is_safetensors(path):
+        return read_safetensors(path, map_location)[0]
     try:
         with _numpy_rng_globals():
             obj = torch.load(path, map_location=map_location, weights_only=True)
@@ -135,6 +176,34 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state_dict or a checkpoint dict.")
     return obj
+
+
+def read_safetensors(path: Path, map_location: Any = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A safetensors file's tensors, each tie restored as one tensor under all its names, and its metadata."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = dict(f.metadata() or {})
+            state = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{path} is corrupt or truncated and cannot be loaded (safetensors: {err}).") from None
+    try:
+        tied = json.loads(metadata.get(TIED, "{}"))
+        state.update({name: state[kept] for name, kept in tied.items()})
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CheckpointError(
+            f"{path}: its metadata {TIED}={metadata[TIED]!r} does not name tensors of the file: it was edited or "
+            "written by another tool. Write the file again (ignite-mgpu checkpoint convert)."
+        ) from None
+    device = torch.device(map_location)
+    if device.type != "cpu":
+        moved: dict[int, torch.Tensor] = {}  # a tie stays one tensor on the device
+        for t in state.values():
+            if id(t) not in moved:
+                moved[id(t)] = t.to(device)
+        state = {name: moved[id(t)] for name, t in state.items()}
+    return state, metadata
 
 
 def sharded_folder_message(path: Path) -> str:

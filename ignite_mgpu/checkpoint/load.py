@@ -10,7 +10,8 @@ from typing import Any
 
 from torch import nn
 
-from ignite_mgpu.checkpoint.files import is_state_dict, read_checkpoint, strip_prefixes
+from ignite_mgpu.checkpoint.files import is_safetensors, is_state_dict, read_checkpoint, strip_prefixes
+from ignite_mgpu.checkpoint.weights import tie_groups
 from ignite_mgpu.errors import CheckpointError
 from ignite_mgpu.train.strategy import unwrap
 
@@ -43,6 +44,15 @@ def check_model_state(model: nn.Module, state: Mapping[str, Any], source: str) -
         )
 
 
+def with_ties_of(module: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with each name that ``module`` ties to a name present filled in (the file wrote the tensor once)."""
+    state = dict(state)
+    for group in tie_groups(module):
+        present = [name for name in group if name in state]
+        state.update({name: state[present[0]] for name in group if present and name not in state})
+    return state
+
+
 def load_checkpoint(
     path: str | Path,
     to_load: Mapping[str, Any],
@@ -51,7 +61,8 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load ``path`` into the objects of ``to_load`` (e.g. ``{"model": model, "optimizer": opt}``).
 
-    Accepts a full checkpoint or a bare state_dict (for the model), strips ``module.`` / ``_orig_mod.``, maps every
+    Accepts a full checkpoint, a bare state_dict or a ``.safetensors`` file (for the model: a name the model ties
+    to another one may be left out, as Hugging Face writes them), strips ``module.`` / ``_orig_mod.``, maps every
     tensor to this rank's device (not cuda:0 for all ranks), and loads with ``weights_only=True``.
     Everything is checked before anything is loaded, so a mismatch leaves the objects untouched; ``check``
     (called with the checkpoint dict) can add a test of its own.
@@ -76,8 +87,10 @@ def load_checkpoint(
         ckpt["model"], found = strip_prefixes(ckpt["model"])
         if found:
             logger.info("%s: stripped the %s prefix from every key", path, " and ".join(found))
-        model = to_load["model"]
-        check_model_state(unwrap(model), ckpt["model"], str(path))
+        module = unwrap(to_load["model"])
+        if is_safetensors(path):
+            ckpt["model"] = with_ties_of(module, ckpt["model"])
+        check_model_state(module, ckpt["model"], str(path))
     if check is not None:
         check(ckpt)
     for name, obj in to_load.items():

@@ -7,12 +7,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from ignite_mgpu.checkpoint.files import find_resumable
+from ignite_mgpu.checkpoint.files import find_resumable, is_safetensors, weights_only_resume
 from ignite_mgpu.checkpoint.load import load_checkpoint
 from ignite_mgpu.checkpoint.sharded import load_sharded
 from ignite_mgpu.checkpoint.state import FullModelState
 from ignite_mgpu.config import Config, run_dir
 from ignite_mgpu.errors import CheckpointError
+from ignite_mgpu.processes.cluster import outer_restarts
 
 logger = logging.getLogger("ignite_mgpu")
 
@@ -47,13 +48,29 @@ def run_signature(cfg: Config) -> dict[str, str]:
     return {k: v for k, v in everything.items() if not k.startswith(RESUMABLE_CHANGES)}
 
 
+def resume_target(cfg: Config) -> Path | None:
+    """What ``cfg.resume`` restores: for "auto" the newest complete checkpoint (None: none yet); for a .safetensors
+    file its weights, unless torchrun or SLURM started the job again after it wrote checkpoints of its own, which
+    it then continues (the same command line serves the first start and the requeued ones)."""
+    if cfg.resume == "auto":
+        return find_resumable(run_dir(cfg))
+    path = Path(str(cfg.resume))
+    if weights_only_resume(cfg.resume) and outer_restarts():
+        return find_resumable(run_dir(cfg)) or path
+    return path
+
+
 def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
     """Restore every object from ``cfg.resume`` (a file or a sharded folder, or "auto": the newest complete one;
-    when there is none yet, nothing is restored and a new run starts, with a warning).
+    when there is none yet, nothing is restored and a new run starts, with a warning). A ``.safetensors`` file
+    holds weights only: the model is loaded and the rest starts fresh (``continue_from_weights``).
 
     Returns False when the checkpoint already finished ``train.epochs`` (nothing left to train).
     """
-    path = find_resumable(run_dir(cfg)) if cfg.resume == "auto" else Path(str(cfg.resume))
+    path = resume_target(cfg)
+    if path is not None and is_safetensors(path):
+        continue_from_weights(path, to_save)
+        return True
     if path is None:
         import ignite.distributed as idist
 
@@ -102,3 +119,19 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
         )
         return False
     return True
+
+
+def continue_from_weights(path: Path, to_save: dict[str, Any]) -> None:
+    """A new run from the weights of ``path``: the model is loaded (keys and shapes checked first); the optimizer,
+    the learning-rate schedule and the trainer start fresh, at epoch 0. Not an exact resume, and said so."""
+    import ignite.distributed as idist
+
+    cpu = isinstance(to_save["model"], FullModelState)  # as resume: each rank copies only its shards to its GPU
+    load_checkpoint(path, {"model": to_save["model"]}, map_location="cpu" if cpu else None)
+    if idist.get_rank() == 0:
+        logger.warning(
+            "--resume %s: weights only: the model starts from this file's weights; the optimizer, the learning-rate "
+            "schedule and the epoch count start fresh (epoch 0): a .safetensors file holds no training state. To "
+            "continue a run exactly, resume from its checkpoint_<iteration>.pt (or --resume auto)",
+            path,
+        )

@@ -8,19 +8,30 @@ import os
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ignite.distributed as idist
 from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, DiskSaver, global_step_from_engine
 from torch import nn
 
-from ignite_mgpu.checkpoint.files import BEST_NAME, CKPT_NAME, TEMP_PREFIX, TEMP_SUFFIX, fsync_dir, list_checkpoints
+from ignite_mgpu.checkpoint.files import (
+    BEST_NAME,
+    CKPT_NAME,
+    SAFETENSORS,
+    TEMP_PREFIX,
+    TEMP_SUFFIX,
+    fsync_dir,
+    list_checkpoints,
+)
 from ignite_mgpu.checkpoint.sharded import ShardedCheckpoint
+from ignite_mgpu.checkpoint.state import FullModelState, module_and_optimizer
+from ignite_mgpu.checkpoint.weights import SOURCE, TiedWeights, model_metadata, write_safetensors
 from ignite_mgpu.config import CheckpointConfig
 from ignite_mgpu.errors import CheckpointError
 from ignite_mgpu.processes import stop
 from ignite_mgpu.train.guard import GuardEvents
+from ignite_mgpu.train.strategy import unwrap
 
 
 class SafeDiskSaver(DiskSaver):
@@ -29,23 +40,22 @@ class SafeDiskSaver(DiskSaver):
 
     ignite's Checkpoint asks to remove the oldest file *before* saving the new one (pytorch-ignite #1986): a crash
     or a full disk in between would leave no checkpoint. Removals are deferred until the next save succeeds.
-    Files are created 0600 (ignite's DiskSaver adds group/other read bits).
+    Files are created 0600 (ignite's DiskSaver adds group/other read bits). A ``.safetensors`` name is written as
+    safetensors (``weights.write_safetensors``, as atomic), with ``metadata``.
     """
 
-    def __init__(self, dirname: str | Path) -> None:
+    def __init__(self, dirname: str | Path, metadata: Mapping[str, str] | None = None) -> None:
         super().__init__(dirname, atomic=True, create_dir=True, require_empty=False)
         self._pending: list[str] = []
+        self.metadata = dict(metadata or {})
 
     def _save_func(self, checkpoint: Mapping, path: Path, func: Callable) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.dirname, prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX)
         try:
-            with os.fdopen(fd, "wb") as f:
-                func(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            if path.suffix == SAFETENSORS:
+                write_safetensors(checkpoint, path, self.metadata)
+            else:
+                self._write(checkpoint, path, func)
         except BaseException as err:
-            Path(tmp).unlink(missing_ok=True)
             kept = ", ".join(p.name for p in reversed(list_checkpoints(self.dirname))) or "none"
             raise CheckpointError(f"saving {path.name} failed ({err}); kept the previous checkpoints: {kept}") from err
         fsync_dir(self.dirname)  # the rename survives a power loss only once its folder is synced
@@ -53,6 +63,18 @@ class SafeDiskSaver(DiskSaver):
             if name != path.name:  # ignite "removes" a file it is about to overwrite under the same name
                 (Path(self.dirname) / name).unlink(missing_ok=True)
         self._pending.clear()
+
+    def _write(self, checkpoint: Mapping, path: Path, func: Callable) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.dirname, prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                func(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def remove(self, filename: str) -> None:
         if idist.get_rank() == self.save_on_rank:
@@ -94,12 +116,19 @@ def create_checkpointers(
     n_saved: int,
     metric: str,
     best_step: Callable[[Any, Any], int],
+    best_format: str = "pt",
 ) -> tuple[Checkpoint, Checkpoint]:
-    """(full training state ``checkpoint_<iteration>.pt``, best unwrapped model ``best_model_*.pt``)."""
-    saver = SafeDiskSaver(dirname)
+    """(full training state ``checkpoint_<iteration>.pt``, best unwrapped model ``best_model_*.pt``, or with
+    ``best_format="safetensors"`` ``best_model_*.safetensors``: each tie written once, the model's settings from
+    ``objects["run"]`` as its metadata)."""
+    saver = SafeDiskSaver(dirname, _best_metadata(objects, metric))
     full = Checkpoint(dict(objects), saver, n_saved=n_saved, global_step_transform=lambda e, _: e.state.iteration)
+    safetensors, weights = best_format == "safetensors", cast(Any, model)
+    if safetensors:  # a wrapper's (DataParallel's) state_dict would carry its prefix: ignite unwraps only its own
+        unwrapped = model if isinstance(model, FullModelState) else unwrap(model)
+        weights = TiedWeights(unwrapped, module_and_optimizer(unwrapped, None)[0])
     best = Checkpoint(
-        {"model": model},
+        {"model": weights},
         saver,
         filename_prefix="best",
         n_saved=1,
@@ -107,7 +136,16 @@ def create_checkpointers(
         score_name=f"val_{metric}",
         global_step_transform=best_step,
     )
+    if safetensors:
+        best.ext = SAFETENSORS[1:]  # ignite's Checkpoint names its files {...}.{ext}
     return full, best
+
+
+def _best_metadata(objects: Mapping[str, Any], metric: str) -> dict[str, str]:
+    """A safetensors best model's metadata: where it comes from, the run's model settings."""
+    run = objects.get("run")
+    config = run.info["config"] if isinstance(run, RunInfo) else {}
+    return {SOURCE: f"the best model by val_{metric}", **model_metadata(cast(Mapping[str, str], config))}
 
 
 def attach_checkpoints(
@@ -120,7 +158,7 @@ def attach_checkpoints(
 ) -> tuple[Checkpoint | ShardedCheckpoint, Checkpoint]:
     """Full state every N epochs, iterations or minutes and on a stop signal (``checkpoint_<iteration>.pt``, or a
     sharded ``checkpoint_<iteration>/`` folder with ``checkpoint.format=sharded``); the best unwrapped model by
-    ``metric`` after validation, always one plain state_dict file.
+    ``metric`` after validation, always one plain file (``checkpoint.best_format``: a state_dict, or safetensors).
 
     Periodic saves go through ``GuardEvents.CHECKPOINT``: the guard fires it for every_iters and every_minutes (at
     the same iteration on every rank, at the end of an accumulation window, never after an unchecked NaN, and at
@@ -129,7 +167,7 @@ def attach_checkpoints(
     """
     full: Checkpoint | ShardedCheckpoint
     full, best = create_checkpointers(
-        to_save, to_save["model"], output_dir, cfg.n_saved, metric, global_step_from_engine(trainer)
+        to_save, to_save["model"], output_dir, cfg.n_saved, metric, global_step_from_engine(trainer), cfg.best_format
     )
     if cfg.format == "sharded":
         full = ShardedCheckpoint(to_save, output_dir, cfg.n_saved)
@@ -163,7 +201,7 @@ def adopt_existing(full: Checkpoint | ShardedCheckpoint, best: Checkpoint, dirna
         full.load_state_dict({"_saved": sorted(found)})
     bests = [
         (best_score(m.group(2), float(m.group(3))), p.name)
-        for p in Path(dirname).glob("best_model_*.pt")
+        for p in Path(dirname).glob("best_model_*")  # .pt and .safetensors: best_format may change on resume
         if (m := BEST_NAME.match(p.name))
     ]
     best.load_state_dict({"_saved": sorted(bests)})

@@ -3,6 +3,7 @@ state_dict or a sharded folder alike. Runs in the launching process: torch, neve
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -11,8 +12,18 @@ from typing import Any
 
 import torch
 
-from ignite_mgpu.checkpoint.files import TRAIN_STATE, is_state_dict, read_checkpoint, strip_prefixes
+from ignite_mgpu.checkpoint.files import (
+    SAFETENSORS,
+    TIED,
+    TRAIN_STATE,
+    is_safetensors,
+    is_state_dict,
+    read_checkpoint,
+    read_safetensors,
+    strip_prefixes,
+)
 from ignite_mgpu.checkpoint.sharded import SHARDED, model_shapes, single_process_quietly
+from ignite_mgpu.checkpoint.weights import SOURCE, model_metadata, write_safetensors
 from ignite_mgpu.errors import CheckpointError
 
 TRAINER_KEYS = ("iteration", "epoch", "epoch_length", "max_epochs")
@@ -20,7 +31,12 @@ TRAINER_KEYS = ("iteration", "epoch", "epoch_length", "max_epochs")
 
 def describe(path: str | Path) -> dict[str, Any]:
     """What ``checkpoint inspect`` prints: entries, step, parameter count, dtypes, wrapper prefixes (of a file or a
-    sharded folder, which also counts its shard files)."""
+    sharded folder, which also counts its shard files; of a safetensors file, its metadata and ties)."""
+    if Path(path).is_file() and is_safetensors(path):
+        weights, metadata = read_safetensors(Path(path))
+        info = _summary(path, "safetensors", [], weights, strip_prefixes(weights)[1], {})
+        info["tied"] = json.loads(metadata.pop(TIED, "{}"))
+        return info | {"metadata": dict(sorted(metadata.items()))}
     if Path(path).is_dir():
         shapes = model_shapes(Path(path))  # first: an incomplete folder is named as such
         state = read_checkpoint(Path(path) / TRAIN_STATE)
@@ -64,19 +80,44 @@ def _summary(
 
 
 def convert(src: str | Path, dst: str | Path) -> list[str]:
-    """Write a clean, unwrapped model state_dict from a legacy (``module.``-prefixed) file, a full checkpoint, or a
-    sharded checkpoint folder (its shards gathered in this process, without a process group). Returns the
-    prefixes stripped."""
-    if Path(src).is_dir():
-        _write(_gathered_model(Path(src)), dst)
-        return []
-    ckpt = read_checkpoint(src)
-    state = ckpt if is_state_dict(ckpt) else ckpt.get("model")
-    if not isinstance(state, Mapping) or not state:
-        raise CheckpointError(f"{src} has no model state_dict to convert (entries: {', '.join(ckpt)}).")
-    clean, found = strip_prefixes(state)
-    _write(clean, dst)
+    """Write a clean, unwrapped model state_dict from a legacy (``module.``-prefixed) file, a full checkpoint, a
+    safetensors file, or a sharded checkpoint folder (its shards gathered in this process, without a process
+    group): a ``.safetensors`` ``dst`` with each tie once and the run's model settings as metadata, else a
+    ``torch.save`` file. Returns the prefixes stripped."""
+    from safetensors import SafetensorError
+
+    clean, found, metadata = _model_of(Path(src))
+    if Path(dst).suffix != SAFETENSORS:
+        _write(clean, dst)
+        return found
+    try:
+        write_safetensors(clean, dst, metadata)
+    except (OSError, ValueError, SafetensorError) as err:
+        raise CheckpointError(f"cannot write {dst} ({err}).") from err
     return found
+
+
+def _model_of(src: Path) -> tuple[dict[str, Any], list[str], dict[str, str]]:
+    """``src``'s model state_dict without prefixes, the prefixes stripped, and the metadata a safetensors file of it
+    gets: its source's name, the run's model settings (or a safetensors source's own metadata)."""
+    carried: dict[str, str] = {}
+    found: list[str] = []
+    if src.is_dir():
+        clean = _gathered_model(src)
+        state = read_checkpoint(src / TRAIN_STATE) if (src / TRAIN_STATE).is_file() else {}
+    else:
+        if src.is_file() and is_safetensors(src):
+            ckpt, carried = read_safetensors(src)  # its ties are found again from the tensors
+        else:
+            ckpt = read_checkpoint(src)
+        model = ckpt if is_state_dict(ckpt) else ckpt.get("model")
+        if not isinstance(model, Mapping) or not model:
+            raise CheckpointError(f"{src} has no model state_dict to convert (entries: {', '.join(ckpt)}).")
+        (clean, found), state = strip_prefixes(model), ({} if model is ckpt else ckpt)
+    run = state.get("run")
+    config = run.get("config") if isinstance(run, Mapping) else None
+    metadata = {k: v for k, v in carried.items() if k != TIED} | {SOURCE: src.name}
+    return clean, found, metadata | model_metadata(config if isinstance(config, Mapping) else {})
 
 
 def _gathered_model(folder: Path) -> dict[str, torch.Tensor]:

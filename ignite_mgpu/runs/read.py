@@ -131,9 +131,9 @@ def last_epoch(folder: str | Path) -> dict[str, Any]:
 
 
 def best_model(folder: str | Path) -> Path | None:
-    """The run's best model file (best_model_<epoch>_val_<metric>=<score>.pt: the highest accuracy, the lowest
-    loss, whatever the sign an older name gave it)."""
-    scored = ((m[2], float(m[3]), p) for p in Path(folder).glob("best_model_*.pt") if (m := BEST_NAME.match(p.name)))
+    """The run's best model file (best_model_<epoch>_val_<metric>=<score>.pt or .safetensors: the highest accuracy,
+    the lowest loss, whatever the sign an older name gave it)."""
+    scored = ((m[2], float(m[3]), p) for p in Path(folder).glob("best_model_*") if (m := BEST_NAME.match(p.name)))
     found = [(value if metric == "accuracy" else -abs(value), p) for metric, value, p in scored]
     return max(found)[1] if found else None
 

@@ -18,7 +18,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
-from ignite_mgpu.checkpoint.files import clean_stale_temp_files
+from ignite_mgpu.checkpoint.files import clean_stale_temp_files, weights_only_resume
 from ignite_mgpu.checkpoint.load import load_checkpoint
 from ignite_mgpu.checkpoint.resume import resume, run_signature
 from ignite_mgpu.checkpoint.save import RunInfo, adopt_existing, attach_checkpoints
@@ -114,9 +114,10 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
     if cfg.resume:
         if not resume(cfg, to_save, world_size):
             return
-        adopt_existing(full, best, out)
-        if rank == 0:
-            epoch_log.drop_epochs_after(trainer.state.epoch)  # one row per epoch, also across restarts
+        if to_save["run"].loaded or not weights_only_resume(cfg.resume):  # from weights: a new run, no files yet
+            adopt_existing(full, best, out)
+            if rank == 0:
+                epoch_log.drop_epochs_after(trainer.state.epoch)  # one row per epoch, also across restarts
 
     trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
     if rank == 0:
