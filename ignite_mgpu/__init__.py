@@ -12,6 +12,8 @@ _PUBLIC = {
     "create_dataloader": "ignite_mgpu.train.loaders",
     "create_trainer": "ignite_mgpu.train.engine",
     "create_evaluator": "ignite_mgpu.train.evaluator",
+    "create_optimizer": "ignite_mgpu.train.optim",
+    "create_lr_scheduler": "ignite_mgpu.train.optim",
     "validation_metrics": "ignite_mgpu.train.evaluator",
     "GuardEvents": "ignite_mgpu.train.guard",
     "prepare_model": "ignite_mgpu.train.strategy",

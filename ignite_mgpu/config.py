@@ -62,15 +62,19 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """`optim:` optimizer and learning-rate schedule."""
+    """`optim:` optimizer, parameter groups and learning-rate schedule."""
 
-    name: Literal["sgd", "adamw"] = "sgd"  # SGD (Nesterov momentum unless optim.nesterov=false), or AdamW
-    lr: float = 0.05  # peak learning rate for the global batch
-    momentum: float = 0.9  # sgd only
+    name: str = "sgd"  # sgd (Nesterov unless optim.nesterov=false), adamw, a torch.optim class (Adam), or a factory
+    lr: float = 0.05  # peak learning rate for the global batch (every optimizer gets it)
+    momentum: float = 0.9  # to every optimizer with a momentum parameter (sgd, SGD, RMSprop); the others ignore it
     nesterov: bool = True  # sgd: Nesterov momentum; false: classic momentum, torch.optim.SGD's default (momentum > 0)
-    weight_decay: float = 5e-4  # L2 penalty (decoupled for AdamW)
-    scheduler: Literal["cosine", "constant"] = "cosine"  # shape after warm-up, stepped every optimizer step
-    warmup_epochs: float = 0.2  # linear warm-up length in epochs (0 = none)
+    weight_decay: float = 5e-4  # L2 penalty (decoupled for AdamW); every optimizer that takes weight_decay gets it
+    args: dict[str, Any] = field(default_factory=dict)  # more keyword arguments of the optimizer (betas, eps, ...)
+    no_decay_norm_and_bias: bool = False  # weight_decay 0 for biases, normalisation layers and every 1-d parameter
+    param_groups: str | None = None  # "package.module:factory": model -> torch parameter groups; None: one group
+    scheduler: str = "cosine"  # cosine, constant, a torch.optim.lr_scheduler class (OneCycleLR), or a factory
+    scheduler_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of that scheduler class/factory
+    warmup_epochs: float = 0.2  # linear warm-up length in epochs before the schedule (0 = none)
 
 
 @dataclass
@@ -79,6 +83,7 @@ class TrainConfig:
 
     epochs: int = 2  # passes over the training set
     loss: str = "cross_entropy"  # cross_entropy, model (the model returns its loss), or "package.module:factory"
+    loss_args: dict[str, Any] = field(default_factory=dict)  # the loss's arguments (label_smoothing, weight, ...)
     precision: Precision = "fp32"  # bf16/fp16 autocast; fp16 uses a GradScaler (CUDA only)
     grad_accum_steps: int = 1  # micro-batches per optimizer step; DDP all-reduces only on the last one
     clip_grad_norm: float | None = None  # max global gradient norm (None = no clipping)
@@ -243,6 +248,16 @@ def _check_optim(o: OptimConfig) -> None:
     _check(math.isfinite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "use >= 0")
     _check(0 <= o.momentum < 1, "optim.momentum", o.momentum, "use a value in [0, 1)")
     _check(o.warmup_epochs >= 0, "optim.warmup_epochs", o.warmup_epochs, "use >= 0")
+    for key, name in (("optim.name", o.name), ("optim.scheduler", o.scheduler)):  # that it exists: the pre-flight's
+        _check(
+            bool(name) and ("." not in name or ":" in name), key, name, "use a name (Adam) or 'package.module:factory'"
+        )
+    if o.no_decay_norm_and_bias and o.param_groups:
+        raise ConfigError("optim.no_decay_norm_and_bias=true and optim.param_groups both make the groups: choose one.")
+    if o.scheduler_args and o.scheduler in ("cosine", "constant"):
+        raise ConfigError(
+            f"optim.scheduler_args is for a scheduler class or factory, not optim.scheduler={o.scheduler}: drop it."
+        )
 
 
 def _check_train(t: TrainConfig, c: CheckpointConfig) -> None:
@@ -326,6 +341,8 @@ def _check_names(cfg: Config) -> None:
         "use cross_entropy, model (the model's forward returns its loss), or 'package.module:factory' for a factory "
         "that returns a loss function",
     )
+    if t.loss_args and t.loss == "model":
+        raise ConfigError("train.loss_args is for a loss function, but train.loss=model: the model computes its loss.")
     if c.metric == "accuracy" and t.loss != "cross_entropy":
         raise ConfigError(
             f"checkpoint.metric=accuracy needs classification (train.loss=cross_entropy), but train.loss={t.loss} "

@@ -1,6 +1,7 @@
-"""Checks before anything starts, shared by ``ignite-mgpu train`` and ``ignite_mgpu.fit``: the model name, optional
-packages, the output folder (writable, not locked, no other run's checkpoints, a usable resume target), the dataset
-sizes for the launch plan; then one job per output folder, held by a lock while the job runs.
+"""Checks before anything starts, shared by ``ignite-mgpu train`` and ``ignite_mgpu.fit``: the model, optimizer,
+schedule and loss with their arguments, optional packages, the output folder (writable, not locked, no other run's
+checkpoints, a usable resume target), the dataset sizes for the launch plan; then one job per output folder, held by
+a lock while the job runs.
 
 Everything raises ConfigError / CheckpointError (one paragraph each) before a worker is spawned. ignite is never
 imported here: the launching process stays light.
@@ -49,14 +50,16 @@ def check_data_root(cfg: Config) -> None:
 
 
 def check_job(cfg: Config) -> None:
-    """What the config names must exist: the data folder, the model, and the packages the chosen options need."""
-    from ignite_mgpu.train import plugins  # the user's factories: their modules are imported to check them
+    """What the config names must exist: the data folder, the model, the optimizer, schedule and loss (with the
+    arguments the config gives them), and the packages the chosen options need."""
+    from ignite_mgpu.train.losses import check_loss  # the user's factories: their modules are imported to check them
     from ignite_mgpu.train.models import check_model
+    from ignite_mgpu.train.optim import check_optim
 
     check_data_root(cfg)
     check_model(cfg.model)
-    if plugins.is_factory(cfg.train.loss):
-        plugins.resolve(cfg.train.loss, "train.loss")
+    check_optim(cfg.optim)
+    check_loss(cfg.train.loss, cfg.train.loss_args)
     if cfg.train.tensorboard:
         try:
             import tensorboard  # noqa: F401  # only whether it is installed
@@ -212,6 +215,18 @@ def resolve_output_dir(cfg: Config, environ: Mapping[str, str] = os.environ, now
     print(f"ignite-mgpu: output_dir {cfg.output_dir} (pass --output-dir to choose one)", file=sys.stderr)
 
 
+def warn_double_warmup(cfg: Config) -> None:
+    """OneCycleLR warms up itself (``pct_start``): ``optim.warmup_epochs`` before it is allowed, with a warning."""
+    o = cfg.optim
+    if o.scheduler == "OneCycleLR" and o.warmup_epochs:
+        print(
+            f"ignite-mgpu: warning: optim.warmup_epochs={o.warmup_epochs} before optim.scheduler=OneCycleLR, which "
+            "warms up itself: the learning rate climbs to optim.lr, falls to max_lr / div_factor and climbs again. Set "
+            "optim.warmup_epochs=0 for OneCycleLR's own warm-up alone.",
+            file=sys.stderr,
+        )
+
+
 def warn_restarts_without_checkpoints(cfg: Config) -> None:
     """--max-restarts with no checkpoint at all is allowed (a restart then starts from the beginning), with a
     warning, once per job."""
@@ -252,6 +267,7 @@ def prepared(cfg: Config) -> Iterator[LaunchPlan]:
     if leader:
         check_output_dir(cfg)
         warn_restarts_without_checkpoints(cfg)
+        warn_double_warmup(cfg)
     plan = checked_plan(cfg)
     with plan.claims:  # the GPUs' claims, held while the job runs
         if not leader:

@@ -317,6 +317,31 @@ def test_plugin_mistakes_exit_2_before_anything_starts(captured, tmp_path, args,
     assert not captured and not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["optim.name=adam"], "ignite-mgpu: error: optim.name=adam is not known. Did you mean Adam, RAdam or NAdam?"),
+        (["optim.scheduler=OneCycle"], "optim.scheduler=OneCycle is not known. Did you mean OneCycleLR?"),
+        (["optim.scheduler=ReduceLROnPlateau"], "optim.scheduler=ReduceLROnPlateau is not supported"),
+        (["optim.name=Adam", "optim.args.beta=0.9"], "optim.args gives beta, which optim.name=Adam does not accept"),
+        (["train.loss_args.reduction=sum"], "train.loss_args gives reduction, which train.loss=cross_entropy does not"),
+    ],
+)
+def test_optimizer_schedule_and_loss_mistakes_exit_2_before_anything_starts(captured, tmp_path, args, message):
+    result = invoke(["train", *args, "--output-dir", "out"], tmp_path)
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1  # one paragraph
+    assert not captured and not (tmp_path / "out").exists()
+
+
+def test_a_warm_up_before_one_cycle_is_allowed_with_a_warning(captured, tmp_path):
+    result = invoke(["train", "optim.scheduler=OneCycleLR", "--output-dir", "out"], tmp_path)
+    assert result.exit_code == 0 and len(captured) == 1
+    assert "warning: optim.warmup_epochs=0.2 before optim.scheduler=OneCycleLR, which warms up itself" in result.output
+    quiet = invoke(["train", "optim.scheduler=OneCycleLR", "optim.warmup_epochs=0", "--output-dir", "out2"], tmp_path)
+    assert quiet.exit_code == 0 and "warms up itself" not in quiet.output
+
+
 def test_an_exception_in_the_users_factory_shows_their_traceback_once(captured, tmp_path):
     result = invoke(["train", f"data.name={PKG}:raises", "--output-dir", "out"], tmp_path)
     assert result.exit_code == 2 and not captured

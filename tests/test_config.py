@@ -38,7 +38,17 @@ def test_dump_round_trips(tmp_path):
         ("epochs=3", r"'epochs' \(from the command line\) is not a top-level key; did you mean train.epochs=3\?"),
         ("train.lr=0.1", r"not a key of section train; did you mean optim.lr=0.1\?"),
         ("optim.xyzzy=1", r"not a key of section optim \(its keys: name, lr, momentum, nesterov, weight_decay,"),
-        ("optim.name=adam", r"optim.name.*'adam'.*sgd"),
+        ("optim.name=torch.optim.Adam", r"'optim.name' = 'torch.optim.Adam' is invalid: use a name \(Adam\) or"),
+        ("optim.scheduler=lr.StepLR", r"'optim.scheduler' = 'lr.StepLR' is invalid"),  # what exists: test_cli
+        ("optim.scheduler_args.gamma=0.5", r"optim.scheduler_args is for a scheduler class or factory, not .*cosine"),
+        (
+            "optim.param_groups=mypkg:groups optim.no_decay_norm_and_bias=true",
+            r"optim.no_decay_norm_and_bias=true and optim.param_groups both make the groups: choose one",
+        ),
+        (
+            "train.loss=model train.loss_args.weight=[1]",
+            r"train.loss_args is for a loss function, but train.loss=model",
+        ),
         ("train.epochs=abc", r"train.epochs.*abc"),
         ("train.epochs=0", r"train.epochs.*at least 1"),
         ("data.batch_size=0", r"data.batch_size"),
@@ -71,7 +81,7 @@ def test_dump_round_trips(tmp_path):
 )
 def test_bad_values_name_the_key(override, match):
     with pytest.raises(ConfigError, match=match):
-        load_config(overrides=[override])
+        load_config(overrides=override.split(" "))
 
 
 @pytest.mark.parametrize(

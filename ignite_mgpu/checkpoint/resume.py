@@ -40,12 +40,15 @@ def run_signature(cfg: Config) -> dict[str, str]:
     from omegaconf import OmegaConf
 
     def flat(node: Any, prefix: str = "") -> dict[str, str]:
-        if isinstance(node, dict):
+        if isinstance(node, dict) and node:  # an empty one stays a key ("{}"): a key added there is then a change
             return {k: v for key, sub in node.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
         return {prefix[:-1]: str(node)}
 
     everything = flat(OmegaConf.to_container(OmegaConf.structured(cfg)))
-    return {k: v for k, v in everything.items() if not k.startswith(RESUMABLE_CHANGES)}
+    signature = {k: v for k, v in everything.items() if not k.startswith(RESUMABLE_CHANGES)}
+    if cfg.optim.scheduler not in ("cosine", "constant"):  # the schedule's own state holds the run's length
+        signature["train.epochs"] = everything["train.epochs"]
+    return signature
 
 
 def resume_target(cfg: Config) -> Path | None:
@@ -85,9 +88,14 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
         saved = checkpoint.get("run", {}).get("config", {})
         changed = [f"{k}: {v} -> {now.get(k, 'absent')}" for k, v in saved.items() if v != now.get(k, "absent")]
         if changed and not cfg.checkpoint.allow_config_change:
+            why = (
+                f" (optim.scheduler={cfg.optim.scheduler} was built for the run's length, which its saved state keeps)"
+                if any(c.startswith("train.epochs:") for c in changed)
+                else ""
+            )
             raise CheckpointError(
                 f"{path} belongs to a run with other settings ({'; '.join(changed[:5])}"
-                f"{'; ...' if len(changed) > 5 else ''}). Resume with the same settings, use a new --output-dir, "
+                f"{'; ...' if len(changed) > 5 else ''}){why}. Resume with the same settings, use a new --output-dir, "
                 "or pass checkpoint.allow_config_change=true to resume anyway."
             )
 

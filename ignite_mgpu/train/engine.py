@@ -1,6 +1,6 @@
 """The trainer: ``create_trainer`` returns a plain ignite Engine for your own code, one training step with switches
-(precision, accumulation, clipping) for every strategy; ``create_loss`` builds ``train.loss``. The evaluator is
-``evaluator.py``'s."""
+(precision, accumulation, clipping) for every strategy. The loss is ``losses.py``'s (``create_loss``, also importable
+from here), the evaluator ``evaluator.py``'s."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from ignite.engine import Engine, Events
 from torch import nn
 
 from ignite_mgpu.config import PRECISIONS
-from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.train import batches, plugins
+from ignite_mgpu.train import batches
 from ignite_mgpu.train.batches import Batch
 from ignite_mgpu.train.deterministic import PortableDeterministicEngine, use_deterministic_algorithms
 from ignite_mgpu.train.fsdp import find_fsdp, no_sync_of
 from ignite_mgpu.train.guard import TrainingGuard, accumulation_window
+from ignite_mgpu.train.losses import create_loss as create_loss  # its home before losses.py: still importable here
 from ignite_mgpu.train.strategy import find_ddp, reduce_replica_losses, unwrap
 
 FP16_DEVICE_TYPES = ("cuda",)  # fp16 needs a GradScaler, which PyTorch ships for CUDA; bf16 is the CPU's choice
@@ -202,16 +202,3 @@ def _set_sampler_epoch(engine: Engine) -> None:
     set_epoch = getattr(sampler, "set_epoch", None)
     if set_epoch is not None:
         set_epoch(engine.state.epoch - 1)
-
-
-def create_loss(name: str) -> Callable[..., torch.Tensor] | None:
-    """``train.loss``: "cross_entropy", "model" (None: the model computes its own), or a factory of the user's
-    ("package.module:factory") that returns a loss function ``(predictions, targets) -> loss``."""
-    if name == "cross_entropy":
-        return nn.CrossEntropyLoss()
-    if name == "model":
-        return None
-    loss = plugins.call(plugins.resolve(name, "train.loss"), {}, name, "train.loss")
-    if not callable(loss):
-        raise ConfigError(f"train.loss={name} returned a {type(loss).__name__}; a loss factory returns a callable.")
-    return loss

@@ -15,7 +15,7 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.utils import manual_seed
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
 from ignite_mgpu.checkpoint.files import clean_stale_temp_files, weights_only_resume
@@ -29,10 +29,11 @@ from ignite_mgpu.runs import folder
 from ignite_mgpu.train.allocator import setup_cpu_memory
 from ignite_mgpu.train.datasets import example_inputs
 from ignite_mgpu.train.deterministic import use_deterministic_algorithms
-from ignite_mgpu.train.engine import create_loss, create_trainer
+from ignite_mgpu.train.engine import create_trainer
 from ignite_mgpu.train.epoch_log import EpochLog, attach_tensorboard
 from ignite_mgpu.train.evaluator import create_evaluator, validation_metrics
 from ignite_mgpu.train.loaders import attach_skip_counter, create_dataloaders
+from ignite_mgpu.train.losses import create_loss
 from ignite_mgpu.train.models import create_model
 from ignite_mgpu.train.optim import create_lr_scheduler, create_optimizer
 from ignite_mgpu.train.strategy import model_devices, prepare_model
@@ -76,10 +77,9 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
     t = cfg.train
     train_loader, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
     model = _create_model(cfg, train_loader)
-    o = cfg.optim
-    optimizer = create_optimizer(model, o.name, o.lr, o.momentum, o.weight_decay, o.nesterov)
+    optimizer = _create_optimizer(cfg, model)  # after prepare_model: FSDP2's parameters are the sharded ones
     lr_scheduler = _create_lr_scheduler(cfg, optimizer, len(train_loader))
-    loss_fn = create_loss(t.loss)
+    loss_fn = create_loss(t.loss, t.loss_args)
     trainer = create_trainer(
         model,
         optimizer,
@@ -152,12 +152,30 @@ def _create_model(cfg: Config, loader: DataLoader) -> nn.Module:
     return prepare_model(model, cfg.dist.strategy, m.sync_batchnorm, m.compile, **fsdp_options(cfg))
 
 
-def _create_lr_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, loader_length: int) -> LambdaLR:
+def _create_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    """``optim.name`` over the parameter groups of the prepared model."""
+    o = cfg.optim
+    return create_optimizer(
+        model,
+        o.name,
+        o.lr,
+        o.momentum,
+        o.weight_decay,
+        o.nesterov,
+        args=o.args,
+        no_decay_norm_and_bias=o.no_decay_norm_and_bias,
+        param_groups=o.param_groups,
+    )
+
+
+def _create_lr_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, loader_length: int) -> LRScheduler:
     """``optim.scheduler`` after ``optim.warmup_epochs``, stepped once per optimizer step (accumulation windows)."""
     t, o = cfg.train, cfg.optim
     steps_per_epoch = math.ceil((t.epoch_length or loader_length) / t.grad_accum_steps)  # windows per epoch
     total_steps, warmup_steps = math.ceil(steps_per_epoch * t.epochs), round(steps_per_epoch * o.warmup_epochs)
-    return create_lr_scheduler(optimizer, total_steps, warmup_steps, o.scheduler == "cosine")
+    return create_lr_scheduler(
+        optimizer, total_steps, warmup_steps, scheduler=o.scheduler, scheduler_args=o.scheduler_args
+    )
 
 
 def _attach_extras(cfg: Config, trainer: Engine, epoch_log: EpochLog, out: Path, rank: int) -> None:
@@ -184,7 +202,7 @@ def scoring(local_rank: int, cfg: Config, checkpoint_path: str, as_json: bool) -
     model = create_model(cfg.model, example_inputs(val_loader.dataset, val_loader.collate_fn))
     load_checkpoint(checkpoint_path, {"model": model}, map_location="cpu")
     model = prepare_model(model, cfg.dist.strategy, **fsdp_options(cfg))  # as training: never a silent DataParallel
-    loss_fn = create_loss(cfg.train.loss)
+    loss_fn = create_loss(cfg.train.loss, cfg.train.loss_args)
     evaluator = create_evaluator(
         model, validation_metrics(loss_fn, idist.device()), model_loss=loss_fn is None, precision=cfg.train.precision
     )
