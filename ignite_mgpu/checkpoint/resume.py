@@ -31,6 +31,7 @@ RESUMABLE_CHANGES = (
     "model.fsdp_",  # how the model is sharded, not what it computes
     "dist.",
     "checkpoint.",
+    "eval.",  # what validation reports, not what is trained
 )
 
 

@@ -14,7 +14,7 @@ LOCK = ".lock"  # held by the job writing there (lock.output_lock)
 TENSORBOARD = "tb"  # train.tensorboard's event files
 REPORT_IMAGE = "report.png"  # ignite-mgpu report's figure of one run
 # The best model: best_model_<epoch>_val_<metric>=<score>.pt; a loss used to be written negated (val_loss=-2.4889).
-BEST_NAME = re.compile(r"^best_model_(\d+)_val_(accuracy|loss)=(-?[\d.]+)\.pt$")
+BEST_NAME = re.compile(r"^best_model_(\d+)_val_([A-Za-z_]\w*)=(-?[\d.]+)\.pt$")
 
 
 def run_dir(output_dir: str | None) -> Path:
