@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 from ignite_mgpu import text
 from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.runs import folder
+from ignite_mgpu.runs import folder, metric_names
 
 # The closed choices, each written once: the dataclasses' types, the CLI's click.Choice and the checks read these.
 Backend = Literal["auto", "nccl", "gloo"]
@@ -96,6 +96,16 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    """`eval:` the validation metrics, reported after every epoch (val_<name>) and by ignite-mgpu evaluate."""
+
+    metrics: list[str] | None = (
+        None  # loss, accuracy, top<k>, perplexity, precision, recall, f1, pkg.mod:factory; null: loss (+accuracy if CE)
+    )
+    metric_args: dict[str, dict[str, Any]] = field(default_factory=dict)  # by metric name: a factory's, perplexity's
+
+
+@dataclass
 class CheckpointConfig:
     """`checkpoint:` what is saved into output_dir, and when."""
 
@@ -103,9 +113,8 @@ class CheckpointConfig:
     every_iters: int = 0  # also save every N iterations (0 = off)
     every_minutes: float | None = None  # also save about every N minutes of training (null = off)
     n_saved: int = 2  # how many full checkpoints to keep
-    metric: Literal["accuracy", "loss"] | None = (
-        None  # picks best_model_*.pt; None: accuracy for cross_entropy, else loss
-    )
+    metric: str | None = None  # picks best_model_*.pt: a name of eval.metrics; None: accuracy if reported, else loss
+    metric_mode: Literal["auto", "max", "min"] = "auto"  # max/min: which way checkpoint.metric is better; auto: known
     save_on_stop: bool = True  # on SIGTERM/SIGINT write one checkpoint before exiting
     allow_config_change: bool = False  # let --resume continue a checkpoint written with other settings
     format: Literal["full", "sharded"] = "full"  # full: one file, written by rank 0; sharded: a folder, by every rank
@@ -145,6 +154,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
 
@@ -320,7 +330,7 @@ def _check_dist(dist: DistConfig) -> None:
 
 
 def _check_names(cfg: Config) -> None:
-    """The dataset, the loss and the metric name things that exist, and go together."""
+    """The dataset, the loss and the metrics name things that exist, and go together."""
     d, t, c = cfg.data, cfg.train, cfg.checkpoint
     _check(
         d.name in DATASETS or ":" in d.name,
@@ -343,11 +353,7 @@ def _check_names(cfg: Config) -> None:
     )
     if t.loss_args and t.loss == "model":
         raise ConfigError("train.loss_args is for a loss function, but train.loss=model: the model computes its loss.")
-    if c.metric == "accuracy" and t.loss != "cross_entropy":
-        raise ConfigError(
-            f"checkpoint.metric=accuracy needs classification (train.loss=cross_entropy), but train.loss={t.loss} "
-            "reports only the validation loss. Use checkpoint.metric=loss, or leave it out (it follows train.loss)."
-        )
+    metric_names.check(cfg.eval.metrics, cfg.eval.metric_args, t.loss, c.metric, c.metric_mode)
 
 
 def _check_strategy_options(cfg: Config) -> None:
@@ -388,8 +394,8 @@ def run_dir(cfg: Config) -> Path:
 
 
 def best_metric(cfg: Config) -> str:
-    """The validation metric that picks best_model_*.pt: checkpoint.metric, or what train.loss reports."""
-    return cfg.checkpoint.metric or ("accuracy" if cfg.train.loss == "cross_entropy" else "loss")
+    """The validation metric that picks best_model_*.pt: checkpoint.metric, or accuracy where it is reported."""
+    return cfg.checkpoint.metric or metric_names.default_best(metric_names.reported(cfg.eval.metrics, cfg.train.loss))
 
 
 def _check_preempt_signal(name: str | None) -> None:

@@ -21,7 +21,7 @@ from ignite_mgpu.config import DATASETS_ON_DISK, Config, run_dir
 from ignite_mgpu.errors import ConfigError, CorruptCheckpointError
 from ignite_mgpu.processes import cluster
 from ignite_mgpu.processes.plan import LaunchPlan, make_plan
-from ignite_mgpu.runs import folder
+from ignite_mgpu.runs import folder, metric_names
 from ignite_mgpu.runs.lock import lock_owner, locked_message, output_lock
 
 
@@ -60,6 +60,7 @@ def check_job(cfg: Config) -> None:
     check_model(cfg.model)
     check_optim(cfg.optim)
     check_loss(cfg.train.loss, cfg.train.loss_args)
+    check_metric_factories(cfg)
     if cfg.train.tensorboard:
         try:
             import tensorboard  # noqa: F401  # only whether it is installed
@@ -68,6 +69,18 @@ def check_job(cfg: Config) -> None:
                 "train.tensorboard=true needs the tensorboard package: "
                 "pip install tensorboard (or pip install -e '.[tensorboard]')."
             ) from None
+
+
+def check_metric_factories(cfg: Config) -> None:
+    """Every ``package.module:factory`` of ``eval.metrics`` imports, and takes its ``eval.metric_args`` (and the
+    ``device`` the workers add when it takes one); the workers call it."""
+    from ignite_mgpu.train import plugins
+
+    for entry in filter(plugins.is_factory, cfg.eval.metrics or ()):
+        factory = plugins.resolve(entry, "eval.metrics")
+        name = metric_names.name_of(entry)
+        kwargs = plugins.with_extras(factory, cfg.eval.metric_args.get(name, {}), device="cpu")
+        plugins.check_arguments(factory, kwargs, entry, f"eval.metric_args.{name}")
 
 
 def check_model_options(cfg: Config, plan: LaunchPlan) -> None:
@@ -127,7 +140,17 @@ def check_datasets(cfg: Config, world_size: int) -> None:
         return
     splits = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
     check_sizes(splits.train, splits.val, cfg.data.batch_size, world_size)
-    batches.check(first_batch(splits.train, splits.collate_fn), cfg.train.loss)
+    first = first_batch(splits.train, splits.collate_fn)
+    batches.check(first, cfg.train.loss)
+    if cfg.train.loss == "model" and "perplexity" in (cfg.eval.metrics or ()):
+        try:
+            batches.labels(first)
+        except TypeError as err:
+            raise ConfigError(
+                f"eval.metrics entry perplexity with train.loss=model weights each batch's loss by its tokens, "
+                f"counted in its labels, but {err} Add the labels to the dataset's items (-100 where nothing is "
+                "predicted), or drop perplexity."
+            ) from None
 
 
 def check_output_dir(cfg: Config) -> None:

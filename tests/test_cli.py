@@ -308,6 +308,15 @@ PKG = "tests.plugins_pkg.factories"
         ),
         ([f"model.name={PKG}:net", "model.args.width=3"], "model.args gives width, which"),
         (["train.loss=tests.plugins_pkg.nothing:loss"], "train.loss=tests.plugins_pkg.nothing:loss: cannot import"),
+        ([f"data.name={PKG}:pairs", "train.loss=model", "eval.metrics=[top5]"], "eval.metrics entry top5 reads class"),
+        (["checkpoint.metric=top5"], "checkpoint.metric=top5 is not among the validation metrics (loss, accuracy)"),
+        (["eval.metrics=[a.b:mine]", "checkpoint.metric=mine"], "which way it is better is not known: set"),
+        ([f"eval.metrics=[{PKG}.missing:m]"], f"eval.metrics={PKG}.missing:m: cannot import module"),
+        ([f"eval.metrics=[{PKG}:samples]", "eval.metric_args.samples.scael=2"], "eval.metric_args.samples gives"),
+        (
+            [f"data.name={PKG}:dicts", "data.args.labels=false", "train.loss=model", "eval.metrics=[perplexity]"],
+            "eval.metrics entry perplexity with train.loss=model weights each batch's loss by its tokens",
+        ),
     ],
 )
 def test_plugin_mistakes_exit_2_before_anything_starts(captured, tmp_path, args, message):

@@ -23,6 +23,7 @@ LEAVES = (
     "ignite_mgpu.text",
     "ignite_mgpu.config",
     "ignite_mgpu.runs.folder",
+    "ignite_mgpu.runs.metric_names",
 )  # import only each other
 MAX_FUNCTION_LINES = 60
 # Longer on purpose, each with its reason.

@@ -32,6 +32,7 @@ RESUMABLE_CHANGES = (
     "model.fsdp_",  # how the model is sharded, not what it computes
     "dist.",
     "checkpoint.",
+    "eval.",  # what validation reports, not what is trained
 )
 
 

@@ -30,6 +30,7 @@ from ignite_mgpu.checkpoint.weights import SOURCE, TiedWeights, model_metadata, 
 from ignite_mgpu.config import CheckpointConfig
 from ignite_mgpu.errors import CheckpointError
 from ignite_mgpu.processes import stop
+from ignite_mgpu.runs import metric_names
 from ignite_mgpu.train.guard import GuardEvents
 from ignite_mgpu.train.strategy import unwrap
 
@@ -96,17 +97,19 @@ class RunInfo:
 
 
 class LowerIsBetter(float):
-    """A loss as the best model's score. ignite keeps the highest score, so the value is the negated loss; the file
-    name shows the loss as reported (``best_model_2_val_loss=2.4889.pt``, not ``-2.4889``)."""
+    """A loss (any metric where lower is better) as the best model's score. ignite keeps the highest score, so the
+    value is the negated loss; the file name shows the loss as reported (``best_model_2_val_loss=2.4889.pt``, not
+    ``-2.4889``)."""
 
     def __format__(self, spec: str) -> str:
         return format(-float(self), spec)
 
 
-def best_score(metric: str, value: float) -> float:
+def best_score(metric: str, value: float, mode: str = "auto") -> float:
     """The score ignite ranks best models by (higher is better) for ``metric``'s ``value``, as reported or as a
-    file name holds it (old names hold a loss negated: the sign is ignored)."""
-    return value if metric == "accuracy" else LowerIsBetter(-abs(value))
+    file name holds it (old names hold a loss negated: the sign is ignored); ``mode``: checkpoint.metric_mode."""
+    score = metric_names.ranked(metric, value, mode)
+    return score if metric_names.higher_is_better(metric, mode) else LowerIsBetter(score)
 
 
 def create_checkpointers(
@@ -117,6 +120,7 @@ def create_checkpointers(
     metric: str,
     best_step: Callable[[Any, Any], int],
     best_format: str = "pt",
+    mode: str = "auto",
 ) -> tuple[Checkpoint, Checkpoint]:
     """(full training state ``checkpoint_<iteration>.pt``, best unwrapped model ``best_model_*.pt``, or with
     ``best_format="safetensors"`` ``best_model_*.safetensors``: each tie written once, the model's settings from
@@ -132,7 +136,7 @@ def create_checkpointers(
         saver,
         filename_prefix="best",
         n_saved=1,
-        score_function=lambda e: best_score(metric, e.state.metrics[metric]),
+        score_function=lambda e: best_score(metric, e.state.metrics[metric], mode),
         score_name=f"val_{metric}",
         global_step_transform=best_step,
     )
@@ -167,7 +171,14 @@ def attach_checkpoints(
     """
     full: Checkpoint | ShardedCheckpoint
     full, best = create_checkpointers(
-        to_save, to_save["model"], output_dir, cfg.n_saved, metric, global_step_from_engine(trainer), cfg.best_format
+        to_save,
+        to_save["model"],
+        output_dir,
+        cfg.n_saved,
+        metric,
+        global_step_from_engine(trainer),
+        cfg.best_format,
+        cfg.metric_mode,
     )
     if cfg.format == "sharded":
         full = ShardedCheckpoint(to_save, output_dir, cfg.n_saved)
@@ -192,15 +203,17 @@ def _while_saving(handler: Checkpoint | ShardedCheckpoint) -> Callable[[Engine],
     return save
 
 
-def adopt_existing(full: Checkpoint | ShardedCheckpoint, best: Checkpoint, dirname: str | Path) -> None:
-    """On resume, let the handlers manage the files the interrupted run left (keep n_saved, one best); sharded
-    folders need nothing: their handler counts the folders on disk."""
+def adopt_existing(
+    full: Checkpoint | ShardedCheckpoint, best: Checkpoint, dirname: str | Path, mode: str = "auto"
+) -> None:
+    """On resume, let the handlers manage the files the interrupted run left (keep n_saved, one best, ranked with
+    checkpoint.metric_mode ``mode``); sharded folders need nothing: their handler counts the folders on disk."""
     if isinstance(full, Checkpoint):
         files = [p for p in list_checkpoints(dirname) if p.is_file()]
         found = [(int(m.group(1)), p.name) for p in files if (m := CKPT_NAME.match(p.name))]
         full.load_state_dict({"_saved": sorted(found)})
     bests = [
-        (best_score(m.group(2), float(m.group(3))), p.name)
+        (best_score(m.group(2), float(m.group(3)), mode), p.name)
         for p in Path(dirname).glob("best_model_*")  # .pt and .safetensors: best_format may change on resume
         if (m := BEST_NAME.match(p.name))
     ]

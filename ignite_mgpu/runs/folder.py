@@ -15,7 +15,7 @@ TENSORBOARD = "tb"  # train.tensorboard's event files
 REPORT_IMAGE = "report.png"  # ignite-mgpu report's figure of one run
 # The best model: best_model_<epoch>_val_<metric>=<score>.pt (or .safetensors: checkpoint.best_format); a loss used
 # to be written negated (val_loss=-2.4889).
-BEST_NAME = re.compile(r"^best_model_(\d+)_val_(accuracy|loss)=(-?[\d.]+)\.(?:pt|safetensors)$")
+BEST_NAME = re.compile(r"^best_model_(\d+)_val_([A-Za-z_]\w*)=(-?[\d.]+)\.(?:pt|safetensors)$")
 
 
 def run_dir(output_dir: str | None) -> Path:

@@ -12,6 +12,7 @@ from typing import Any
 
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.runs.folder import BEST_NAME, CONFIG, METRICS
+from ignite_mgpu.runs.metric_names import ranked
 from ignite_mgpu.text import plural
 
 
@@ -106,8 +107,9 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
     return [by_epoch[e] for e in sorted(by_epoch)], incomplete
 
 
-def _read_dist(folder: Path) -> tuple[dict[str, Any], str]:
-    """config.yaml's dist section, read leniently (a config of another version still labels its run)."""
+def _read_section(folder: Path, name: str) -> tuple[dict[str, Any], str]:
+    """A section of config.yaml (dist, checkpoint), read leniently (a config of another version still labels its
+    run); {} and why where there is none."""
     import yaml  # PyYAML comes with OmegaConf
 
     path = folder / CONFIG
@@ -117,8 +119,8 @@ def _read_dist(folder: Path) -> tuple[dict[str, Any], str]:
         config = yaml.safe_load(path.read_text(errors="replace"))
     except (OSError, yaml.YAMLError):
         return {}, "config.yaml unreadable"
-    dist = config.get("dist") if isinstance(config, dict) else None
-    return (dist, "") if isinstance(dist, dict) else ({}, "config.yaml without dist")
+    section = config.get(name) if isinstance(config, dict) else None
+    return (section, "") if isinstance(section, dict) else ({}, f"config.yaml without {name}")
 
 
 def last_epoch(folder: str | Path) -> dict[str, Any]:
@@ -132,9 +134,11 @@ def last_epoch(folder: str | Path) -> dict[str, Any]:
 
 def best_model(folder: str | Path) -> Path | None:
     """The run's best model file (best_model_<epoch>_val_<metric>=<score>.pt or .safetensors: the highest accuracy,
-    the lowest loss, whatever the sign an older name gave it)."""
-    scored = ((m[2], float(m[3]), p) for p in Path(folder).glob("best_model_*") if (m := BEST_NAME.match(p.name)))
-    found = [(value if metric == "accuracy" else -abs(value), p) for metric, value, p in scored]
+    the lowest loss, whatever the sign an older name gave it; a metric of the user's as config.yaml's
+    checkpoint.metric_mode says)."""
+    scored = [(m[2], float(m[3]), p) for p in Path(folder).glob("best_model_*") if (m := BEST_NAME.match(p.name))]
+    mode = str(_read_section(Path(folder), "checkpoint")[0].get("metric_mode", "auto")) if scored else "auto"
+    found = [(ranked(metric, value, mode), p) for metric, value, p in scored]
     return max(found)[1] if found else None
 
 
@@ -163,7 +167,7 @@ def read_run(folder: str | Path) -> Run:
             f"{metrics} has no complete line ({incomplete} incomplete line(s) ignored): the run has not finished "
             "its first epoch yet, or was stopped while writing it. Wait for the first epoch, or train again."
         )
-    dist, note = _read_dist(folder)
+    dist, note = _read_section(folder, "dist")
     return Run(folder, epochs, dist, incomplete, folder.resolve().name or str(folder), note)
 
 

@@ -16,13 +16,14 @@ def _cell(value: float, fmt: str, scale: float = 1.0) -> str:
     return format(value * scale, fmt) if math.isfinite(value) else "-"
 
 
-def _row(row: dict[str, Any]) -> list[str]:
+def _row(row: dict[str, Any], extra: list[str]) -> list[str]:
     peak = [as_number(mb) for mb in row.get("peak_memory_mb") or []]
     return [
         str(row["epoch"]),
         _cell(as_number(row.get("train_loss")), ".4f"),
         _cell(as_number(row.get("val_loss")), ".4f"),
         _cell(as_number(row.get("val_accuracy")), ".4f"),
+        *(_cell(as_number(row.get(key)), ".4f") for key in extra),
         _cell(as_number(row.get("samples_per_s")), ".1f"),
         _cell(as_number(row.get("time_per_iter_ms")), ".3f"),
         _cell(as_number(row.get("data_wait_share")), ".2f", 100),
@@ -32,11 +33,20 @@ def _row(row: dict[str, Any]) -> list[str]:
 
 
 COLUMNS = ("epoch", "train_loss", "val_loss", "val_acc", "samples/s", "ms/it", "data_wait_%", "peak_MB", "max/min")
+SHOWN = ("val_loss", "val_accuracy")  # every other validation metric (eval.metrics) gets a column after val_acc
+
+
+def validation_columns(run: Run) -> list[str]:
+    """The run's other validation metrics (``val_top5``, ``val_f1``, a metric of the user's...), in the order the
+    epochs first have them: each with a number in some epoch (a list, e.g. per-class scores, is --json's only)."""
+    keys = dict.fromkeys(k for row in run.epochs for k in row if k.startswith("val_") and k not in SHOWN)
+    return [k for k in keys if run.has(k)]
 
 
 def format_table(runs: list[Run]) -> str:
     """The text table: per run a header, one row per epoch (the last TABLE_EPOCHS) and the last epoch's memory.
-    Figures are the file's, at its own precision (losses and accuracy at 4 decimals); "-" for NaN or missing."""
+    Figures are the file's, at its own precision (losses and validation metrics at 4 decimals); "-" for NaN or
+    missing."""
     blocks = []
     for run in runs:
         ignored = f" ({run.incomplete_lines} incomplete line(s) ignored)" if run.incomplete_lines else ""
@@ -44,8 +54,10 @@ def format_table(runs: list[Run]) -> str:
         hidden = len(run.epochs) - TABLE_EPOCHS
         if hidden > 0:
             lines.append(f"  ({hidden} earlier epoch(s) not shown; --json has every epoch)")
-        rows = [list(COLUMNS)] + [_row(row) for row in run.epochs[-TABLE_EPOCHS:]]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+        extra = validation_columns(run)
+        header = [*COLUMNS[:4], *extra, *COLUMNS[4:]]
+        rows = [header] + [_row(row, extra) for row in run.epochs[-TABLE_EPOCHS:]]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
         names = memory_names(run)
         entries = " | ".join(f"{n} {_cell(mb, '.1f')}" for n, mb in zip(names, run.memory, strict=True))

@@ -56,6 +56,19 @@ def split(batch: Any) -> tuple[Any, Any]:
     return batch[0], batch[1]
 
 
+def labels(batch: Any) -> torch.Tensor:
+    """A batch's targets: a mapping's ``labels`` or ``targets``, a sequence's second entry; TypeError else."""
+    found = next((batch[k] for k in TARGET_KEYS if k in batch), None) if isinstance(batch, Mapping) else None
+    if isinstance(batch, (list, tuple)) and len(batch) >= 2:
+        found = batch[1]
+    if not isinstance(found, torch.Tensor):
+        raise TypeError(
+            f"the batch holds no labels tensor ({' or '.join(TARGET_KEYS)} of a mapping, the second entry of a "
+            f"sequence), which perplexity counts the tokens of; its type: {type(batch).__name__}."
+        )
+    return found
+
+
 def predict(model: nn.Module, inputs: Any) -> Any:
     """The model's output for ``inputs``: ``model(**inputs)`` for a mapping, else ``model(inputs)``."""
     return model(**inputs) if isinstance(inputs, Mapping) else model(inputs)

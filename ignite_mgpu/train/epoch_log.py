@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,37 @@ def _peak_memory_mb(model_devices: list[torch.device]) -> list[float]:
     return [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]  # Linux reports KiB
 
 
+SHOWN = ("val_loss", "val_accuracy")  # the log line's own columns; other validation metrics follow them
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def jsonable(value: Any) -> Any:
+    """A metric's value for JSON: a number as it is, a tensor as a number or a list; None for anything else (a
+    mapping's entries are metrics of their own: ignite puts them beside it)."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    return value if _is_number(value) or isinstance(value, list) else None
+
+
+def validation_fields(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The epoch log's validation fields: ``val_loss`` (NaN without one), then ``val_<name>`` of every other
+    metric the evaluator reports, in its order (``val_accuracy`` for the default classification metrics)."""
+    fields = {"val_loss": metrics.get("loss", math.nan)}
+    for name, value in metrics.items():
+        if name != "loss" and (found := jsonable(value)) is not None:
+            fields[f"val_{name}"] = found
+    return fields
+
+
 class EpochLog:
     """After each epoch (and its validation): one JSON line in ``metrics.jsonl`` and a short table on rank 0.
 
-    Fields: epoch, iteration, train_loss (mean over ranks), val_loss, val_accuracy (classification only),
-    samples_per_s (global), time_per_iter_ms, data_wait_share (time waiting for the data loader / training time,
-    worst rank),
+    Fields: epoch, iteration, train_loss (mean over ranks), val_loss, val_accuracy (classification only; with
+    eval.metrics, val_<name> of each metric), samples_per_s (global), time_per_iter_ms, data_wait_share (time
+    waiting for the data loader / training time, worst rank),
     peak_memory_mb (one entry per GPU, or per process on the CPU), peak_memory_per ("gpu": CUDA's peak allocated
     memory of each GPU; "process": each process's peak RSS), memory_imbalance (max/min) and restarts (how often
     the job had been restarted when it trained the epoch).
@@ -126,8 +152,7 @@ class EpochLog:
             "epoch": engine.state.epoch,
             "iteration": engine.state.iteration,
             "train_loss": engine.state.metrics.get("train_loss", math.nan),
-            "val_loss": metrics.get("loss", math.nan),
-            **({"val_accuracy": metrics["accuracy"]} if "accuracy" in metrics else {}),  # classification only
+            **validation_fields(metrics),  # val_loss, then val_<name> of every other metric (eval.metrics)
             "samples_per_s": round(iterations * self.global_batch / seconds, 1),
             "time_per_iter_ms": round(1000 * seconds / max(1, iterations), 3),
             "data_wait_share": round(float(rows[:, 0].max()), 4),
@@ -145,10 +170,13 @@ class EpochLog:
             labels = [f"rank {i}" for i in range(world)] if world > 1 else [str(d) for d in self.devices]
             where = "GPU" if self.devices[0].type == "cuda" else "process (RSS)"
             accuracy = f" | val_acc {r['val_accuracy']:.4f}" if "val_accuracy" in r else ""
+            others = "".join(
+                f" | {k} {v:.4f}" for k, v in r.items() if k.startswith("val_") and k not in SHOWN and _is_number(v)
+            )
             logger.info(
                 "epoch %d | train_loss %.4f | val_loss %.4f%s | %.0f samples/s | %.2f ms/it | "
                 "data wait %.0f%%\n  peak memory per %s, MB | %s | max/min %.2f",
-                r["epoch"], r["train_loss"], r["val_loss"], accuracy, r["samples_per_s"],
+                r["epoch"], r["train_loss"], r["val_loss"], accuracy + others, r["samples_per_s"],
                 r["time_per_iter_ms"], 100 * r["data_wait_share"], where,
                 " | ".join(f"{name}: {mb:.0f}" for name, mb in zip(labels, memory, strict=False)),
                 r["memory_imbalance"],

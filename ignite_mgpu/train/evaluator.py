@@ -1,10 +1,10 @@
 """The evaluator: ``create_evaluator`` scores a prepared model with metrics reduced over all ranks; every sample of
 the validation split counts once, also when the shards are uneven, and an FSDP model runs as many forwards on every
-rank; ``validation_metrics`` are the metrics the default job reports."""
+rank; ``validation_metrics`` are the metrics the default job reports (``eval.metrics``: ``metrics.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ignite.distributed as idist
@@ -17,6 +17,7 @@ from ignite_mgpu.train import batches
 from ignite_mgpu.train.batches import Batch
 from ignite_mgpu.train.engine import under_autocast
 from ignite_mgpu.train.fsdp import find_fsdp
+from ignite_mgpu.train.metrics import create_metrics
 from ignite_mgpu.train.strategy import find_ddp, reduce_replica_losses
 
 
@@ -88,14 +89,24 @@ def attach_even_forwards(evaluator: Engine, step: Callable[[Engine, Any], Any]) 
     evaluator.add_event_handler(Events.EPOCH_COMPLETED, pad)
 
 
-def validation_metrics(loss_fn: Callable[..., torch.Tensor] | None, device: torch.device) -> dict[str, Metric]:
+def validation_metrics(
+    loss_fn: Callable[..., torch.Tensor] | None,
+    device: torch.device,
+    names: Sequence[str] | None = None,
+    args: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, Metric]:
     """Metrics for ``create_evaluator``, accumulated on ``device`` (ignite keeps them on the CPU by default: a copy to
-    the host per validation batch on a GPU): accuracy and loss for cross-entropy; the loss, weighted by the samples
-    of every batch (exact over uneven shards), for any other loss function, or for a model that computes its own
-    (``loss_fn=None``; pair it with ``create_evaluator(model_loss=True)``)."""
+    the host per validation batch on a GPU): the loss, weighted by the samples of every batch (exact over uneven
+    shards), for any loss function or for a model that computes its own (``loss_fn=None``; pair it with
+    ``create_evaluator(model_loss=True)``); then accuracy for cross-entropy, or with ``names`` (``eval.metrics``:
+    accuracy, top5, f1, perplexity, ``package.module:factory``, ...) those, ``args`` by name
+    (``eval.metric_args``)."""
     if loss_fn is None:  # outputs are (mean loss of the batch, its size): the metric sums loss x size over ranks
-        return {"loss": Loss(lambda loss, n: loss, batch_size=lambda n: n, device=device)}
-    metrics: dict[str, Metric] = {"loss": Loss(loss_fn, device=device)}
+        metrics: dict[str, Metric] = {"loss": Loss(lambda loss, n: loss, batch_size=lambda n: n, device=device)}
+    else:
+        metrics = {"loss": Loss(loss_fn, device=device)}
+    if names is not None:
+        return metrics | create_metrics(names, loss_fn is None, device, args or {})
     if isinstance(loss_fn, nn.CrossEntropyLoss):
         metrics["accuracy"] = Accuracy(device=device)
     return metrics

@@ -30,7 +30,7 @@ from ignite_mgpu.train.allocator import setup_cpu_memory
 from ignite_mgpu.train.datasets import example_inputs
 from ignite_mgpu.train.deterministic import use_deterministic_algorithms
 from ignite_mgpu.train.engine import create_trainer
-from ignite_mgpu.train.epoch_log import EpochLog, attach_tensorboard
+from ignite_mgpu.train.epoch_log import EpochLog, attach_tensorboard, jsonable
 from ignite_mgpu.train.evaluator import create_evaluator, validation_metrics
 from ignite_mgpu.train.loaders import attach_skip_counter, create_dataloaders
 from ignite_mgpu.train.losses import create_loss
@@ -93,7 +93,7 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
         checkpoint_every_iters=cfg.checkpoint.every_iters,
         checkpoint_every_minutes=cfg.checkpoint.every_minutes,
     )
-    metrics = validation_metrics(loss_fn, idist.device())
+    metrics = validation_metrics(loss_fn, idist.device(), cfg.eval.metrics, cfg.eval.metric_args)
     evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=t.precision)
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(val_loader))
 
@@ -115,7 +115,7 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
         if not resume(cfg, to_save, world_size):
             return
         if to_save["run"].loaded or not weights_only_resume(cfg.resume):  # from weights: a new run, no files yet
-            adopt_existing(full, best, out)
+            adopt_existing(full, best, out, cfg.checkpoint.metric_mode)
             if rank == 0:
                 epoch_log.drop_epochs_after(trainer.state.epoch)  # one row per epoch, also across restarts
 
@@ -203,10 +203,10 @@ def scoring(local_rank: int, cfg: Config, checkpoint_path: str, as_json: bool) -
     load_checkpoint(checkpoint_path, {"model": model}, map_location="cpu")
     model = prepare_model(model, cfg.dist.strategy, **fsdp_options(cfg))  # as training: never a silent DataParallel
     loss_fn = create_loss(cfg.train.loss, cfg.train.loss_args)
-    evaluator = create_evaluator(
-        model, validation_metrics(loss_fn, idist.device()), model_loss=loss_fn is None, precision=cfg.train.precision
-    )
+    metrics = validation_metrics(loss_fn, idist.device(), cfg.eval.metrics, cfg.eval.metric_args)
+    evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=cfg.train.precision)
     state = evaluator.run(val_loader)
-    result = {"checkpoint": checkpoint_path, "samples": len(val_loader.dataset), **state.metrics}  # type: ignore[arg-type]  # sized
+    scores = {name: value for name, v in state.metrics.items() if (value := jsonable(v)) is not None}
+    result = {"checkpoint": checkpoint_path, "samples": len(val_loader.dataset), **scores}  # type: ignore[arg-type]  # sized
     if rank == 0:
         print(json.dumps(result) if as_json else "  ".join(f"{k}: {v}" for k, v in result.items()))

@@ -1,6 +1,7 @@
 """The user's own code named in the config as ``package.module:factory`` (``model.name``, ``data.name``,
-``train.loss``): imported with the working directory importable, as ``python -m`` makes it, checked against the
-keyword arguments the config gives it, called; every failure a ConfigError naming the config key. Torch-free."""
+``train.loss``, ``eval.metrics``): imported with the working directory importable, as ``python -m`` makes it,
+checked against the keyword arguments the config gives it, called; every failure a ConfigError naming the config
+key. Torch-free."""
 
 from __future__ import annotations
 
@@ -52,6 +53,11 @@ def accepts(fn: Callable[..., Any], parameter: str) -> bool:
     """Whether ``fn`` takes ``parameter`` as a keyword argument (by name, or through ``**kwargs``)."""
     params = _parameters(fn)
     return params is None or parameter in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def with_extras(fn: Callable[..., Any], args: Mapping[str, Any], **extras: Any) -> dict[str, Any]:
+    """``args`` plus each of ``extras`` that ``fn`` takes and ``args`` does not give (a metric's ``device``)."""
+    return {**{k: v for k, v in extras.items() if k not in args and accepts(fn, k)}, **args}
 
 
 def check_arguments(fn: Callable[..., Any], kwargs: Mapping[str, Any], name: str, args_key: str) -> None:

@@ -1,5 +1,6 @@
 """Writing checkpoints: unwrapped models, a failed save keeps the previous file, private modes, best-model files
-that load into the plain model, rotation after a resume. `python -m pytest tests/checkpoint/test_save.py`."""
+that load into the plain model, the best model by any metric in its direction, rotation after a resume.
+`python -m pytest tests/checkpoint/test_save.py`."""
 
 import os
 import stat
@@ -117,6 +118,41 @@ def test_a_worse_loss_keeps_the_best_model_of_the_resumed_run(tmp_path, old):
     evaluator.state.metrics = {"loss": 0.1}
     best(evaluator)
     assert [p.name for p in tmp_path.glob("best_model_*.pt")] == ["best_model_2_val_loss=0.1000.pt"]
+
+
+@pytest.mark.parametrize(
+    "metric, mode, scores, best",
+    [
+        ("top5", "auto", [0.5, 0.8, 0.7, 0.8], "best_model_2_val_top5=0.8000.pt"),  # higher; a tie keeps the first
+        ("perplexity", "auto", [9.0, 7.5, 8.0], "best_model_2_val_perplexity=7.5000.pt"),  # lower
+        ("mine", "min", [-1.0, -3.0, -2.0], "best_model_2_val_mine=-3.0000.pt"),  # the user's, lower is better
+        ("mine", "max", [-1.0, -3.0, -2.0], "best_model_1_val_mine=-1.0000.pt"),
+    ],
+)
+def test_the_best_model_follows_the_metric_and_its_direction(tmp_path, metric, mode, scores, best):
+    from ignite_mgpu.runs.read import best_model
+
+    trainer, evaluator, model = Engine(lambda e, b: None), Engine(lambda e, b: None), small()
+    _, handler = create_checkpointers(
+        {"trainer": trainer}, model, tmp_path, 1, metric, lambda e, _: trainer.state.epoch, mode
+    )
+    for epoch, score in enumerate(scores, 1):
+        trainer.state.epoch, evaluator.state.metrics = epoch, {metric: score}
+        with torch.no_grad():  # every epoch's weights are its number
+            for p in model.parameters():
+                p.fill_(epoch)
+        handler(evaluator)
+    assert [p.name for p in tmp_path.glob("best_model_*.pt")] == [best]
+    (tmp_path / "config.yaml").write_text(f"checkpoint:\n  metric: {metric}\n  metric_mode: {mode}\n")
+    assert best_model(tmp_path) == tmp_path / best
+    weights = torch.load(tmp_path / best, weights_only=True)
+    assert all(float(t.flatten()[0]) == int(best.split("_")[2]) for t in weights.values())  # that epoch's weights
+    # a resumed run adopts the file and keeps it against a worse score, in the same direction
+    _, resumed = create_checkpointers({"trainer": trainer}, small(), tmp_path, 1, metric, lambda e, _: 9, mode)
+    adopt_existing(Checkpoint({"trainer": trainer}, SafeDiskSaver(tmp_path)), resumed, tmp_path, mode)
+    evaluator.state.metrics = {metric: scores[0]}
+    resumed(evaluator)
+    assert [p.name for p in tmp_path.glob("best_model_*.pt")] == [best]
 
 
 def test_time_based_and_iteration_checkpoints_land_on_window_ends_after_the_epoch_report(tmp_path, monkeypatch):

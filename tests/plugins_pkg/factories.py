@@ -92,3 +92,29 @@ def smooth_l1() -> nn.Module:
 
 def number() -> int:
     return 3
+
+
+def samples(device: str = "cpu", scale: int = 1):
+    """A metric of the user's (eval.metrics: tests.plugins_pkg.factories:samples): the validation samples seen,
+    times ``scale``; it records the device it was given."""
+    from ignite.metrics import Metric
+    from ignite.metrics.metric import sync_all_reduce
+
+    class Samples(Metric):
+        def reset(self) -> None:
+            self.count = 0
+
+        def update(self, output) -> None:
+            self.count += len(output[1])
+
+        @sync_all_reduce("count")
+        def compute(self) -> float:
+            return float(self.count * scale)
+
+    metric = Samples(device=device)
+    metric.given_device = device
+    return metric
+
+
+def not_a_metric():
+    return 3.0

@@ -93,6 +93,17 @@ def test_the_table_has_the_files_figures(tmp_path):
     assert (run / "report.png").read_bytes().startswith(PNG)
 
 
+def test_every_other_validation_metric_gets_a_column_even_one_the_report_does_not_know(tmp_path):
+    rows = [epoch(1, val_top5=0.61, val_my_score=-2.5, val_per_class=[0.1, 0.9]), epoch(2, val_top5=0.7129)]
+    run = make_run(tmp_path / "top5", rows)
+    table = format_table(runs.read_runs([run]))
+    header, first, second = (line.split() for line in table.splitlines()[1:4])
+    assert header[:6] == ["epoch", "train_loss", "val_loss", "val_acc", "val_top5", "val_my_score"]
+    assert first[4:6] == ["0.6100", "-2.5000"] and second[4:6] == ["0.7129", "-"]  # missing: "-"
+    assert "val_per_class" not in table  # a list: --json has it
+    assert header[6:] == ["samples/s", "ms/it", "data_wait_%", "peak_MB", "max/min"]
+
+
 def test_a_long_run_shows_its_last_epochs(tmp_path):
     run = make_run(tmp_path / "long", [epoch(n) for n in range(1, 14)])
     table = format_table(runs.read_runs([run]))
