@@ -4,6 +4,7 @@ object from a checkpoint after checking that it belongs to the same run."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,23 +84,7 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
                 "--resume auto: no complete checkpoint in %s yet: starting a new run", run_dir(cfg).resolve()
             )
         return True
-    now = run_signature(cfg)
-
-    def same_run(checkpoint: dict[str, Any]) -> None:  # runs before anything is loaded
-        saved = checkpoint.get("run", {}).get("config", {})
-        changed = [f"{k}: {v} -> {now.get(k, 'absent')}" for k, v in saved.items() if v != now.get(k, "absent")]
-        if changed and not cfg.checkpoint.allow_config_change:
-            why = (
-                f" (optim.scheduler={cfg.optim.scheduler} was built for the run's length, which its saved state keeps)"
-                if any(c.startswith("train.epochs:") for c in changed)
-                else ""
-            )
-            raise CheckpointError(
-                f"{path} belongs to a run with other settings ({'; '.join(changed[:5])}"
-                f"{'; ...' if len(changed) > 5 else ''}){why}. Resume with the same settings, use a new --output-dir, "
-                "or pass checkpoint.allow_config_change=true to resume anyway."
-            )
-
+    same_run = _same_run_check(cfg, path)
     if path.is_dir():  # checkpoint.format=sharded: resharded for this process count as it is read
         load_sharded(path, to_save, check=same_run)
     else:
@@ -128,6 +113,29 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
         )
         return False
     return True
+
+
+def _same_run_check(cfg: Config, path: Path) -> Callable[[dict[str, Any]], None]:
+    """The check that runs on a checkpoint before anything of it is loaded: it belongs to a run with these settings
+    (``run_signature``), unless ``checkpoint.allow_config_change``."""
+    now = run_signature(cfg)
+
+    def same_run(checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get("run", {}).get("config", {})
+        changed = [f"{k}: {v} -> {now.get(k, 'absent')}" for k, v in saved.items() if v != now.get(k, "absent")]
+        if changed and not cfg.checkpoint.allow_config_change:
+            why = (
+                f" (optim.scheduler={cfg.optim.scheduler} was built for the run's length, which its saved state keeps)"
+                if any(c.startswith("train.epochs:") for c in changed)
+                else ""
+            )
+            raise CheckpointError(
+                f"{path} belongs to a run with other settings ({'; '.join(changed[:5])}"
+                f"{'; ...' if len(changed) > 5 else ''}){why}. Resume with the same settings, use a new --output-dir, "
+                "or pass checkpoint.allow_config_change=true to resume anyway."
+            )
+
+    return same_run
 
 
 def continue_from_weights(path: Path, to_save: dict[str, Any]) -> None:

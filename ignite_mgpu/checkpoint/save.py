@@ -119,8 +119,8 @@ def create_checkpointers(
     n_saved: int,
     metric: str,
     best_step: Callable[[Any, Any], int],
-    best_format: str = "pt",
     mode: str = "auto",
+    best_format: str = "pt",
 ) -> tuple[Checkpoint, Checkpoint]:
     """(full training state ``checkpoint_<iteration>.pt``, best unwrapped model ``best_model_*.pt``, or with
     ``best_format="safetensors"`` ``best_model_*.safetensors``: each tie written once, the model's settings from
@@ -177,8 +177,8 @@ def attach_checkpoints(
         cfg.n_saved,
         metric,
         global_step_from_engine(trainer),
-        cfg.best_format,
         cfg.metric_mode,
+        cfg.best_format,
     )
     if cfg.format == "sharded":
         full = ShardedCheckpoint(to_save, output_dir, cfg.n_saved)
