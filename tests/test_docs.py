@@ -71,7 +71,7 @@ def test_config_reference_lists_every_key_with_its_default():
 
     def leaves(node, prefix=""):
         for key, value in node.items():
-            if isinstance(value, dict) and key not in {"args"}:
+            if isinstance(value, dict) and not key.endswith("args"):  # model.args, train.logger_args: one key each
                 yield from leaves(value, f"{prefix}{key}.")
             else:
                 yield f"{prefix}{key}", value
@@ -147,7 +147,9 @@ def test_checkpoint_files_page_names_every_file_of_the_code():
     from ignite_mgpu.runs import folder
 
     names = set(documented_names("checkpoint-files.md"))
-    for name in (folder.CONFIG, folder.METRICS, folder.LOCK, folder.REPORT_IMAGE, f"{folder.TENSORBOARD}/"):
+    trackers = (folder.TRACKING_CSV, folder.TRACKER_RUNS, folder.MLFLOW_DB, f"{folder.MLFLOW_ARTIFACTS}/")
+    names_in_code = (folder.CONFIG, folder.METRICS, folder.LOCK, folder.REPORT_IMAGE, f"{folder.TENSORBOARD}/")
+    for name in (*names_in_code, *trackers, f"{folder.WANDB}/"):
         assert name in names, f"{name} (ignite_mgpu.runs.folder) is missing from docs/reference/checkpoint-files.md"
     page = (REPO / "docs" / "reference" / "checkpoint-files.md").read_text()
     for name in (files.METADATA, files.TRAIN_STATE, files.TEMP_PREFIX):

@@ -11,7 +11,12 @@ RUN_NAME = re.compile(r"(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d)(?:-(\d+))?")  # 2026-11
 CONFIG = "config.yaml"  # the fully resolved config, written by rank 0
 METRICS = "metrics.jsonl"  # one JSON line per epoch
 LOCK = ".lock"  # held by the job writing there (lock.output_lock)
-TENSORBOARD = "tb"  # train.tensorboard's event files
+TENSORBOARD = "tb"  # the tensorboard tracker's event files
+TRACKING_CSV = "tracking.csv"  # the csv tracker: one row per number logged
+TRACKER_RUNS = "trackers.json"  # the MLflow and W&B runs of this folder, continued by a resumed run
+MLFLOW_DB = "mlflow.db"  # the mlflow tracker's default store (sqlite:///<run folder>/mlflow.db)
+MLFLOW_ARTIFACTS = "mlartifacts"  # its artifacts (config.yaml), with that default store
+WANDB = "wandb"  # where the wandb tracker writes its run files (unless WANDB_DIR or logger_args.wandb.dir)
 REPORT_IMAGE = "report.png"  # ignite-mgpu report's figure of one run
 # The best model: best_model_<epoch>_val_<metric>=<score>.pt; a loss used to be written negated (val_loss=-2.4889).
 BEST_NAME = re.compile(r"^best_model_(\d+)_val_(accuracy|loss)=(-?[\d.]+)\.pt$")
