@@ -49,7 +49,7 @@ def check_data_root(cfg: Config) -> None:
 
 
 def check_job(cfg: Config) -> None:
-    """What the config names must exist: the data folder, the model, and the packages the chosen options need."""
+    """What the config names must exist: the data folder, the model, the loss factory."""
     from ignite_mgpu.train import plugins  # the user's factories: their modules are imported to check them
     from ignite_mgpu.train.models import check_model
 
@@ -57,7 +57,6 @@ def check_job(cfg: Config) -> None:
     check_model(cfg.model)
     if plugins.is_factory(cfg.train.loss):
         plugins.resolve(cfg.train.loss, "train.loss")
-    check_trackers(cfg.train)
 
 
 # What each tracker needs installed: (modules, the extra that installs them, the packages named in the message).
@@ -277,6 +276,7 @@ def prepared(cfg: Config) -> Iterator[LaunchPlan]:
         ConfigError, CheckpointError: before anything was started or created.
     """
     check_job(cfg)
+    check_trackers(cfg.train)  # training's alone: evaluate logs to no tracker
     resolve_output_dir(cfg)
     leader = is_leader(cfg)
     if leader:

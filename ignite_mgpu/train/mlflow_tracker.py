@@ -4,8 +4,11 @@ a resumed run continues the same MLflow run."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import queue
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,8 @@ MLFLOW_HTTP_LIMITS = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
 }
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a parameter's value
+MAX_QUEUED = 10_000  # requests waiting for the server; past that the tracker stops
+CLOSE_TIMEOUT = 60.0  # seconds the requests still queued at the end of training may take
 
 
 class _MLflowOutputHandler(mlflow_logger.OutputHandler):
@@ -44,35 +49,77 @@ def _valid_name(name: str) -> bool:
     return bool(validate_param_and_metric_name(name))
 
 
+class _Sender:
+    """A thread that sends one tracker's requests in order, so that a slow or dead server never holds the training
+    (nor, through rank 0, the other ranks at their next collective). Its first error is raised at the next
+    ``submit`` or at ``close``, in the training's thread."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.Queue[tuple[Any, tuple] | None] = queue.Queue(maxsize=MAX_QUEUED)
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, args = item
+            try:
+                fn(*args)
+            except Exception as err:  # reported in the training's thread, then nothing more is sent
+                self.error = err
+                return
+
+    def submit(self, fn: Any, *args: Any) -> None:
+        if self.error is not None:
+            raise self.error
+        try:
+            self._queue.put_nowait((fn, args))
+        except queue.Full:
+            raise RuntimeError(f"the server takes too long: {MAX_QUEUED} requests are waiting") from None
+
+    def close(self, timeout: float) -> None:
+        """Send what is queued (at most ``timeout`` seconds), then stop; raises the first error, if any."""
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=timeout)
+        self._thread.join(timeout)
+        if self.error is not None:
+            raise self.error
+        if self._thread.is_alive():
+            raise TimeoutError(f"the server did not take the last requests in {timeout:.0f} s")
+
+
 class _MLflowClientLogger(MLflowLogger):
-    """ignite's MLflowLogger writing through an ``MlflowClient`` into one run: MLflow's fluent API, which ignite's
-    uses, would export MLFLOW_TRACKING_URI into this process's environment and keep an active run per thread
-    (both seen by the user's own MLflow code in a notebook, and by the next run started there)."""
+    """ignite's MLflowLogger writing through an ``MlflowClient`` into one run, from a ``_Sender`` thread. Not
+    MLflow's fluent API, which ignite's uses: it would export MLFLOW_TRACKING_URI into this process's environment
+    and keep an active run per thread (both seen by the user's own MLflow code in a notebook, and by the next run
+    started there)."""
 
     def __init__(self, client: Any, run_id: str) -> None:  # not MLflowLogger's: it starts a fluent run
         self.client, self.run_id = client, run_id
+        self.sender = _Sender("ignite-mgpu mlflow")
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step or 0) for k, v in metrics.items()])
+        batch = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()]
+        self.sender.submit(self.client.log_batch, self.run_id, batch)
 
     def log_params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param
 
-        self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
+        self.sender.submit(self.client.log_batch, self.run_id, [], [Param(k, v) for k, v in params.items()])
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        self.sender.submit(self.client.log_batch, self.run_id, [], [], [RunTag(k, v) for k, v in tags.items()])
 
     def log_artifact(self, path: str) -> None:
-        self.client.log_artifact(self.run_id, path)
+        self.sender.submit(self.client.log_artifact, self.run_id, path)
 
     def close(self, status: str = "FINISHED") -> None:
-        self.client.set_terminated(self.run_id, status)
+        self.sender.close(CLOSE_TIMEOUT)
 
 
 class _BoundedClient:
@@ -123,7 +170,7 @@ class MLflow(Backend):
             artifacts = (out / folder.MLFLOW_ARTIFACTS).resolve().as_uri() if given is None else None
             run_id = self._new_run(args, artifacts, out.name)
         self.run_id: str = run_id
-        self.logger = _MLflowClientLogger(self.client, self.run_id)
+        self.logger = _MLflowClientLogger(client, self.run_id)  # its thread waits as long as MLflow's own limits
 
     def _new_run(self, args: dict[str, Any], artifacts: str | None, default_name: str) -> str:
         """A run in ``args["experiment"]`` (or MLFLOW_EXPERIMENT_NAME, or ignite-mgpu), created with its artifacts
@@ -162,4 +209,10 @@ class MLflow(Backend):
         return {"run_id": self.run_id, "tracking_uri": self.uri}
 
     def close(self, status: str) -> None:
-        self.logger.close(status)
+        try:
+            self.logger.close()
+        finally:
+            self.client.set_terminated(self.run_id, status)
+
+    def abandon(self) -> None:
+        """After a failed request: the store failed, so nothing more is asked of it (not even to end the run)."""

@@ -57,6 +57,10 @@ class Backend(ABC):
         """End the tracker's run; ``status``: FINISHED, FAILED or KILLED (stopped by a signal)."""
         self.logger.close()
 
+    def abandon(self) -> None:
+        """After this tracker failed: release what it holds here (files, processes) as it can."""
+        self.close("FAILED")
+
 
 class TensorBoard(Backend):
     """ignite's TensorboardLogger into ``<run folder>/tb``: the same event files as before train.loggers."""

@@ -65,7 +65,7 @@ class Tracker:
                 self.backend.name, what, _reason(err),
             )  # fmt: skip
             with contextlib.suppress(Exception):
-                self.backend.close("FAILED")
+                self.backend.abandon()
 
     def guarded(self, handler: Any) -> Any:
         """``handler`` (an ignite log handler: engine, logger, event) called through ``call``."""
@@ -166,8 +166,11 @@ class Trackers:
             return
         path = self.out / folder.TRACKER_RUNS
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self._remembered() | runs, indent=1) + "\n")
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(self._remembered() | runs, indent=1) + "\n")
+            os.replace(tmp, path)
+        except OSError as err:  # the trackers run on; only a restart would start new tracker runs
+            logger.warning("train.loggers: %s not written (%s); a restart starts new tracker runs.", path, _reason(err))
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

@@ -260,3 +260,27 @@ def test_no_trackers_attach_nothing(tmp_path):
     trainer, evaluator = tiny_run(tmp_path / "run")
     assert not (tmp_path / "run" / folder.TRACKER_RUNS).exists()
     assert not (tmp_path / "run" / folder.TRACKING_CSV).exists()
+
+
+def test_an_mlflow_store_that_fails_later_is_one_warning(tmp_path, monkeypatch, caplog, mlflow_store):
+    from mlflow import MlflowClient
+
+    real_log_batch, calls = MlflowClient.log_batch, []
+
+    def failing(self, run_id, metrics=(), *args, **kwargs):  # the server goes away after the run started
+        calls.append(run_id)
+        if len(calls) > 3:
+            raise ConnectionError("the server went away")
+        return real_log_batch(self, run_id, metrics, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", failing)
+    out = with_store(tmp_path / "run", mlflow_store)
+    with caplog.at_level(logging.WARNING, logger="ignite_mgpu"):
+        trainer, _ = tiny_run(out, "train.loggers=[mlflow,csv]", epochs=3)
+    assert trainer.state.epoch == 3 and len(calls) == 4  # nothing more was sent after the failure
+    warnings = [r.getMessage() for r in caplog.records if "train.loggers" in r.getMessage()]
+    assert warnings == [
+        "train.loggers: the mlflow tracker failed to log (ConnectionError: the server went away); training goes on "
+        "without it."
+    ]
+    assert [i for i, _ in values(csv_rows(out), "train/loss")] == list(range(2, 13, 2))  # the others go on
