@@ -19,12 +19,13 @@ from ignite.metrics import Accuracy, Loss, TopKCategoricalAccuracy
 from torch import nn
 
 from ignite_mgpu.config import dump_config, load_config
+from ignite_mgpu.errors import TrainingDiverged, TrainingInterrupted
 from ignite_mgpu.runs import folder
 from ignite_mgpu.train.csv_logger import COLUMNS, CsvLogger
 from ignite_mgpu.train.engine import create_trainer
 from ignite_mgpu.train.epoch_log import EpochLog
 from ignite_mgpu.train.evaluator import create_evaluator
-from ignite_mgpu.train.trackers import Trackers
+from ignite_mgpu.train.trackers import Tracker, Trackers
 from tests.helpers import data, linear
 
 EPOCH_LENGTH = 4  # 32 samples in batches of 8
@@ -284,3 +285,22 @@ def test_an_mlflow_store_that_fails_later_is_one_warning(tmp_path, monkeypatch, 
         "without it."
     ]
     assert [i for i, _ in values(csv_rows(out), "train/loss")] == list(range(2, 13, 2))  # the others go on
+
+
+@pytest.mark.parametrize(
+    "error, status",
+    [(None, "FINISHED"), (TrainingInterrupted(15, 8), "KILLED"), (TrainingDiverged("NaN"), "FAILED")],
+)
+def test_each_tracker_run_ends_as_the_training_did(tmp_path, error, status):
+    ended = []
+
+    class Recorder:
+        name = "recorder"
+
+        def close(self, how):
+            ended.append(how)
+
+    trackers = Trackers(load_config(), None, None, None, None, tmp_path)
+    trackers.started = [Tracker(Recorder())]
+    trackers.__exit__(type(error) if error else None, error, None)
+    assert ended == [status]
