@@ -21,10 +21,12 @@ Backend = Literal["auto", "nccl", "gloo"]
 Strategy = Literal["ddp", "dp", "fsdp"]
 CpuBinding = Literal["auto", "none", "cores", "numa"]
 Precision = Literal["fp32", "bf16", "fp16"]
+Tracker = Literal["tensorboard", "mlflow", "wandb", "csv"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 CPU_BINDINGS: tuple[str, ...] = get_args(CpuBinding)
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+TRACKERS: tuple[str, ...] = get_args(Tracker)
 DATASETS = ("synthetic", "fake", "mnist", "fashion_mnist", "cifar10", "imagefolder")  # or "package.module:factory"
 DATASETS_ON_DISK = ("mnist", "fashion_mnist", "cifar10", "imagefolder")  # read from data.root
 
@@ -91,7 +93,10 @@ class TrainConfig:
     epoch_length: int | None = None  # iterations per epoch (None = one full pass over the data)
     check_every: int = 0  # iterations between the collective non-finite-loss / stop checks; 0: about once a second
     progress_bar: bool = True  # tqdm progress bar on rank 0
-    tensorboard: bool = False  # write TensorBoard scalars into output_dir/tb
+    tensorboard: bool = False  # the same as "tensorboard" in train.loggers: TensorBoard scalars in output_dir/tb
+    loggers: list[Tracker] = field(default_factory=list)  # experiment trackers on rank 0: tensorboard mlflow wandb csv
+    log_every: int = 50  # iterations between the trackers' training loss and learning rate points
+    logger_args: dict[str, dict[str, Any]] = field(default_factory=dict)  # per tracker, e.g. {mlflow: {experiment: x}}
     keep_cpu_memory: bool = True  # CPU, Linux: glibc keeps freed memory for the next step (no page fault per tensor)
 
 
@@ -277,6 +282,9 @@ def _check_train(t: TrainConfig, c: CheckpointConfig) -> None:
     _check(clip is None or (math.isfinite(clip) and clip > 0), "train.clip_grad_norm", clip, "use null or a value > 0")
     _check(t.epoch_length is None or t.epoch_length >= 1, "train.epoch_length", t.epoch_length, "use null or >= 1")
     _check(t.check_every >= 0, "train.check_every", t.check_every, "use 0 (about once a second) or >= 1")
+    _check(t.log_every >= 1, "train.log_every", t.log_every, "log the training loss every N >= 1 iterations")
+    for name in t.logger_args:
+        _check(name in TRACKERS, "train.logger_args", name, f"the keys are tracker names: {', '.join(TRACKERS)}")
     _check(c.every >= 0 and c.every_iters >= 0, "checkpoint.every/every_iters", (c.every, c.every_iters), "use >= 0")
     _check(c.n_saved >= 1, "checkpoint.n_saved", c.n_saved, "keep at least 1 checkpoint")
     minutes = c.every_minutes
@@ -396,6 +404,11 @@ def run_dir(cfg: Config) -> Path:
 def best_metric(cfg: Config) -> str:
     """The validation metric that picks best_model_*.pt: checkpoint.metric, or accuracy where it is reported."""
     return cfg.checkpoint.metric or metric_names.default_best(metric_names.reported(cfg.eval.metrics, cfg.train.loss))
+
+
+def trackers_of(t: TrainConfig) -> list[str]:
+    """The experiment trackers of a run: train.loggers, and tensorboard for train.tensorboard=true; each once."""
+    return list(dict.fromkeys([*t.loggers, *(["tensorboard"] if t.tensorboard else [])]))
 
 
 def _check_preempt_signal(name: str | None) -> None:

@@ -156,3 +156,14 @@ def make_image_folder(root: Path, counts: dict[str, int], size: int, broken: str
                 Image.new("RGB", (size, size), color=(10 * i, 200 if cls == "cat" else 20, 7)).save(folder / f"{i}.png")
     (root / broken).write_bytes(b"\x89PNG truncated")
     return root
+
+
+@pytest.fixture(scope="session")
+def mlflow_store(tmp_path_factory):
+    """An empty MLflow SQLite store (``mlflow.db``), made once per session and copied by the tests that use one:
+    creating the tables of a new store takes seconds. Skips without the mlflow extra."""
+    mlflow = pytest.importorskip("mlflow", reason="the mlflow extra (pip install -e '.[mlflow]') is not installed")
+    pytest.importorskip("sqlalchemy", reason="MLflow's SQLite store needs sqlalchemy (the mlflow extra)")
+    path = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    mlflow.MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path

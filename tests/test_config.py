@@ -77,6 +77,10 @@ def test_dump_round_trips(tmp_path):
         ("checkpoint.every_minutes=nan", r"'checkpoint.every_minutes' = nan is invalid"),
         ("dist.preempt_signal=USR1", r"'dist.preempt_signal' = 'USR1' is invalid: name a signal that a process can"),
         ("dist.preempt_signal=SIGTERM", r"'dist.preempt_signal' = 'SIGTERM' is invalid.*SIGUSR1 or SIGUSR2"),
+        ("train.loggers=[mlfow]", r"'train.loggers\[0\]'.*'mlfow', expected one of \['tensorboard', 'mlflow', 'wandb'"),
+        ("train.log_every=0", r"'train.log_every' = 0 is invalid: log the training loss every N >= 1 iterations"),
+        ("train.logger_args.mlfow.experiment=x", r"'train.logger_args' = 'mlfow' is invalid: the keys are tracker"),
+        ("train.logger_args.mlflow=3", r"'train.logger_args.mlflow'.*incompatible"),
     ],
 )
 def test_bad_values_name_the_key(override, match):
@@ -172,3 +176,12 @@ def test_max_restarts_are_refused_across_nodes():
         load_config(overrides=["dist.max_restarts=2", "dist.nnodes=2", "dist.master_port=29500"])
     cfg = load_config(overrides=["dist.max_restarts=2", "checkpoint.every_minutes=0.5", "dist.preempt_signal=null"])
     assert (cfg.dist.max_restarts, cfg.checkpoint.every_minutes, cfg.dist.preempt_signal) == (2, 0.5, None)
+
+
+def test_trackers_are_the_loggers_and_the_old_tensorboard_switch():
+    from ignite_mgpu.config import trackers_of
+
+    assert trackers_of(load_config().train) == []  # today's configs: no tracker at all
+    assert trackers_of(load_config(overrides=["train.tensorboard=true"]).train) == ["tensorboard"]
+    both = load_config(overrides=["train.loggers=[mlflow,tensorboard,csv]", "train.tensorboard=true"])
+    assert trackers_of(both.train) == ["mlflow", "tensorboard", "csv"]  # each once

@@ -147,7 +147,9 @@ def test_checkpoint_files_page_names_every_file_of_the_code():
     from ignite_mgpu.runs import folder
 
     names = set(documented_names("checkpoint-files.md"))
-    for name in (folder.CONFIG, folder.METRICS, folder.LOCK, folder.REPORT_IMAGE, f"{folder.TENSORBOARD}/"):
+    trackers = (folder.TRACKING_CSV, folder.TRACKER_RUNS, folder.MLFLOW_DB, f"{folder.MLFLOW_ARTIFACTS}/")
+    names_in_code = (folder.CONFIG, folder.METRICS, folder.LOCK, folder.REPORT_IMAGE, f"{folder.TENSORBOARD}/")
+    for name in (*names_in_code, *trackers, f"{folder.WANDB}/"):
         assert name in names, f"{name} (ignite_mgpu.runs.folder) is missing from docs/reference/checkpoint-files.md"
     page = (REPO / "docs" / "reference" / "checkpoint-files.md").read_text()
     for name in (files.METADATA, files.TRAIN_STATE, files.TEMP_PREFIX):

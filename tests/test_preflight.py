@@ -180,3 +180,36 @@ def test_a_dataset_folder_is_checked_before_anything_starts(tmp_path):
         (tmp_path / split).mkdir()
     preflight.check_data_root(load_config(overrides=["data.name=imagefolder", f"data.root={tmp_path}"]))
     assert fit(load_config(overrides=["data.name=cifar10", f"data.root={tmp_path}/nope"])) == 2  # fit checks it too
+
+
+def test_a_tracker_without_its_package_is_exit_2_before_anything_starts(launched, tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "mlflow" else real_find_spec(name))
+    assert fit(config(tmp_path, "train.loggers=[csv,mlflow]")) == 2
+    err = capsys.readouterr().err
+    assert "train.loggers asks for the mlflow tracker, which needs mlflow, not installed here: " in err
+    assert "pip install 'ignite-mgpu[mlflow]' (that is, mlflow-skinny (or mlflow), sqlalchemy and alembic)" in err
+    assert not launched and not (tmp_path / "out").exists()
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "tensorboard" else real_find_spec(name)
+    )
+    with pytest.raises(
+        ConfigError, match=r"train.tensorboard=true asks for the tensorboard tracker.*or set it to false"
+    ):
+        preflight.check_trackers(config(tmp_path, "train.tensorboard=true").train)
+
+
+def test_tracker_arguments_are_checked_before_anything_starts(tmp_path):
+    preflight.check_trackers(config(tmp_path, "train.logger_args.mlflow.experiment=x").train)
+    with pytest.raises(ConfigError, match=r"train.logger_args.mlflow.experimnet is not an argument of the mlflow"):
+        preflight.check_trackers(config(tmp_path, "train.logger_args.mlflow.experimnet=x").train)
+    with pytest.raises(
+        ConfigError, match=r"train.logger_args.csv.path is not an argument of the csv tracker; it takes none"
+    ):
+        preflight.check_trackers(config(tmp_path, "train.logger_args.csv.path=x").train)
+    pytest.importorskip("wandb", reason="the wandb extra is not installed")
+    preflight.check_trackers(config(tmp_path, "train.logger_args.wandb.project=p").train)  # wandb.init's keywords
+    with pytest.raises(ConfigError, match=r"train.logger_args.wandb.projcet is not an argument of the wandb tracker"):
+        preflight.check_trackers(config(tmp_path, "train.logger_args.wandb.projcet=p").train)

@@ -1,6 +1,6 @@
 """The epoch log: after each epoch (and its validation) one JSON line in ``metrics.jsonl`` and a short table on rank 0
-(losses, accuracy, throughput, data-wait share, peak memory per GPU or process); optionally TensorBoard. What
-``ignite-mgpu report`` reads back (``runs/``)."""
+(losses, accuracy, throughput, data-wait share, peak memory per GPU or process), what ``ignite-mgpu report`` reads
+back (``runs/``); the experiment trackers log the same numbers (``trackers.py``)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ class EpochLog:
         self._timer_attached = False
 
     def memory_tags(self) -> list[str]:
-        """TensorBoard tags of the same entries: ``memory/rank<k>`` for processes, ``memory/gpu<k>`` for the GPUs
+        """The trackers' names of the same entries: ``memory/rank<k>`` for processes, ``memory/gpu<k>`` for the GPUs
         of one process (k: its CUDA index in the job)."""
         world, cuda = idist.get_world_size(), [d for d in self.devices if d.type == "cuda"]
         if world == 1 and cuda:
@@ -181,22 +181,3 @@ class EpochLog:
                 " | ".join(f"{name}: {mb:.0f}" for name, mb in zip(labels, memory, strict=False)),
                 r["memory_imbalance"],
             )  # fmt: skip
-
-
-def attach_tensorboard(trainer: Engine, epoch_log: EpochLog, logdir: Path) -> None:
-    """Every number of the epoch log as a TensorBoard scalar, and the peak memory of each rank (or GPU) as one
-    scalar each (rank 0; needs the tensorboard package)."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(logdir))
-
-    def write(engine: Engine) -> None:
-        for key, value in epoch_log.last.items():
-            if isinstance(value, (int, float)) and key not in ("epoch", "iteration"):
-                writer.add_scalar(key, value, engine.state.epoch)
-        for tag, mb in zip(epoch_log.memory_tags(), epoch_log.last["peak_memory_mb"], strict=False):
-            writer.add_scalar(tag, mb, engine.state.epoch)
-        writer.flush()
-
-    trainer.add_event_handler(Events.EPOCH_COMPLETED, write)
-    trainer.add_event_handler(Events.COMPLETED, lambda: writer.close())

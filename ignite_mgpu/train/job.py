@@ -30,13 +30,14 @@ from ignite_mgpu.train.allocator import setup_cpu_memory
 from ignite_mgpu.train.datasets import example_inputs
 from ignite_mgpu.train.deterministic import use_deterministic_algorithms
 from ignite_mgpu.train.engine import create_trainer
-from ignite_mgpu.train.epoch_log import EpochLog, attach_tensorboard, jsonable
+from ignite_mgpu.train.epoch_log import EpochLog, jsonable
 from ignite_mgpu.train.evaluator import create_evaluator, validation_metrics
 from ignite_mgpu.train.loaders import attach_skip_counter, create_dataloaders
 from ignite_mgpu.train.losses import create_loss
 from ignite_mgpu.train.models import create_model
 from ignite_mgpu.train.optim import create_lr_scheduler, create_optimizer
 from ignite_mgpu.train.strategy import model_devices, prepare_model
+from ignite_mgpu.train.trackers import Trackers
 
 logger = logging.getLogger("ignite_mgpu")
 
@@ -110,7 +111,7 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
     epoch_log = EpochLog(out / folder.METRICS, cfg.data.batch_size, evaluator, model_devices(model), restarts)
     epoch_log.attach(trainer)
     full, best = attach_checkpoints(trainer, evaluator, to_save, cfg.checkpoint, out, best_metric(cfg))
-    _attach_extras(cfg, trainer, epoch_log, out, rank)
+    _attach_extras(cfg, trainer, rank)
     if cfg.resume:
         if not resume(cfg, to_save, world_size):
             return
@@ -119,7 +120,8 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
             if rank == 0:
                 epoch_log.drop_epochs_after(trainer.state.epoch)  # one row per epoch, also across restarts
 
-    trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
+    with Trackers(cfg, trainer, evaluator, optimizer, epoch_log, out):  # train.loggers: MLflow, W&B, ... (rank 0)
+        trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
     if rank == 0:
         best_model = str(best.last_checkpoint) if best.last_checkpoint else None
         summary = epoch_log.last | {"output_dir": str(out), "best_model": best_model}
@@ -178,13 +180,11 @@ def _create_lr_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, loader_l
     )
 
 
-def _attach_extras(cfg: Config, trainer: Engine, epoch_log: EpochLog, out: Path, rank: int) -> None:
-    """The optional handlers: the count of skipped images, TensorBoard and the progress bar (rank 0)."""
+def _attach_extras(cfg: Config, trainer: Engine, rank: int) -> None:
+    """The optional handlers: the count of skipped images and the progress bar (rank 0)."""
     t = cfg.train
     if cfg.data.skip_bad_samples:
         attach_skip_counter(trainer)
-    if t.tensorboard and rank == 0:
-        attach_tensorboard(trainer, epoch_log, out / folder.TENSORBOARD)
     if t.progress_bar and rank == 0 and sys.stderr.isatty():
         from ignite.handlers import ProgressBar
 
