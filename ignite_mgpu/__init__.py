@@ -19,11 +19,11 @@ _PUBLIC = {
     "prepare_model": "ignite_mgpu.train.strategy",
     "load_checkpoint": "ignite_mgpu.checkpoint.load",
     "save_weights": "ignite_mgpu.checkpoint.weights",
-    "Config": "ignite_mgpu.config",
+    "Config": "ignite_mgpu.config.schema",
     "ConfigError": "ignite_mgpu.errors",
     "CheckpointError": "ignite_mgpu.errors",
     "JobFailed": "ignite_mgpu.errors",
-    "load_config": "ignite_mgpu.config",
+    "load_config": "ignite_mgpu.config.loading",
     "training": "ignite_mgpu.train.job",
     "keep_freed_memory": "ignite_mgpu.train.allocator",
 }

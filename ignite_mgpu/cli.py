@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 import click
 
-from ignite_mgpu.config import BACKENDS, CPU_BINDINGS, STRATEGIES
+from ignite_mgpu.config.schema import BACKENDS, CPU_BINDINGS, STRATEGIES
 from ignite_mgpu.errors import exit_codes_text
 
 # CLI flag -> config key; flags are applied after --config and the positional key=value overrides.
@@ -100,7 +100,7 @@ def _refuse_unknown_options(args: tuple[str, ...]) -> None:
     the config key of that name (``--epochs 3``: ``train.epochs=3``)."""
     import difflib
 
-    from ignite_mgpu.config import dotted_keys
+    from ignite_mgpu.config.loading import dotted_keys
 
     command = click.get_current_context().command
     options = sorted({o for p in command.params for o in p.opts if o.startswith("--")})
@@ -123,7 +123,7 @@ def _refuse_unknown_options(args: tuple[str, ...]) -> None:
 
 
 def _load(args: tuple[str, ...], config_path: str | None, flags: dict[str, Any]) -> Any:
-    from ignite_mgpu.config import load_config
+    from ignite_mgpu.config.loading import load_config
 
     files = [a for a in args if "=" not in a and a.endswith((".yaml", ".yml"))]
     overrides = [a for a in args if a not in files]
@@ -247,7 +247,7 @@ def run(script: str, script_args: tuple[str, ...], module: bool, **flags: Any) -
     fails stops every process, and its error is shown once; a script that exits with 2 (argparse, click)
     rejected its arguments, and nothing restarts it. Refused under torchrun or srun: one launcher at a time.
     """
-    from ignite_mgpu.config import DistConfig
+    from ignite_mgpu.config.schema import DistConfig
 
     with _errors_to_exit():
         from ignite_mgpu.processes.script import run_script_job

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ignite_mgpu.config import Config, run_dir, validate
+from ignite_mgpu.config.checks import validate
+from ignite_mgpu.config.schema import Config, run_dir
 from ignite_mgpu.errors import CheckpointError, ConfigError
 from ignite_mgpu.preflight import check_job, checked_plan, prepared
 from ignite_mgpu.processes import cluster, launcher

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from ignite_mgpu.config import DATASETS_ON_DISK, Config, TrainConfig, run_dir, trackers_of
+from ignite_mgpu.config.schema import DATASETS_ON_DISK, Config, TrainConfig, run_dir, trackers_of
 from ignite_mgpu.errors import ConfigError, CorruptCheckpointError
 from ignite_mgpu.processes import cluster
 from ignite_mgpu.processes.plan import LaunchPlan, make_plan

@@ -278,7 +278,7 @@ def test_devices_without_gpu():
 def test_evaluation_places_the_model_like_training(tmp_path, monkeypatch, capsys):
     # One process: the model is only moved to the device, never wrapped by idist.auto_model (which would pick
     # DataParallel on a machine with several GPUs).
-    from ignite_mgpu.config import load_config
+    from ignite_mgpu.config.loading import load_config
     from ignite_mgpu.train import job
     from ignite_mgpu.train.models import create_model
 

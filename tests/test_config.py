@@ -2,7 +2,10 @@
 
 import pytest
 
-from ignite_mgpu.config import Config, ConfigError, DataConfig, dump_config, load_config, validate
+from ignite_mgpu.config.checks import validate
+from ignite_mgpu.config.loading import dump_config, load_config
+from ignite_mgpu.config.schema import Config, DataConfig
+from ignite_mgpu.errors import ConfigError
 
 
 def test_defaults_need_no_file():
@@ -179,7 +182,7 @@ def test_max_restarts_are_refused_across_nodes():
 
 
 def test_trackers_are_the_loggers_and_the_old_tensorboard_switch():
-    from ignite_mgpu.config import trackers_of
+    from ignite_mgpu.config.schema import trackers_of
 
     assert trackers_of(load_config().train) == []  # today's configs: no tracker at all
     assert trackers_of(load_config(overrides=["train.tensorboard=true"]).train) == ["tensorboard"]

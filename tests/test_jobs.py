@@ -5,7 +5,7 @@ last epoch's metrics and its best model. A real fit from a notebook kernel is in
 import subprocess
 import sys
 
-from ignite_mgpu.config import Config, DistConfig
+from ignite_mgpu.config.schema import Config, DistConfig
 from ignite_mgpu.jobs import FitResult, fit
 from tests.conftest import REPO
 

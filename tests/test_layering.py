@@ -21,7 +21,9 @@ TRAINING_LAYER = ("ignite_mgpu.train", "ignite_mgpu.checkpoint")
 LEAVES = (
     "ignite_mgpu.errors",
     "ignite_mgpu.text",
-    "ignite_mgpu.config",
+    "ignite_mgpu.config.schema",
+    "ignite_mgpu.config.checks",
+    "ignite_mgpu.config.loading",
     "ignite_mgpu.runs.folder",
     "ignite_mgpu.runs.metric_names",
 )  # import only each other

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ignite_mgpu import fit, preflight
-from ignite_mgpu.config import load_config
+from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.processes import launcher
 from ignite_mgpu.runs import folder, lock
@@ -112,7 +112,7 @@ def test_compile_on_the_cpu_without_a_compiler_is_refused(launched, tmp_path, ca
 
 
 def test_a_run_without_output_dir_under_torchrun_or_slurm_is_named_by_the_job(monkeypatch, tmp_path, capsys):
-    from ignite_mgpu.config import Config
+    from ignite_mgpu.config.schema import Config
 
     monkeypatch.chdir(tmp_path)
     torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}

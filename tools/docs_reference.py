@@ -15,7 +15,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from ignite_mgpu.config import Config
+from ignite_mgpu.config.schema import Config
 from ignite_mgpu.errors import EXIT_CODES
 
 
@@ -100,7 +100,7 @@ def config_page() -> str:
     out = [
         "# Configuration keys",
         "",
-        "Generated from the dataclasses of `ignite_mgpu.config`: the type and default of every field, and the "
+        "Generated from the dataclasses of `ignite_mgpu.config.schema`: the type and default of every field, and the "
         "comment written after it. Precedence: these defaults < the YAML file < `key=value` overrides < flags. "
         "`configs/default.yaml` lists the same keys with the same defaults (a test keeps them equal).",
         "",

@@ -34,7 +34,7 @@ def child(mode: str, batch: int, steps: int) -> None:
     import torch
     from torch import nn
 
-    from ignite_mgpu.config import ModelConfig
+    from ignite_mgpu.config.schema import ModelConfig
     from ignite_mgpu.train.allocator import keep_freed_memory
     from ignite_mgpu.train.models import create_model
 

@@ -48,7 +48,7 @@ LOOPS = ("hand-written", REFERENCE, "ignite-mgpu")
 
 
 def shipped_default() -> str:
-    from ignite_mgpu.config import DistConfig
+    from ignite_mgpu.config.schema import DistConfig
 
     return DistConfig().cpu_binding
 

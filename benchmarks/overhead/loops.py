@@ -23,7 +23,7 @@ def make_config(workload: str, iters: int, epochs: int, output_dir: str | Path, 
     sampler pass. The full checkpoint is written once, after the last epoch, outside the timed part: it holds
     the final weights compared with (a). Validation runs on 256 samples (also outside the timed part).
     """
-    from ignite_mgpu.config import load_config
+    from ignite_mgpu.config.loading import load_config
 
     _, batch, _, _, overrides = WORKLOADS[workload]
     return load_config(

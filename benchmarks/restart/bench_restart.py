@@ -119,7 +119,8 @@ def main() -> None:
     parser.add_argument("--package-root", type=Path, default=ROOT, help="the checkout whose ignite_mgpu runs")
     opts = parser.parse_args()
     cases = [("raise", 0), ("hang", 0), ("kill", 0), ("kill", 1)]
-    if "max_restarts" not in (opts.package_root / "ignite_mgpu" / "config.py").read_text():
+    schema = opts.package_root / "ignite_mgpu" / "config" / "schema.py"
+    if "max_restarts" not in (schema if schema.is_file() else schema.parent.with_suffix(".py")).read_text():
         cases = cases[:3]  # a release before restarts
     print(f"package: {opts.package_root}; load average {os.getloadavg()[0]:.2f}; {opts.repeat} job(s) per row")
     for kind, restarts in cases:

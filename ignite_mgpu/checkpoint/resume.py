@@ -12,7 +12,7 @@ from ignite_mgpu.checkpoint.files import find_resumable, is_safetensors, weights
 from ignite_mgpu.checkpoint.load import load_checkpoint
 from ignite_mgpu.checkpoint.sharded import load_sharded
 from ignite_mgpu.checkpoint.state import FullModelState
-from ignite_mgpu.config import Config, run_dir
+from ignite_mgpu.config.schema import Config, run_dir
 from ignite_mgpu.errors import CheckpointError
 from ignite_mgpu.processes.cluster import outer_restarts
 

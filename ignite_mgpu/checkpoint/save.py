@@ -27,7 +27,7 @@ from ignite_mgpu.checkpoint.files import (
 from ignite_mgpu.checkpoint.sharded import ShardedCheckpoint
 from ignite_mgpu.checkpoint.state import FullModelState, module_and_optimizer
 from ignite_mgpu.checkpoint.weights import SOURCE, TiedWeights, model_metadata, write_safetensors
-from ignite_mgpu.config import CheckpointConfig
+from ignite_mgpu.config.schema import CheckpointConfig
 from ignite_mgpu.errors import CheckpointError
 from ignite_mgpu.processes import stop
 from ignite_mgpu.runs import metric_names

@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-from ignite_mgpu.config import DistConfig
+from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.errors import ConfigError, WaitTimedOut
 from ignite_mgpu.processes import claims, gpus
 from ignite_mgpu.processes.claims import GpuClaims

@@ -15,7 +15,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ignite_mgpu.config import BACKENDS, CPU_BINDINGS, STRATEGIES, DistConfig
+from ignite_mgpu.config.checks import validate
+from ignite_mgpu.config.schema import BACKENDS, CPU_BINDINGS, STRATEGIES, Config, DistConfig
 from ignite_mgpu.errors import (
     FAILED,
     SUCCESS,
@@ -172,8 +173,6 @@ def launch(
             SIGINT/SIGTERM (130/143); the failing rank's error has been printed once.
         JobFailed: the same, from a notebook or an interactive session: the failing rank's error is its message.
     """
-    from ignite_mgpu.config import Config, validate
-
     choices = {"backend": (backend, BACKENDS), "strategy": (strategy, STRATEGIES)}
     _check_choices(**choices, cpu_binding=(cpu_binding, CPU_BINDINGS))
     dist_cfg = DistConfig(

@@ -13,7 +13,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ignite_mgpu.config import DistConfig
+from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.processes import acquire, cluster, gpu_selection
 from ignite_mgpu.processes.binding import BindingPlan, plan_for_job

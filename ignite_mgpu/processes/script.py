@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 
-from ignite_mgpu.config import Config, DistConfig, validate
+from ignite_mgpu.config.checks import validate
+from ignite_mgpu.config.schema import Config, DistConfig
 from ignite_mgpu.errors import USAGE, ConfigError, ScriptArgumentsError
 from ignite_mgpu.processes import cluster, launcher
 from ignite_mgpu.processes.plan import Restart, make_plan

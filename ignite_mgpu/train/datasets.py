@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, IterableDataset
 from torch.utils.data.dataloader import default_collate
 
-from ignite_mgpu.config import DataConfig
+from ignite_mgpu.config.schema import DataConfig
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.train import batches, plugins
 

@@ -13,7 +13,7 @@ import torch
 from ignite.engine import Engine, Events
 from torch import nn
 
-from ignite_mgpu.config import PRECISIONS
+from ignite_mgpu.config.schema import PRECISIONS
 from ignite_mgpu.train import batches
 from ignite_mgpu.train.batches import Batch
 from ignite_mgpu.train.deterministic import PortableDeterministicEngine, use_deterministic_algorithms

@@ -23,7 +23,8 @@ from ignite_mgpu.checkpoint.load import load_checkpoint
 from ignite_mgpu.checkpoint.resume import resume, run_signature
 from ignite_mgpu.checkpoint.save import RunInfo, adopt_existing, attach_checkpoints
 from ignite_mgpu.checkpoint.state import checkpoint_objects
-from ignite_mgpu.config import Config, best_metric, dump_config, run_dir
+from ignite_mgpu.config.loading import dump_config
+from ignite_mgpu.config.schema import Config, best_metric, run_dir
 from ignite_mgpu.processes.cluster import outer_restarts
 from ignite_mgpu.runs import folder
 from ignite_mgpu.train.allocator import setup_cpu_memory

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
-from ignite_mgpu.config import DataConfig
+from ignite_mgpu.config.schema import DataConfig
 from ignite_mgpu.processes.binding import cpu_share
 from ignite_mgpu.train.datasets import GENERATED, build_datasets, check_global_batch, check_sizes, collate_skipping_none
 

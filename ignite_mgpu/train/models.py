@@ -15,7 +15,7 @@ from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.train import plugins
 
 if TYPE_CHECKING:
-    from ignite_mgpu.config import ModelConfig
+    from ignite_mgpu.config.schema import ModelConfig
 
 
 class SimpleCNN(nn.Module):

@@ -22,7 +22,7 @@ from ignite_mgpu.train import plugins
 from ignite_mgpu.train.param_groups import parameter_groups
 
 if TYPE_CHECKING:
-    from ignite_mgpu.config import OptimConfig
+    from ignite_mgpu.config.schema import OptimConfig
 
 BUILTIN_SCHEDULES = ("cosine", "constant")  # LambdaLR: the linear warm-up and then the shape, one function
 # Given by their own keys to every optimizer that takes them; optim.args may not give them a second value.

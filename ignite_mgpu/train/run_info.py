@@ -14,7 +14,7 @@ import ignite.distributed as idist
 import torch
 
 import ignite_mgpu
-from ignite_mgpu.config import Config
+from ignite_mgpu.config.schema import Config
 from ignite_mgpu.processes.gpus import query_gpus
 
 GIT_TIMEOUT = 5.0  # seconds: a slow file system or a huge repository must not hold the start of training

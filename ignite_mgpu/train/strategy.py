@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ignite_mgpu.config import STRATEGIES
+from ignite_mgpu.config.schema import STRATEGIES
 
 
 def prepare_model(

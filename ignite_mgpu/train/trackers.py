@@ -27,7 +27,7 @@ import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 
-from ignite_mgpu.config import Config, trackers_of
+from ignite_mgpu.config.schema import Config, trackers_of
 from ignite_mgpu.errors import TrainingInterrupted
 from ignite_mgpu.runs import folder
 from ignite_mgpu.train.epoch_log import EpochLog

@@ -9,7 +9,7 @@ from torch import nn
 
 from ignite_mgpu.checkpoint.resume import resume, run_signature
 from ignite_mgpu.checkpoint.save import RunInfo, SafeDiskSaver
-from ignite_mgpu.config import load_config
+from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.errors import CheckpointError
 from ignite_mgpu.train.engine import create_trainer
 from tests.helpers import data, linear

@@ -161,7 +161,7 @@ def test_time_based_and_iteration_checkpoints_land_on_window_ends_after_the_epoc
     from ignite.engine import Events
 
     from ignite_mgpu.checkpoint.save import attach_checkpoints
-    from ignite_mgpu.config import CheckpointConfig
+    from ignite_mgpu.config.schema import CheckpointConfig
     from ignite_mgpu.train import guard as guard_module
     from ignite_mgpu.train.engine import create_trainer
     from tests.helpers import data, linear

@@ -17,7 +17,7 @@ import torch
 
 from ignite_mgpu import launch
 from ignite_mgpu.checkpoint.files import list_checkpoints, read_checkpoint
-from ignite_mgpu.config import load_config
+from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.processes.binding import plan_for_job
 from ignite_mgpu.processes.launcher import run_named
 from ignite_mgpu.processes.topology import parse_cpulist

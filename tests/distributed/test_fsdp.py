@@ -17,7 +17,7 @@ from ignite_mgpu import launch
 from ignite_mgpu.checkpoint.files import list_checkpoints, read_checkpoint
 from ignite_mgpu.checkpoint.tools import convert
 from ignite_mgpu.cli import main
-from ignite_mgpu.config import load_config
+from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.train.job import training
 from tests.conftest import TINY, run_cli
 

@@ -172,7 +172,7 @@ def test_loaders_pin_memory_and_copies_are_non_blocking_on_cuda(tmp_path, monkey
     needs_gpus(1)
     code = (
         "import torch, ignite.distributed as idist\n"
-        "from ignite_mgpu.config import load_config\n"
+        "from ignite_mgpu.config.loading import load_config\n"
         "from ignite_mgpu.train.loaders import create_dataloaders\n"
         "cfg = load_config(overrides=['data.train_size=64', 'data.val_size=16', 'data.batch_size=16'])\n"
         "train, val = create_dataloaders(cfg.data, 10, 0)\n"

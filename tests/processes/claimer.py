@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from ignite_mgpu.config import DistConfig
+from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.processes import acquire
 

@@ -10,7 +10,8 @@ import threading
 import pytest
 import torch
 
-from ignite_mgpu.config import ConfigError, DistConfig
+from ignite_mgpu.config.schema import DistConfig
+from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.processes import binding, gpus, topology
 from ignite_mgpu.processes.binding import RankBinding, apply_binding, plan_binding, plan_for_job
 from ignite_mgpu.processes.plan import make_plan

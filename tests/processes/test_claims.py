@@ -23,7 +23,8 @@ import pytest
 from click.testing import CliRunner
 
 from ignite_mgpu.cli import main
-from ignite_mgpu.config import Config, DistConfig, validate
+from ignite_mgpu.config.checks import validate
+from ignite_mgpu.config.schema import Config, DistConfig
 from ignite_mgpu.errors import WAIT_TIMEOUT, ConfigError, WaitTimedOut
 from ignite_mgpu.processes import acquire, claims, gpus, launcher
 from ignite_mgpu.processes.gpu_selection import GpusTaken

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ignite_mgpu.config import ConfigError
+from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.processes.devices import cuda_index_map, format_devices
 from ignite_mgpu.processes.gpu_selection import GpuPlan, check_cuda_not_initialized, parse_gpus, plan_gpus
 from ignite_mgpu.processes.gpus import GpuInfo, query_gpus, query_numa_affinity

@@ -5,7 +5,9 @@ import os
 
 import pytest
 
-from ignite_mgpu.config import ConfigError, DistConfig, load_config
+from ignite_mgpu.config.loading import load_config
+from ignite_mgpu.config.schema import DistConfig
+from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.processes.plan import make_plan
 
 

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from ignite_mgpu.cli import main
-from ignite_mgpu.config import DistConfig
+from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.errors import ConfigError, ScriptArgumentsError
 from ignite_mgpu.processes import launcher, script
 from ignite_mgpu.processes.outcome import no_restart_reason, outcome

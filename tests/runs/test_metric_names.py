@@ -3,7 +3,8 @@ before anything starts), and which way each metric is better. `python -m pytest 
 
 import pytest
 
-from ignite_mgpu.config import best_metric, load_config
+from ignite_mgpu.config.loading import load_config
+from ignite_mgpu.config.schema import best_metric
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.runs import metric_names
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
-from ignite_mgpu.config import ConfigError, DataConfig
+from ignite_mgpu.config.schema import DataConfig
+from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.train.datasets import SyntheticImages, build_datasets, check_sizes, example_inputs, first_batch
 
 
@@ -59,7 +60,7 @@ PKG = "tests.plugins_pkg.factories"
 
 
 def test_a_factory_with_arguments_from_yaml_and_dotted_overrides(tmp_path):
-    from ignite_mgpu.config import load_config
+    from ignite_mgpu.config.loading import load_config
 
     (tmp_path / "job.yaml").write_text(f"data:\n  name: {PKG}:pairs\n  args: {{n: 24, val: 6}}\n")
     cfg = load_config(tmp_path / "job.yaml", ["data.args.val=5"])
@@ -88,7 +89,7 @@ def test_a_factory_that_gives_something_else_is_a_config_error(name, args, messa
 
 
 def test_data_args_without_a_factory_is_an_error():
-    from ignite_mgpu.config import load_config
+    from ignite_mgpu.config.loading import load_config
 
     with pytest.raises(ConfigError, match="data.args is for a dataset factory"):
         load_config(overrides=["data.args.n=3"])

@@ -54,7 +54,7 @@ def test_fsdp_blocks_must_name_classes_of_the_model():
 
 
 def load_model_config(name):
-    from ignite_mgpu.config import load_config
+    from ignite_mgpu.config.loading import load_config
 
     return load_config(overrides=[f"model.name={name}"]).model
 

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from ignite_mgpu.config import DataConfig
+from ignite_mgpu.config.schema import DataConfig
 from ignite_mgpu.train import loaders
 from ignite_mgpu.train.loaders import UnpaddedDistributedSampler, auto_num_workers
 

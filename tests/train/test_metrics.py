@@ -170,7 +170,7 @@ def test_the_epoch_log_writes_every_metric_after_the_loss():
 
 
 def test_evaluate_reports_the_configured_metrics(tmp_path, monkeypatch, capsys):
-    from ignite_mgpu.config import load_config
+    from ignite_mgpu.config.loading import load_config
     from ignite_mgpu.train import job
     from ignite_mgpu.train.models import create_model
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from ignite_mgpu.config import ConfigError, ModelConfig
+from ignite_mgpu.config.schema import ModelConfig
+from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.train.models import SimpleCNN, create_model
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ignite_mgpu.config import load_config
+from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.processes.gpus import GpuInfo
 from ignite_mgpu.train import run_info
 

@@ -18,7 +18,7 @@ from ignite.engine import Events
 from ignite.metrics import Accuracy, Loss, TopKCategoricalAccuracy
 from torch import nn
 
-from ignite_mgpu.config import dump_config, load_config
+from ignite_mgpu.config.loading import dump_config, load_config
 from ignite_mgpu.errors import TrainingDiverged, TrainingInterrupted
 from ignite_mgpu.runs import folder
 from ignite_mgpu.train.csv_logger import COLUMNS, CsvLogger

@@ -1,0 +1,202 @@
+"""The config's value ranges and combinations that the types alone cannot express (``validate``), each refused
+with one paragraph naming the key, the value, the rule and the fix. Runs in the parent before anything starts;
+what needs the file system or the user's packages is the pre-flight's (``ignite_mgpu.preflight``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ignite_mgpu.config.schema import (
+    DATASETS,
+    DATASETS_ON_DISK,
+    TRACKERS,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DistConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+)
+from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.runs import metric_names
+
+
+def _check(ok: bool, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key '{key}' = {value!r} is invalid: {rule}.")
+
+
+def validate(cfg: Config) -> None:
+    """Check value ranges and combinations that the types alone cannot express. Runs in the parent, before
+    spawning; what needs the file system (``data.root``, the output folder) is the pre-flight's (preflight.py)."""
+    _check_data(cfg.data, cfg.model)
+    _check_optim(cfg.optim)
+    _check_train(cfg.train, cfg.checkpoint)
+    _check_dist(cfg.dist)
+    _check_strategy_options(cfg)
+    _check_names(cfg)
+
+
+def _check_data(d: DataConfig, m: ModelConfig) -> None:
+    _check(d.batch_size >= 1, "data.batch_size", d.batch_size, "the global batch must be at least 1")
+    workers = d.num_workers
+    workers_ok = workers == "auto" or (type(workers) is int and workers >= 0)
+    _check(workers_ok, "data.num_workers", workers, "use 0 (load in the training process), more, or auto")
+    _check(d.image_size >= 8, "data.image_size", d.image_size, "use at least 8 pixels")
+    _check(d.train_size >= 1 and d.val_size >= 1, "data.train_size/val_size", (d.train_size, d.val_size), "use >= 1")
+    _check(m.num_classes >= 2, "model.num_classes", m.num_classes, "a classifier needs >= 2 classes")
+
+
+def _check_optim(o: OptimConfig) -> None:
+    _check(math.isfinite(o.lr) and o.lr > 0, "optim.lr", o.lr, "the learning rate must be a finite number > 0")
+    _check(math.isfinite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "use >= 0")
+    _check(0 <= o.momentum < 1, "optim.momentum", o.momentum, "use a value in [0, 1)")
+    _check(o.warmup_epochs >= 0, "optim.warmup_epochs", o.warmup_epochs, "use >= 0")
+    for key, name in (("optim.name", o.name), ("optim.scheduler", o.scheduler)):  # that it exists: the pre-flight's
+        _check(
+            bool(name) and ("." not in name or ":" in name), key, name, "use a name (Adam) or 'package.module:factory'"
+        )
+    if o.no_decay_norm_and_bias and o.param_groups:
+        raise ConfigError("optim.no_decay_norm_and_bias=true and optim.param_groups both make the groups: choose one.")
+    if o.scheduler_args and o.scheduler in ("cosine", "constant"):
+        raise ConfigError(
+            f"optim.scheduler_args is for a scheduler class or factory, not optim.scheduler={o.scheduler}: drop it."
+        )
+
+
+def _check_train(t: TrainConfig, c: CheckpointConfig) -> None:
+    _check(t.epochs >= 1, "train.epochs", t.epochs, "train for at least 1 epoch")
+    _check(t.grad_accum_steps >= 1, "train.grad_accum_steps", t.grad_accum_steps, "use 1 (no accumulation) or more")
+    clip = t.clip_grad_norm
+    _check(clip is None or (math.isfinite(clip) and clip > 0), "train.clip_grad_norm", clip, "use null or a value > 0")
+    _check(t.epoch_length is None or t.epoch_length >= 1, "train.epoch_length", t.epoch_length, "use null or >= 1")
+    _check(t.check_every >= 0, "train.check_every", t.check_every, "use 0 (about once a second) or >= 1")
+    _check(t.log_every >= 1, "train.log_every", t.log_every, "log the training loss every N >= 1 iterations")
+    for name in t.logger_args:
+        _check(name in TRACKERS, "train.logger_args", name, f"the keys are tracker names: {', '.join(TRACKERS)}")
+    _check(c.every >= 0 and c.every_iters >= 0, "checkpoint.every/every_iters", (c.every, c.every_iters), "use >= 0")
+    _check(c.n_saved >= 1, "checkpoint.n_saved", c.n_saved, "keep at least 1 checkpoint")
+    minutes = c.every_minutes
+    _check(
+        minutes is None or (math.isfinite(minutes) and minutes > 0),
+        "checkpoint.every_minutes",
+        minutes,
+        "use null (no time-based checkpoints) or a number of minutes > 0, e.g. 10",
+    )
+    accum = t.grad_accum_steps
+    _check(
+        c.every_iters % accum == 0,
+        "checkpoint.every_iters",
+        c.every_iters,
+        f"use a multiple of train.grad_accum_steps={accum}: a checkpoint inside an accumulation window "
+        "would lose the gradients accumulated so far",
+    )
+
+
+def _check_dist(dist: DistConfig) -> None:
+    _check(dist.nproc is None or dist.nproc >= 1, "dist.nproc", dist.nproc, "run at least 1 process (--nproc 1)")
+    _check(dist.nnodes >= 1, "dist.nnodes", dist.nnodes, "use at least 1 node")
+    _check(0 <= dist.node_rank < dist.nnodes, "dist.node_rank", dist.node_rank, f"use 0..{dist.nnodes - 1}")
+    port = dist.master_port
+    _check(port is None or 1 <= port <= 65535, "dist.master_port", port, "use a TCP port in 1..65535")
+    _check(dist.timeout > 0 and dist.stop_grace > 0, "dist.timeout/stop_grace", (dist.timeout, dist.stop_grace), "> 0")
+    _check(
+        dist.max_restarts >= 0,
+        "dist.max_restarts",
+        dist.max_restarts,
+        "use 0 (a failed rank ends the job) or a number of restarts, e.g. --max-restarts 3",
+    )
+    _check_preempt_signal(dist.preempt_signal)
+    wait = dist.wait
+    _check(wait is None or wait > 0, "dist.wait", wait, "use seconds > 0, .inf (no limit) or null (do not wait)")
+    free = dist.min_free_memory
+    _check(0 <= free <= 1, "dist.min_free_memory", free, "use a share of the GPU's memory from 0 to 1, e.g. 0.9")
+    if dist.share and wait is not None:
+        raise ConfigError(
+            "--share runs beside the other jobs' claims and --wait waits for them to end: choose one of the two."
+        )
+    if dist.max_restarts and dist.nnodes > 1:
+        raise ConfigError(
+            f"--max-restarts {dist.max_restarts} with --nnodes {dist.nnodes}: each node's launcher would restart "
+            "only its own processes, and a node that gives up would leave the others waiting at the rendezvous. "
+            "Across nodes let the cluster restart the job: torchrun --max-restarts N (with --rdzv-backend c10d) or "
+            "SLURM's --requeue, with --resume auto; or drop --max-restarts."
+        )
+    if dist.nnodes > 1 and port is None:
+        raise ConfigError("--nnodes > 1 needs --master-port (and --master-addr, node 0's address) on every node.")
+
+
+def _check_names(cfg: Config) -> None:
+    """The dataset, the loss and the metrics name things that exist, and go together."""
+    d, t, c = cfg.data, cfg.train, cfg.checkpoint
+    _check(
+        d.name in DATASETS or ":" in d.name,
+        "data.name",
+        d.name,
+        f"use {', '.join(DATASETS)}, or 'package.module:factory' for a factory that returns the two datasets",
+    )
+    if d.args and ":" not in d.name:
+        raise ConfigError(
+            f"data.args is for a dataset factory (data.name=package.module:factory), not data.name={d.name}."
+        )
+    if d.name in DATASETS_ON_DISK and d.root is None:
+        raise ConfigError(f"data.name={d.name} needs data.root: pass data.root=/path/to/{d.name}.")
+    _check(
+        t.loss in ("cross_entropy", "model") or ":" in t.loss,
+        "train.loss",
+        t.loss,
+        "use cross_entropy, model (the model's forward returns its loss), or 'package.module:factory' for a factory "
+        "that returns a loss function",
+    )
+    if t.loss_args and t.loss == "model":
+        raise ConfigError("train.loss_args is for a loss function, but train.loss=model: the model computes its loss.")
+    metric_names.check(cfg.eval.metrics, cfg.eval.metric_args, t.loss, c.metric, c.metric_mode)
+
+
+def _check_strategy_options(cfg: Config) -> None:
+    """Options that belong to another strategy than the chosen one."""
+    m, strategy = cfg.model, cfg.dist.strategy
+    if strategy == "fsdp" and m.sync_batchnorm:
+        raise ConfigError(
+            "model.sync_batchnorm=true cannot be combined with --strategy fsdp: ignite-mgpu refuses rather than "
+            "convert, because SyncBatchNorm's own collectives inside FSDP's sharded forward are a combination PyTorch "
+            "does not document and that cannot be tested without GPUs. Use --strategy ddp for SyncBatchNorm, or set "
+            "model.sync_batchnorm=false (each process then normalises over its own share of the batch)."
+        )
+    fsdp_only = [
+        f"{key}={value}"
+        for key, value, default in (
+            ("model.fsdp_blocks", m.fsdp_blocks, None),
+            ("model.fsdp_cpu_offload", m.fsdp_cpu_offload, False),
+            ("model.fsdp_reshard_after_forward", m.fsdp_reshard_after_forward, True),
+        )
+        if value != default
+    ]
+    if fsdp_only and strategy != "fsdp":
+        raise ConfigError(
+            f"{', '.join(fsdp_only)} is an option of --strategy fsdp, but the strategy is {strategy}, which would "
+            "ignore it. Add --strategy fsdp, or drop the option."
+        )
+    if strategy == "dp" and cfg.checkpoint.format == "sharded":
+        raise ConfigError(
+            "checkpoint.format=sharded with --strategy dp: DataParallel is one process, so there is nothing to "
+            "shard and no other process to write a part. Use checkpoint.format=full (the default)."
+        )
+
+
+def _check_preempt_signal(name: str | None) -> None:
+    import signal
+
+    usable = name is None or (
+        name in signal.Signals.__members__ and name not in ("SIGKILL", "SIGSTOP", "SIGINT", "SIGTERM", "SIGCHLD")
+    )
+    _check(
+        usable,
+        "dist.preempt_signal",
+        name,
+        "name a signal that a process can catch and that does not already mean stop, such as SIGUSR1 or SIGUSR2 "
+        "(what sbatch --signal=USR1@90 sends), or null",
+    )

@@ -1,0 +1,91 @@
+"""Loading a run's configuration, validated by OmegaConf structured configs (imported only when a config is loaded)
+and ``config.checks``; dumping it as the run folder's config.yaml.
+
+Precedence is fixed: dataclass defaults < ``--config FILE.yaml`` < dotted overrides (``optim.lr=0.05``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ignite_mgpu import text
+from ignite_mgpu.config.checks import validate
+from ignite_mgpu.config.schema import Config
+from ignite_mgpu.errors import ConfigError
+
+
+def _paragraph(err: Exception, where: str) -> str:
+    lines = str(err).splitlines()
+    key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.strip().startswith("full_key:")), None)
+    head = f"config key '{key}'" if key else "config"
+    msg = lines[0] if lines[0].endswith((".", "?")) else lines[0] + "."
+    return f"{head} ({where}): {msg} See `ignite-mgpu train --help` and configs/default.yaml for valid keys."
+
+
+def dotted_keys() -> list[str]:
+    """Every key as written on the command line (``train.epochs``), in the dataclasses' order."""
+    return text.dotted(text.sections_of(Config()))
+
+
+def _check_keys(layer: Any, where: str, overrides: list[str] | tuple[str, ...]) -> None:
+    """Unknown keys of one layer (a YAML file, the overrides), down to the sections' keys: ``model.args`` and
+    ``data.args`` take any key. The message suggests the key meant (``text.unknown_key``)."""
+    sections = text.sections_of(Config())
+    for key, value in layer.items():
+        if key in sections and key != "":
+            for sub in value if isinstance(value, dict) else ():
+                if sub not in sections[key]:
+                    raise ConfigError(text.unknown_key(f"{key}.{sub}", where, sections, overrides))
+        elif key not in sections[""]:
+            raise ConfigError(text.unknown_key(str(key), where, sections, overrides))
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build the run's `Config`: dataclass defaults, then the YAML file at ``path``, then dotted ``overrides``.
+
+    Raises:
+        ConfigError: unknown key (with the closest key of any section), wrong type, bad value, unreadable YAML.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    schema = OmegaConf.structured(Config)
+    layers: list[tuple[Any, str]] = []
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(
+                f"--config {path}: no such file. Pass the path of a YAML file such as configs/debug.yaml."
+            )
+        try:
+            layers.append((OmegaConf.load(file), f"from {path}"))  # yaml.SafeLoader underneath: no code runs
+        except Exception as err:  # yaml.YAMLError and friends: report the file, not a traceback
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ConfigError(f"--config {path}: not valid YAML ({first}). Fix the file's syntax.") from None
+    bad = [o for o in overrides if "=" not in o or o.startswith("=")]
+    if bad:
+        raise ConfigError(f"override '{bad[0]}' is not of the form key=value, e.g. optim.lr=0.05 or train.epochs=3.")
+    if overrides:
+        try:
+            layers.append((OmegaConf.from_dotlist(list(overrides)), "from the command line"))
+        except OmegaConfBaseException as err:
+            raise ConfigError(_paragraph(err, "from the command line")) from None
+    merged = schema
+    for layer, where in layers:
+        _check_keys(OmegaConf.to_container(layer), where, overrides)
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as err:
+            raise ConfigError(_paragraph(err, where)) from None
+    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]  # to_object returns the dataclass
+    validate(cfg)
+    return cfg
+
+
+def dump_config(cfg: Config) -> str:
+    """The fully resolved config as YAML (written to output_dir/config.yaml by rank 0)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
