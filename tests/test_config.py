@@ -188,3 +188,10 @@ def test_trackers_are_the_loggers_and_the_old_tensorboard_switch():
     assert trackers_of(load_config(overrides=["train.tensorboard=true"]).train) == ["tensorboard"]
     both = load_config(overrides=["train.loggers=[mlflow,tensorboard,csv]", "train.tensorboard=true"])
     assert trackers_of(both.train) == ["mlflow", "tensorboard", "csv"]  # each once
+
+
+@pytest.mark.parametrize("override", ["eval.metrics=[pkg:]", "model.fsdp_blocks=[a:]"])
+def test_an_override_yaml_cannot_parse_is_one_paragraph_naming_it(override):
+    with pytest.raises(ConfigError, match=r"override '.*': its value is not valid YAML .* Quote a value") as err:
+        load_config(overrides=["train.epochs=3", override])
+    assert override in str(err.value) and "\n" not in str(err.value)

@@ -42,6 +42,26 @@ def _check_keys(layer: Any, where: str, overrides: list[str] | tuple[str, ...]) 
             raise ConfigError(text.unknown_key(str(key), where, sections, overrides))
 
 
+def _unparsable(overrides: list[str] | tuple[str, ...], err: Exception) -> str:
+    """The override whose value is not YAML, and why (the first line of YAML's own message)."""
+    from omegaconf import OmegaConf
+
+    bad = next((o for o in overrides if not _parses(OmegaConf, o)), overrides[0])
+    why = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return (
+        f"override '{bad}': its value is not valid YAML ({why}). Quote a value with ':' or brackets in it, "
+        "e.g. 'eval.metrics=[\"package.module:factory\"]'."
+    )
+
+
+def _parses(omegaconf: Any, override: str) -> bool:
+    try:
+        omegaconf.from_dotlist([override])
+    except Exception:
+        return False
+    return True
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build the run's `Config`: dataclass defaults, then the YAML file at ``path``, then dotted ``overrides``.
 
@@ -72,6 +92,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
             layers.append((OmegaConf.from_dotlist(list(overrides)), "from the command line"))
         except OmegaConfBaseException as err:
             raise ConfigError(_paragraph(err, "from the command line")) from None
+        except Exception as err:  # a value YAML cannot parse (yaml.ScannerError): the override, not a traceback
+            raise ConfigError(_unparsable(overrides, err)) from None
     merged = schema
     for layer, where in layers:
         _check_keys(OmegaConf.to_container(layer), where, overrides)
