@@ -14,7 +14,7 @@ from ignite_mgpu.config.checks import validate
 from ignite_mgpu.config.schema import Config, run_dir
 from ignite_mgpu.errors import CheckpointError, ConfigError
 from ignite_mgpu.preflight import check_job, checked_plan, prepared
-from ignite_mgpu.processes import cluster, launcher
+from ignite_mgpu.processes import cluster, forkserver, launcher
 from ignite_mgpu.processes.plan import Restart
 from ignite_mgpu.runs.read import best_model, last_epoch
 
@@ -76,7 +76,8 @@ def fit(cfg: Config | None = None) -> FitResult:
     cfg = cfg if cfg is not None else Config()
     try:
         validate(cfg)
-        with prepared(cfg) as plan:
+        # The fork server imports torch and the training code while this process makes the plan.
+        with prepared(cfg, forkserver.preload_for(launcher.run_named, (TRAINING,))) as plan:
             # Only the target's name is pickled for the workers: this process never imports ignite.
             restart = functools.partial(_resume_newest, cfg, cluster.outer_restarts())
             code = launcher.run_plan(plan, launcher.run_named, TRAINING, cfg, restart=restart)

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from ignite_mgpu.config.schema import DATASETS_ON_DISK, Config, TrainConfig, run_dir, trackers_of
 from ignite_mgpu.errors import ConfigError, CorruptCheckpointError
-from ignite_mgpu.processes import cluster
-from ignite_mgpu.processes.plan import LaunchPlan, make_plan
+from ignite_mgpu.processes import cluster, forkserver
+from ignite_mgpu.processes.launcher import in_workers
+from ignite_mgpu.processes.plan import LaunchPlan, make_plan, surely_in_workers
 from ignite_mgpu.runs import folder, metric_names
 from ignite_mgpu.runs.lock import lock_owner, locked_message, output_lock
 
@@ -316,8 +317,11 @@ def checked_plan(cfg: Config) -> LaunchPlan:
 
 
 @contextlib.contextmanager
-def prepared(cfg: Config) -> Iterator[LaunchPlan]:
+def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[LaunchPlan]:
     """Run every check, decide the launch plan, and hold the output folder's lock while the caller runs the job.
+    ``preload``: the fork server's modules (``forkserver.preload_for``); when the job surely runs in workers, the
+    server starts after the checks that need no plan and imports them while the plan is made (stopped here if the
+    job does not start; the supervisor stops it when the job ends).
 
     Raises:
         ConfigError, CheckpointError: before anything was started or created.
@@ -330,11 +334,18 @@ def prepared(cfg: Config) -> Iterator[LaunchPlan]:
         check_output_dir(cfg)
         warn_restarts_without_checkpoints(cfg)
         warn_double_warmup(cfg)
-    plan = checked_plan(cfg)
-    with plan.claims:  # the GPUs' claims, held while the job runs
-        if not leader:
-            yield plan
-            return
-        with output_lock(run_dir(cfg)):
-            check_no_foreign_checkpoints(cfg)  # again under the lock: a job may have run there since the first check
-            yield plan
+    try:
+        if preload is not None and surely_in_workers(cfg.dist):
+            forkserver.start(preload, cluster.signal_number(cfg.dist.preempt_signal))
+        plan = checked_plan(cfg)
+        if not in_workers(plan):
+            forkserver.stop()
+        with plan.claims:  # the GPUs' claims, held while the job runs
+            if not leader:
+                yield plan
+                return
+            with output_lock(run_dir(cfg)):
+                check_no_foreign_checkpoints(cfg)  # again under the lock: a job may have run there since the check
+                yield plan
+    finally:
+        forkserver.stop()

@@ -14,7 +14,7 @@ from benchmarks.overhead.loops import LOOPS
 from benchmarks.overhead.session import ENTRY_SCRIPT
 
 
-def reference_worker(rank: int, out: str) -> None:
+def reference_worker(rank: int, out: str, world_size: int = 2) -> None:
     """The hand-written spawn script's worker: the default job's model and data, one DDP iteration."""
     import torch
     import torch.distributed as dist
@@ -24,12 +24,12 @@ def reference_worker(rank: int, out: str) -> None:
     from ignite_mgpu.train.models import SimpleCNN
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world_size)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(4096, 3, 32, 32, generator=g), torch.randint(10, (4096,), generator=g))
     model = nn.parallel.DistributedDataParallel(SimpleCNN(num_classes=10))  # the default job's model
-    sampler = DistributedSampler(data, 2, rank, shuffle=True, seed=0)
+    sampler = DistributedSampler(data, world_size, rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=64, sampler=sampler)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4, nesterov=True)
     sampler.set_epoch(0)

@@ -3,7 +3,8 @@ job stopped, and from a SIGKILL to the first iteration of the restarted group, w
 
 Runs the real CLI (2 gloo processes, the fault model of tests/faults/faultmod.py, which notes the time of the
 fault and of each process's first training steps) and samples the workers' pids every 5 ms.
-Run: `python benchmarks/restart/bench_restart.py [--repeat 5] [--package-root DIR]` (about 10 s per job on 2 cores);
+Run: `python benchmarks/restart/bench_restart.py [--repeat 5] [--package-root DIR] [--restart-only]` (about 10 s per
+job on 2 cores);
 ``--package-root`` measures another checkout (e.g. the release before restarts existed) with the same fault model.
 """
 
@@ -117,8 +118,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--package-root", type=Path, default=ROOT, help="the checkout whose ignite_mgpu runs")
+    parser.add_argument("--restart-only", action="store_true", help="only the last row (SIGKILL, max_restarts=1)")
     opts = parser.parse_args()
-    cases = [("raise", 0), ("hang", 0), ("kill", 0), ("kill", 1)]
+    cases = [("kill", 1)] if opts.restart_only else [("raise", 0), ("hang", 0), ("kill", 0), ("kill", 1)]
     schema = opts.package_root / "ignite_mgpu" / "config" / "schema.py"
     if "max_restarts" not in (schema if schema.is_file() else schema.parent.with_suffix(".py")).read_text():
         cases = cases[:3]  # a release before restarts

@@ -1,7 +1,7 @@
 """Running a job: ``launch(fn, ...)`` for Python code, ``run_job`` / ``run_plan`` for a decided plan
-(``plan.make_plan``). The supervisor spawns (from a notebook: forks) one worker per process and runs
-``fn(local_rank, *args)`` inside ``idist.Parallel`` there; a job of one process, or one that torchrun or SLURM
-started, runs in this process and joins their group.
+(``plan.make_plan``). The supervisor starts one worker per process (forked by the fork server; from a notebook,
+forked from it) and runs ``fn(local_rank, *args)`` inside ``idist.Parallel`` there; a job of one process, or one
+that torchrun or SLURM started, runs in this process and joins their group.
 
 Exit codes: errors.EXIT_CODES.
 """
@@ -198,9 +198,11 @@ def _launch(dist_cfg: DistConfig, fn: Callable[..., Any], args: tuple) -> Any:
     """launch() once its arguments are checked: fork or spawn, run, and end as a script or a notebook expects."""
     method = notebook.start_method(fn, args)
     with _gpus_restored(), notebook.fork_safe_cuda_queries(method == "fork"):
-        plan = dataclasses.replace(make_plan(dist_cfg), start_method=method)
-        if method == "fork" and in_workers(plan):
-            notebook.check_fork_safe(plan.device)
+        plan = make_plan(dist_cfg)
+        if method == "fork":  # else the plan's: the fork server
+            plan = dataclasses.replace(plan, start_method=method)
+            if in_workers(plan):
+                notebook.check_fork_safe(plan.device)
         interactive = notebook.interactive()
         ended, value = run_job(plan, fn, *args, report=not interactive)
     if ended.code == SUCCESS:

@@ -23,6 +23,7 @@ class Outcome:
     details: str = ""
     failed: str = ""  # "rank 1", "rank(s) 1, 3"
     rank: int | None = None  # the global rank whose error is the cause (None: not one rank's error)
+    died: bool = False  # the cause is one rank killed by a signal that the launcher did not send
 
     def message(self, advice: bool = True) -> str:
         text = f"{self.cause} {self.advice}" if advice and self.advice else self.cause

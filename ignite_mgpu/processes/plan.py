@@ -45,7 +45,10 @@ class LaunchPlan:
     preempt_signal: int | None = None  # the pre-emption signal: checkpoint, stop, requeue the SLURM job
     # The job's GPU claims, held by the launching process until the job ends (run_plan releases them).
     claims: GpuClaims = field(default_factory=GpuClaims, compare=False, repr=False)
-    start_method: str = "spawn"  # "fork" from a notebook, whose function a fresh process cannot import
+    # "forkserver" (processes/forkserver.py): a job joining the group; "spawn": a user's script (ignite-mgpu run),
+    # started in a fresh interpreter as python would run it; "fork": from a notebook (its function, a fresh process
+    # cannot import).
+    start_method: str = "spawn"
     join_group: bool = True  # False: the job creates its own process group (ignite-mgpu run: a user's script)
 
     @property
@@ -120,6 +123,14 @@ def make_plan(
         held.close()
         raise
     return dataclasses.replace(plan, binding=binding, claims=held)
+
+
+def surely_in_workers(cfg: DistConfig, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the plan of ``cfg`` runs its job in workers whatever the GPUs turn out to be (several processes, a
+    restart, chosen GPUs; not under torchrun/SLURM): the fork server can then start while the plan is made."""
+    if cluster.started_externally(environ):
+        return False
+    return (cfg.nproc or 1) * cfg.nnodes > 1 or cfg.max_restarts > 0 or cfg.gpus not in (None, "none")
 
 
 def check_outer_launcher(cfg: DistConfig, environ: Mapping[str, str]) -> None:
@@ -215,6 +226,7 @@ def decide(
         max_restarts=cfg.max_restarts,
         preempt_signal=cluster.signal_number(cfg.preempt_signal),
         join_group=join_group,
+        start_method="forkserver" if join_group else "spawn",
     )
     if plan.backend is not None:
         _group_environment(plan, backend, n_cuda, gpu_plan is None and join_group, machine, environ)

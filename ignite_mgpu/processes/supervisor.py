@@ -1,6 +1,7 @@
-"""The process supervisor: one spawned worker per local rank (``worker.worker_main``); the first failure or a
-signal stops them all; a failure that a restart can cure (``outcome.no_restart_reason``) restarts them, up to
-``dist.max_restarts`` times, with a backoff. How the job ended is ``outcome.outcome``'s to say."""
+"""The process supervisor: one worker per local rank (``worker.worker_main``), forked by the job's fork server
+(``forkserver.py``; spawned for a script, forked from a notebook); the first failure or a signal stops them all; a
+failure that a restart can cure (``outcome.no_restart_reason``) restarts them, up to ``dist.max_restarts`` times,
+at once after one rank's death, else after a backoff. How the job ended is ``outcome.outcome``'s to say."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, signal_exit_code
-from ignite_mgpu.processes import stop
+from ignite_mgpu.processes import forkserver, stop
 from ignite_mgpu.processes.outcome import Failure, Outcome, no_restart_reason, outcome
 from ignite_mgpu.processes.plan import LaunchPlan, Restart, free_port
 from ignite_mgpu.processes.worker import RESULT_FILE, worker_main
@@ -60,9 +61,13 @@ class Supervisor:
         self.signal_received = 0
         self.procs: list[Any] = []
         self.first_failure: tuple[int, int] | None = None  # (local rank, exit code) of the first rank that failed
+        self.died: list[int] = []  # local ranks killed by a signal before this process signalled any
+        self.signalled = False  # whether this process has signalled the attempt's workers
+        self.server: int | None = None  # the fork server's pid, once started (it outlives the attempts)
         self.deadline = self.failure_deadline = self.failure_time = float("inf")
 
     def _signal_all(self, sig: int) -> None:
+        self.signalled = True
         for p in self.procs:
             if not p.pid:
                 continue
@@ -118,6 +123,8 @@ class Supervisor:
             result = Outcome(signal_exit_code(self.signal_received or signal.SIGINT), "stopped before a restart.")
         finally:
             self._signal_all(signal.SIGKILL)
+            if self.server is not None:
+                forkserver.stop()
             for s, h in old.items():
                 signal.signal(s, h)
             shutil.rmtree(self.error_dir, ignore_errors=True)
@@ -130,7 +137,6 @@ class Supervisor:
     def _attempt(self, attempt: int, args: tuple) -> tuple[Outcome, str | None, int]:
         """Start every worker, watch them, stop them all. Returns how they ended, why a restart cannot cure it
         (None: it can), and the last iteration that every rank had completed."""
-        ctx: Any = mp.get_context(self.plan.start_method)  # "spawn" or "fork": both contexts have Process
         plan = self.plan
         folder = Path(self.error_dir, f"attempt{attempt}")
         folder.mkdir()
@@ -141,19 +147,13 @@ class Supervisor:
             if not plan.join_group:
                 # A script rendezvous through MASTER_PORT (env://): a port free now, a fresh one for every attempt.
                 plan = dataclasses.replace(plan, master_port=free_port(plan.master_addr))
-        self.procs, self.first_failure = [], None
+        self.procs, self.first_failure, self.died, self.signalled = [], None, [], False
         self.deadline = self.failure_deadline = self.failure_time = float("inf")
         try:
             for local_rank in range(plan.nproc):
                 if self.signal_received:
                     break  # stopped while starting: start no more workers
-                p = ctx.Process(
-                    target=worker_main,
-                    args=(local_rank, plan, self.fn, args, str(folder), attempt),
-                    name=f"ignite-mgpu-rank{local_rank}",
-                )
-                p.start()
-                self.procs.append(p)
+                self.procs.append(self._start(plan, local_rank, args, str(folder), attempt))
             self._watch(folder)
         except KeyboardInterrupt:
             pass
@@ -166,15 +166,35 @@ class Supervisor:
         offset = plan.node_rank * plan.nproc
         result = outcome(failures, exit_codes, self.first_failure, self.signal_received, offset, plan.timeout)
         reason = no_restart_reason(failures, exit_codes, self.first_failure, self.signal_received)
+        if self.died == [self.first_failure[0] if self.first_failure else -1] and result.rank is not None:
+            result = dataclasses.replace(result, died=True)  # one rank's death: its first restart need not wait
         reached = min((status[0] for status in self._statuses(folder)), default=0)
         self.value = self._read_value(folder) if result.code == SUCCESS else None
         return result, reason, reached
+
+    def _start(self, plan: LaunchPlan, local_rank: int, args: tuple, folder: str, attempt: int) -> Any:
+        """Start one worker: forked by the fork server (started at the first attempt, kept for the restarts; the
+        worker gets this process's environment, which the server lacks), or spawned or forked from here."""
+        ctx: Any = mp.get_context(plan.start_method)  # every context has Process
+        parent, environ = os.getpid(), None
+        if plan.start_method == forkserver.METHOD:
+            parent = self.server = forkserver.start(forkserver.preload_for(self.fn, args), plan.preempt_signal)
+            environ = dict(os.environ)
+        p = ctx.Process(
+            target=worker_main,
+            args=(local_rank, plan, self.fn, args, folder, attempt, parent, environ),
+            name=f"ignite-mgpu-rank{local_rank}",
+        )
+        p.start()
+        return p
 
     def _announce_restart(self, attempt: int, failure: Outcome, reached: int) -> tuple:
         """Report the failure once and what the restart resumes from; wait the backoff. Returns the new args."""
         plan = self.plan
         info = self.restart(attempt) if self.restart is not None else Restart(self.args, resumes=False)
-        delay = min(MAX_BACKOFF, BACKOFF * 2 ** (attempt - 1))
+        # One rank's death (the OOM killer, a lost node's process) restarts at once; a failure that comes back
+        # (and every other failure) backs off, so that a failing job does not restart in a tight loop.
+        delay = 0.0 if attempt == 1 and failure.died else min(MAX_BACKOFF, BACKOFF * 2 ** (attempt - 1))
         if not info.resumes:
             where = f"running {info.name} again from its start"
         elif info.checkpoint:
@@ -185,7 +205,8 @@ class Supervisor:
         _print(failure.message(advice=False))
         after = f" after {failure.failed} failed" if failure.failed else ""
         _print(
-            f"restart {attempt} of {plan.max_restarts} (dist.max_restarts){after}, in {delay:.0f} s: {where}"
+            f"restart {attempt} of {plan.max_restarts} (dist.max_restarts){after}, "
+            f"{'at once (one rank died)' if attempt == 1 and failure.died else f'in {delay:.0f} s'}: {where}"
             f"{lost if info.resumes else ''}."
         )
         end = time.monotonic() + delay
@@ -197,9 +218,13 @@ class Supervisor:
         alive = {p.sentinel: p for p in self.procs}
         while alive:
             soonest = min(self.failure_deadline, self.deadline) - time.monotonic()
-            for sentinel in wait(list(alive), timeout=min(0.5, max(0.05, soonest))):
-                p = alive.pop(sentinel)
+            ended = [alive.pop(sentinel) for sentinel in wait(list(alive), timeout=min(0.5, max(0.05, soonest)))]
+            for p in ended:
                 p.join()
+            # Seen together, a rank killed by a signal comes first: its peers' errors (a closed connection) follow it.
+            for p in sorted(ended, key=lambda p: p.exitcode >= 0):
+                if p.exitcode < 0 and not self.signalled:
+                    self.died.append(self.procs.index(p))
                 if p.exitcode != 0 and self.first_failure is None:
                     self.first_failure = (self.procs.index(p), p.exitcode)
                 if p.exitcode != 0 and not self.signal_received and self.failure_time == float("inf"):

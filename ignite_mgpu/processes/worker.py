@@ -7,7 +7,7 @@ Torch-free at import (ignite is imported once the worker runs), like the rest of
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import gc
 import json
 import logging
 import os
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ignite_mgpu.errors import FAILED, ScriptArgumentsError, TrainingStopped, is_user_error
-from ignite_mgpu.processes import cluster, stop
+from ignite_mgpu.processes import cluster, forkserver, stop
 from ignite_mgpu.processes.binding import apply_binding, current, free_group_threads, thread_ids
 
 if TYPE_CHECKING:
@@ -129,10 +129,25 @@ def in_process_signals(preempt_signal: int | None = None) -> Iterator[None]:
             signal.signal(s, h)
 
 
-def _set_pdeathsig() -> None:
-    # If the launcher dies (even by SIGKILL), its workers die too instead of holding GPUs and ports.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+def _from_the_server(environ: dict[str, str], threads: int | None) -> None:
+    """A worker forked by the fork server: the supervisor's environment replaces the server's (of when it started),
+    and what torch read at its import in the server follows it: the intra-op threads (libgomp reads
+    OMP_NUM_THREADS once, when it loads). ``threads``: the binding's own count, already applied."""
+    # The server's objects (torch's, ignite's modules) leave the garbage collector's view: its first full pass over
+    # them here would write to every one, copying the pages shared with the server (0.7 s of a restart, measured).
+    gc.freeze()
+    os.environ.clear()
+    os.environ.update(environ)
+    torch = sys.modules.get("torch")
+    if torch is not None and threads is None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+
+
+def _check_served_fork() -> None:
+    """The server must never start CUDA (nor ask it anything): every worker it forks would then fail to use it."""
+    torch = sys.modules.get("torch")
+    if torch is not None and (torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork()):
+        raise RuntimeError("the fork server touched CUDA before forking this worker (a bug of ignite-mgpu)")
 
 
 def failure_record(rank: int, err: BaseException) -> dict[str, Any]:
@@ -171,18 +186,32 @@ def write_result(path: Path, value: Any) -> None:
 
 
 def worker_main(
-    local_rank: int, plan: LaunchPlan, fn: Callable[..., Any], args: tuple, error_dir: str, attempt: int = 0
+    local_rank: int,
+    plan: LaunchPlan,
+    fn: Callable[..., Any],
+    args: tuple,
+    error_dir: str,
+    attempt: int = 0,
+    parent: int | None = None,
+    environ: dict[str, str] | None = None,
 ) -> None:
     """The spawned (or forked) process's entry: set up the process, run ``fn``, exit with its code (an error file
-    on failure; rank 0's return value in ``RESULT_FILE``). ``attempt``: the restart count (0: the first start)."""
-    _set_pdeathsig()
+    on failure; rank 0's return value in ``RESULT_FILE``). ``attempt``: the restart count (0: the first start).
+    ``parent``: the pid of the process that started this one (the supervisor, or the fork server).
+    ``environ``: the supervisor's environment, for a worker forked by the fork server (whose own is of when it
+    started)."""
+    forkserver.leave_server()
+    forkserver.die_with(parent)  # the supervisor's, or the server's death
     os.setpgid(0, 0)  # own process group: Ctrl-C reaches only the launcher, which then stops the workers
+    binding = plan.binding.rank(local_rank)
+    if environ is not None:
+        _from_the_server({**environ, **plan.env}, binding.threads)
     for var in cluster.slurm_task_variables():
         del os.environ[var]  # inside an allocation ignite would read the launcher's SLURM task, not this rank
     rank = plan.node_rank * plan.nproc + local_rank
     os.environ.update(plan.env)
     # Before anything imports torch here (unless unpickling the job function already did: then it resizes the pool).
-    apply_binding(plan.binding.rank(local_rank))
+    apply_binding(binding)
     address = plan.master_addr, plan.master_port or 29500
     restarts = cluster.outer_restarts() + attempt  # a requeued SLURM job's restarts count too (SLURM_RESTART_COUNT)
     os.environ.update(
@@ -198,6 +227,8 @@ def worker_main(
     stop.set_status_file(Path(error_dir, f"status{rank}"))  # how far it got, and whether it is saving
     code = 0
     try:
+        if environ is not None:
+            _check_served_fork()
         value = run_in_group(plan, fn, args) if plan.join_group else fn(local_rank, *args)
         if rank == 0 and value is not None:
             write_result(Path(error_dir, RESULT_FILE), value)

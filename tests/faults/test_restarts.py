@@ -92,7 +92,7 @@ def test_a_sigkilled_rank_heals_bitwise_identical(h: Harness, reference: Path) -
     assert r.rc == 0, str(r)
     assert r.stderr.count("rank 1 terminated with signal SIGKILL") == 1, str(r)
     assert restart_line(r) == (
-        "ignite-mgpu: restart 1 of 1 (dist.max_restarts) after rank 1 failed, in 1 s: resuming from "
+        "ignite-mgpu: restart 1 of 1 (dist.max_restarts) after rank 1 failed, at once (one rank died): resuming from "
         f"{out / 'checkpoint_12.pt'} at iteration 12; 2 iteration(s) lost (every rank had completed iteration 14)."
     )
     assert re.search(r"resumed from \S*checkpoint_12\.pt at iteration 12", r.stderr), str(r)
@@ -107,9 +107,8 @@ def test_a_kill_before_the_first_checkpoint_restarts_from_the_beginning(h: Harne
     r = h.run([*EXACT, "--max-restarts", "1", "--output-dir", str(out)], 120, "once-kill:1:3")
     assert r.rc == 0, str(r)
     assert restart_line(r) == (
-        "ignite-mgpu: restart 1 of 1 (dist.max_restarts) after rank 1 failed, in 1 s: from the beginning (no "
-        "complete checkpoint yet); "
-        "2 iteration(s) lost (every rank had completed iteration 2)."
+        "ignite-mgpu: restart 1 of 1 (dist.max_restarts) after rank 1 failed, at once (one rank died): from the "
+        "beginning (no complete checkpoint yet); 2 iteration(s) lost (every rank had completed iteration 2)."
     )
     assert "--resume auto: no complete checkpoint in" in r.stderr and "starting a new run" in r.stderr, str(r)
     h.assert_no_leftovers()

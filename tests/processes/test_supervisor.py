@@ -1,6 +1,7 @@
 """The supervisor's restart loop with its attempts replaced by scripted outcomes. The real processes are in
 tests/faults. `python -m pytest tests/processes/test_supervisor.py`."""
 
+import dataclasses
 import signal
 
 import pytest
@@ -124,3 +125,30 @@ def test_not_reporting_leaves_the_ending_to_the_caller(no_backoff, capsys):
     quiet.report = False
     assert quiet.run() == 1 and quiet.outcome is failed and quiet.value is None
     assert capsys.readouterr().err == ""
+
+
+def test_one_ranks_death_restarts_at_once_and_a_second_failure_backs_off(monkeypatch, capsys):
+    monkeypatch.setattr(supervisor, "BACKOFF", 30.0)
+    waited = []
+    monkeypatch.setattr(supervisor.time, "sleep", waited.append)
+    died = dataclasses.replace(killed(), died=True)  # what _attempt makes of one rank killed by a signal
+    once = Scripted(LaunchPlan("gloo", 2, max_restarts=2), [(died, None, 3), (Outcome(0), "ok", 9)])
+    assert once.run() == 0 and len(once.started) == 2 and waited == []  # no backoff at all
+    assert "restart 1 of 2 (dist.max_restarts) after rank 1 failed, at once (one rank died): running the job " in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setattr(supervisor.time, "monotonic", iter(range(0, 10**6, 10)).__next__)  # 10 s per look
+    twice = Scripted(LaunchPlan("gloo", 2, max_restarts=2), [(died, None, 3), (died, None, 3), (Outcome(0), "", 9)])
+    assert twice.run() == 0 and len(twice.started) == 3 and waited  # the second restart waits
+    assert (
+        "restart 2 of 2 (dist.max_restarts) after rank 1 failed, in 30 s: running the job " in capsys.readouterr().err
+    )
+
+
+def test_the_fork_server_preloads_ignite_mgpus_own_job_but_never_a_users_module():
+    from ignite_mgpu.processes import forkserver, launcher
+
+    default = forkserver.preload_for(launcher.run_named, ("ignite_mgpu.train.job:training",))
+    assert default[:2] == ["ignite_mgpu.processes.forkserver", "torch"]  # its signals ignored before the imports
+    assert {"torch._dynamo", "ignite.distributed", "ignite_mgpu.train.job", "omegaconf", "psutil"} <= set(default)
+    assert forkserver.preload_for(killed, ()) == [forkserver.__name__, *forkserver.PRELOAD]  # a user's: not imported

@@ -1,0 +1,146 @@
+"""The fork server: one process per job that imports torch, ignite and the default job's code once and then forks
+every worker of every attempt (multiprocessing's "forkserver"), so that a restart forks instead of importing again.
+
+It never touches CUDA or a process group (importing torch does neither). A worker it forks inherits the server's
+environment of when it started, so the supervisor passes its own and the worker applies it first (worker.py).
+Torch-free: the server imports the preloaded modules, this process does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from multiprocessing import forkserver
+from typing import Any
+
+METHOD = "forkserver"
+_IGNORES = "IGNITE_MGPU_SERVER"  # in the server's own environment only: "launcher pid:signals it ignores"
+# What every worker of the process layer imports: ignite.distributed (worker.run_in_group) and torch; torch._dynamo
+# is the largest part, imported when the first optimizer is built (torch.optim's add_param_group).
+PRELOAD = ("torch", "torch._dynamo", "ignite.distributed", "ignite_mgpu.processes.worker")
+DEFAULT_JOB = ("ignite_mgpu.train.job", "omegaconf", "psutil")  # the default job; it imports the last two lazily
+_OWN = "ignite_mgpu."
+_started: list[int] = []  # the pid of the server that this process started (and stops), if one runs
+
+
+def preload_for(fn: Callable[..., Any], args: tuple) -> list[str]:
+    """The modules the server imports: torch, ignite, and the job's modules that are ignite-mgpu's own (the
+    function's, and the default job's when the function is ``launcher.run_named``). A user's module is imported by
+    each worker after the fork, as a spawned worker imports it: what it runs at import (a CUDA query, reading the
+    environment) runs where it would there."""
+    modules = [__name__, *PRELOAD]  # this module first: the server ignores the stop signals while it imports
+    named = getattr(fn, "__qualname__", "") == "run_named" and args and isinstance(args[0], str)
+    for module in (str(getattr(fn, "__module__", "")), str(args[0]).partition(":")[0] if named else ""):
+        if module == DEFAULT_JOB[0]:
+            modules += DEFAULT_JOB
+        elif module.startswith(_OWN) and module not in modules:
+            modules.append(module)
+    return modules
+
+
+def start(preload: list[str], preempt_signal: int | None = None) -> int:
+    """Start the fork server with ``preload`` imported (or find the one already running); returns its pid.
+
+    The server ignores SIGTERM and ``preempt_signal``: sent to every process of a job (a process group, a SLURM
+    step), they are the supervisor's to handle, and the server's death would kill every worker (their death
+    signal) before they could stop and checkpoint. It imports with this process's ``sys.path`` (Python before
+    3.12 ignores the one multiprocessing passes it): else an installed copy could shadow a checkout.
+    """
+    server: Any = forkserver._forkserver  # the module's one server (private API)
+    ours = server._forkserver_pid is None
+    if ours:
+        mp.get_context(METHOD).set_forkserver_preload(preload)
+        ignores = [int(signal.SIGTERM), *([preempt_signal] if preempt_signal else [])]
+        paths = os.pathsep.join(p or os.getcwd() for p in sys.path if isinstance(p, str))
+        told = f"{os.getpid()}:{','.join(map(str, ignores))}"
+        with _environment_for_the_server({"PYTHONPATH": paths, _IGNORES: told}):
+            forkserver.ensure_running()
+    else:
+        forkserver.ensure_running()  # started again if it died
+    pid = int(server._forkserver_pid)
+    if ours:
+        _started[:] = [pid]
+    return pid
+
+
+@contextlib.contextmanager
+def _environment_for_the_server(changes: dict[str, str]) -> Iterator[None]:
+    """This process's environment with ``changes`` while the server starts (it copies the environment)."""
+    saved = {var: os.environ.get(var) for var in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                del os.environ[var]
+            else:
+                os.environ[var] = value
+
+
+def stop() -> None:
+    """Stop the server that ``start`` started here, at once: SIGKILL (it holds nothing to save, and a Python exit
+    with torch loaded takes seconds), which also ends, through their death signal, any worker it forked that
+    still runs."""
+    server: Any = forkserver._forkserver  # the module's one server (private API)
+    if not _started or server._forkserver_pid != _started[0]:
+        _started.clear()
+        return  # none, or not ours: another part of the program uses it
+    with server._lock:
+        pid, server._forkserver_pid = server._forkserver_pid, None
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        address, server._forkserver_address = server._forkserver_address, None
+        if isinstance(address, str) and not address.startswith("\0"):
+            with contextlib.suppress(OSError):
+                os.unlink(address)
+    _started.clear()
+
+
+def die_with(parent: int | None) -> None:
+    """Arm this process's death signal: SIGKILL when its parent dies (even by SIGKILL), so that a dead launcher
+    leaves no worker holding GPUs and ports. A parent that died before the signal was armed has already handed
+    this process to another one (``parent``: its pid, None: not checked): then exit at once."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
+
+
+def leave_server() -> None:
+    """In a worker the server forked: close its copy of the server's alive pipe. The server exits when every holder
+    of that pipe is gone; with the launcher dead (even by SIGKILL) only the workers would still hold it, and they
+    would keep the server, and so themselves, alive (their death signal comes from the server)."""
+    server: Any = forkserver._forkserver  # the module's one server (private API)
+    fd = server._forkserver_alive_fd
+    if fd is not None:
+        server._forkserver_alive_fd = server._forkserver_pid = None
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _in_the_server() -> bool:
+    """Whether this process is the fork server, importing its preloaded modules (``forkserver.main`` runs)."""
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code is forkserver.main.__code__:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]  # None ends the walk
+    return False
+
+
+if _IGNORES in os.environ and _in_the_server():  # preloaded first, in the server only
+    # The server dies with the launcher at once (then every worker, by their own death signal); a Python exit on
+    # the end of its alive pipe would first take seconds to unload torch.
+    _launcher, _numbers = os.environ.pop(_IGNORES).split(":")
+    die_with(int(_launcher))
+    for _number in _numbers.split(","):
+        signal.signal(int(_number), signal.SIG_IGN)  # a forked worker sets its own handlers for these
