@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from ignite_mgpu import load_config
 from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.train import job
 from ignite_mgpu.train.optim import check_optim, create_optimizer
 
 PKG = "tests.plugins_pkg.optim_factories"
@@ -29,20 +30,10 @@ def one_rank(tmp_path, monkeypatch):
 
 
 def build(model, *overrides):
-    """What the default job builds for these overrides, after the pre-flight's check."""
-    o = load_config(overrides=list(overrides)).optim
-    check_optim(o)
-    return create_optimizer(
-        model,
-        o.name,
-        o.lr,
-        o.momentum,
-        o.weight_decay,
-        o.nesterov,
-        args=o.args,
-        no_decay_norm_and_bias=o.no_decay_norm_and_bias,
-        param_groups=o.param_groups,
-    )
+    """What the default job builds for these overrides, after the pre-flight's check (the job's own wiring)."""
+    cfg = load_config(overrides=list(overrides))
+    check_optim(cfg.optim)
+    return job._create_optimizer(cfg, model)
 
 
 def twins(seed=0):
