@@ -184,6 +184,12 @@ def check_sizes(train: Dataset, val: Dataset, batch_size: int, world_size: int, 
         if len(ds) == 0:  # type: ignore[arg-type]  # map-style datasets are sized
             fix = "check data.root and data.name" if key.startswith("data.") else "pass a dataset with samples"
             raise ConfigError(f"the {split} dataset is empty; {fix}.")
+    if len(val) < world_size:  # type: ignore[arg-type]  # sized
+        raise ConfigError(
+            f"the validation dataset has {len(val)} sample(s), fewer than the {world_size} processes that each "  # type: ignore[arg-type]
+            f"score a share of it; give it at least {world_size} (data.val_size for the built-in datasets), or run "
+            "fewer processes."
+        )
     per_process = math.ceil(len(train) / world_size)  # type: ignore[arg-type]  # sized
     if batch_size // world_size > per_process:
         raise ConfigError(

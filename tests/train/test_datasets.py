@@ -29,6 +29,8 @@ def test_size_checks():
         check_sizes(train, val, batch_size=128, world_size=2)
     with pytest.raises(ConfigError, match="validation dataset is empty"):
         check_sizes(train, [], batch_size=8, world_size=1)
+    with pytest.raises(ConfigError, match="has 2 sample.s., fewer than the 4 processes"):
+        check_sizes(train, val[:2], batch_size=8, world_size=4)
 
 
 def test_imagefolder_names_a_corrupt_file_or_skips_it(tmp_path):
