@@ -21,7 +21,7 @@ from ignite_mgpu.config.schema import DATASETS_ON_DISK, Config, TrainConfig, run
 from ignite_mgpu.errors import ConfigError, CorruptCheckpointError
 from ignite_mgpu.processes import cluster, forkserver
 from ignite_mgpu.processes.launcher import in_workers
-from ignite_mgpu.processes.plan import LaunchPlan, make_plan, surely_in_workers
+from ignite_mgpu.processes.plan import LaunchPlan, make_plan
 from ignite_mgpu.runs import folder, metric_names
 from ignite_mgpu.runs.lock import lock_owner, locked_message, output_lock
 
@@ -319,9 +319,10 @@ def checked_plan(cfg: Config) -> LaunchPlan:
 @contextlib.contextmanager
 def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[LaunchPlan]:
     """Run every check, decide the launch plan, and hold the output folder's lock while the caller runs the job.
-    ``preload``: the fork server's modules (``forkserver.preload_for``); when the job surely runs in workers, the
-    server starts after the checks that need no plan and imports them while the plan is made (stopped here if the
-    job does not start; the supervisor stops it when the job ends).
+    ``preload``: the fork server's modules (``forkserver.preload_for``); when the job runs in workers, the server
+    starts once every check has passed (bad input never starts a process) and imports them while the output
+    folder is locked and the supervisor starts (stopped here if the job does not start; the supervisor stops it
+    when the job ends).
 
     Raises:
         ConfigError, CheckpointError: before anything was started or created.
@@ -335,11 +336,9 @@ def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[LaunchPl
         warn_restarts_without_checkpoints(cfg)
         warn_double_warmup(cfg)
     try:
-        if preload is not None and surely_in_workers(cfg.dist):
-            forkserver.start(preload, cluster.signal_number(cfg.dist.preempt_signal))
         plan = checked_plan(cfg)
-        if not in_workers(plan):
-            forkserver.stop()
+        if preload is not None and in_workers(plan):  # every check passed: bad input never starts a process
+            forkserver.start(preload, cluster.signal_number(cfg.dist.preempt_signal))
         with plan.claims:  # the GPUs' claims, held while the job runs
             if not leader:
                 yield plan

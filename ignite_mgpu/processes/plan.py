@@ -125,14 +125,6 @@ def make_plan(
     return dataclasses.replace(plan, binding=binding, claims=held)
 
 
-def surely_in_workers(cfg: DistConfig, environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether the plan of ``cfg`` runs its job in workers whatever the GPUs turn out to be (several processes, a
-    restart, chosen GPUs; not under torchrun/SLURM): the fork server can then start while the plan is made."""
-    if cluster.started_externally(environ):
-        return False
-    return (cfg.nproc or 1) * cfg.nnodes > 1 or cfg.max_restarts > 0 or cfg.gpus not in (None, "none")
-
-
 def check_outer_launcher(cfg: DistConfig, environ: Mapping[str, str]) -> None:
     """Under torchrun/SLURM the outer launcher decides the processes and restarts them."""
     if not cluster.started_externally(environ):
