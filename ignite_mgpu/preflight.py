@@ -17,7 +17,18 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from ignite_mgpu.config.schema import DATASETS_ON_DISK, Config, TrainConfig, run_dir, trackers_of
+from ignite_mgpu.config.checks import BUILTIN_LOSSES, check_sizes
+from ignite_mgpu.config.schema import (
+    DATASETS_ON_DISK,
+    GENERATED,
+    MODELS,
+    OPTIMIZERS,
+    SCHEDULES,
+    Config,
+    TrainConfig,
+    run_dir,
+    trackers_of,
+)
 from ignite_mgpu.errors import ConfigError, CorruptCheckpointError
 from ignite_mgpu.processes import cluster, forkserver
 from ignite_mgpu.processes.launcher import in_workers
@@ -52,15 +63,24 @@ def check_data_root(cfg: Config) -> None:
 
 def check_job(cfg: Config) -> None:
     """What the config names must exist: the data folder, the model, the optimizer, schedule and loss (with the
-    arguments the config gives them), and the packages the chosen options need."""
-    from ignite_mgpu.train.losses import check_loss  # the user's factories: their modules are imported to check them
-    from ignite_mgpu.train.models import check_model
-    from ignite_mgpu.train.optim import check_optim
-
+    arguments the config gives them), and the packages the chosen options need. Built-in names without extra
+    arguments need nothing checked here (the config's checks know them): only a torchvision model, a torch class,
+    a factory of the user's or extra arguments import torch and the module that builds them."""
     check_data_root(cfg)
-    check_model(cfg.model)
-    check_optim(cfg.optim)
-    check_loss(cfg.train.loss, cfg.train.loss_args)
+    m, o = cfg.model, cfg.optim
+    if m.name not in MODELS or m.args:
+        from ignite_mgpu.train.models import check_model
+
+        check_model(m)
+    builtin_optim = o.name in OPTIMIZERS and o.scheduler in SCHEDULES and o.param_groups is None
+    if not builtin_optim or o.args or o.scheduler_args:
+        from ignite_mgpu.train.optim import check_optim
+
+        check_optim(o)
+    if cfg.train.loss not in BUILTIN_LOSSES:  # a built-in's arguments: config.checks, with the config
+        from ignite_mgpu.train.losses import check_loss  # the user's factory: its module is imported to check it
+
+        check_loss(cfg.train.loss, cfg.train.loss_args)
     check_metric_factories(cfg)
 
 
@@ -170,13 +190,12 @@ def check_datasets(cfg: Config, world_size: int) -> None:
     """Empty splits, a global batch that does not split over ``world_size``, too few samples per process, and a
     dataset whose batches the loss cannot use. A dataset factory runs here once, so that its mistakes are reported
     once, before any worker starts."""
-    from ignite_mgpu.train import batches
-    from ignite_mgpu.train.datasets import GENERATED, build_datasets, check_sizes, first_batch
-
     if cfg.data.name in GENERATED:  # sizes known from the config: only the workers generate the data
-        sizes = range(cfg.data.train_size), range(cfg.data.val_size)
-        check_sizes(*sizes, cfg.data.batch_size, world_size)  # type: ignore[arg-type]  # sized like datasets
+        check_sizes(range(cfg.data.train_size), range(cfg.data.val_size), cfg.data.batch_size, world_size)
         return
+    from ignite_mgpu.train import batches
+    from ignite_mgpu.train.datasets import build_datasets, first_batch
+
     splits = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
     check_sizes(splits.train, splits.val, cfg.data.batch_size, world_size)
     first = first_batch(splits.train, splits.collate_fn)

@@ -213,3 +213,39 @@ def test_tracker_arguments_are_checked_before_anything_starts(tmp_path):
     preflight.check_trackers(config(tmp_path, "train.logger_args.wandb.project=p").train)  # wandb.init's keywords
     with pytest.raises(ConfigError, match=r"train.logger_args.wandb.projcet is not an argument of the wandb tracker"):
         preflight.check_trackers(config(tmp_path, "train.logger_args.wandb.projcet=p").train)
+
+
+CHECKS_IN_A_FRESH_PROCESS = """
+import sys
+from ignite_mgpu import preflight
+from ignite_mgpu.config.loading import load_config
+from ignite_mgpu.processes import plan
+
+plan.GPU_DRIVER_FILES = ()  # this machine as one without a GPU driver, whatever the machine running the test has
+cfg = load_config(overrides=sys.argv[1:])
+preflight.check_job(cfg)
+preflight.check_trackers(cfg.train)
+preflight.resolve_output_dir(cfg)
+preflight.check_output_dir(cfg)
+preflight.checked_plan(cfg)
+print("torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(
+    "overrides, imports_torch",
+    [
+        ([], False),  # the default job: built-in model, optimizer, schedule, loss and generated data
+        (["optim.name=Adam", "model.name=mlp", "train.loss_args.label_smoothing=0.1"], True),  # a torch class
+    ],
+)
+def test_the_launcher_imports_torch_only_for_what_needs_it(tmp_path, overrides, imports_torch):
+    # Importing torch takes about 3 s on a small machine, and the workers import it again: the launcher of the
+    # default job checks everything without it (a torch class, a factory or a dataset to read still import it).
+    import subprocess
+    import sys
+
+    argv = [f"output_dir={tmp_path / 'out'}", "dist.nproc=2", "dist.backend=gloo", *overrides]
+    done = subprocess.run([sys.executable, "-c", CHECKS_IN_A_FRESH_PROCESS, *argv], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(imports_torch)]

@@ -1,8 +1,8 @@
 """Checkpoint files on disk: their names, which are complete, reading one safely (``weights_only=True``, or a
 safetensors file with its ties restored), wrapper prefixes. The leaf of the package.
 
-Imports torch but not ignite: the launching process checks the output folder with it before it spawns the
-workers, and importing ignite there would delay every start by about a second.
+Imports neither torch nor ignite at import: the launching process checks the output folder with it before it spawns
+the workers, and only reading a file imports torch (about 3 s on a small machine, at every start otherwise).
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ import shutil
 import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ignite_mgpu.errors import CheckpointError
 from ignite_mgpu.runs.folder import BEST_NAME as BEST_NAME  # the best model's name, with the run folder's names
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
@@ -138,6 +139,8 @@ def _numpy_rng_globals() -> Iterator[None]:
         from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]  # numpy 1 location
     allowed: list[Any] = [np.ndarray, np.dtype, _reconstruct]
     allowed += [type(np.dtype(t)) for t in ("uint32", "int64", "float64")]
+    import torch
+
     scoped = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5; older: allowed process-wide
     if scoped is None:
         torch.serialization.add_safe_globals(allowed)
@@ -159,6 +162,8 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
         raise CheckpointError(f"checkpoint {path} does not exist; pass the path of a .pt or .safetensors file.")
     if is_safetensors(path):
         return read_safetensors(path, map_location)[0]
+    import torch
+
     try:
         with _numpy_rng_globals():
             obj = torch.load(path, map_location=map_location, weights_only=True)
@@ -196,6 +201,8 @@ def read_safetensors(path: Path, map_location: Any = "cpu") -> tuple[dict[str, t
             f"{path}: its metadata {TIED}={metadata[TIED]!r} does not name tensors of the file: it was edited or "
             "written by another tool. Write the file again (ignite-mgpu checkpoint convert)."
         ) from None
+    import torch
+
     device = torch.device(map_location)
     if device.type != "cpu":
         moved: dict[int, torch.Tensor] = {}  # a tie stays one tensor on the device
@@ -231,4 +238,6 @@ def strip_prefixes(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], list[
 
 
 def is_state_dict(obj: Mapping[str, Any]) -> bool:
+    import torch
+
     return bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())

@@ -6,6 +6,7 @@ what needs the file system or the user's packages is the pre-flight's (``ignite_
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from ignite_mgpu.config.schema import (
@@ -22,6 +23,9 @@ from ignite_mgpu.config.schema import (
 )
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.runs import metric_names
+
+BUILTIN_LOSSES = ("cross_entropy", "model")  # train.loss's own names; anything else is a "package.module:factory"
+CROSS_ENTROPY_ARGS = ("label_smoothing", "weight", "ignore_index")  # reduction stays "mean": the trainer averages
 
 
 def _check(ok: bool, key: str, value: Any, rule: str) -> None:
@@ -145,14 +149,14 @@ def _check_names(cfg: Config) -> None:
     if d.name in DATASETS_ON_DISK and d.root is None:
         raise ConfigError(f"data.name={d.name} needs data.root: pass data.root=/path/to/{d.name}.")
     _check(
-        t.loss in ("cross_entropy", "model") or ":" in t.loss,
+        t.loss in BUILTIN_LOSSES or ":" in t.loss,
         "train.loss",
         t.loss,
         "use cross_entropy, model (the model's forward returns its loss), or 'package.module:factory' for a factory "
         "that returns a loss function",
     )
-    if t.loss_args and t.loss == "model":
-        raise ConfigError("train.loss_args is for a loss function, but train.loss=model: the model computes its loss.")
+    if t.loss in BUILTIN_LOSSES:
+        check_loss_args(t.loss, t.loss_args)
     metric_names.check(cfg.eval.metrics, cfg.eval.metric_args, t.loss, c.metric, c.metric_mode)
 
 
@@ -200,3 +204,67 @@ def _check_preempt_signal(name: str | None) -> None:
         "name a signal that a process can catch and that does not already mean stop, such as SIGUSR1 or SIGUSR2 "
         "(what sbatch --signal=USR1@90 sends), or null",
     )
+
+
+def check_loss_args(name: str, loss_args: Mapping[str, Any]) -> None:
+    """``train.loss_args`` of a built-in ``train.loss``: nothing for "model", cross-entropy's three arguments with
+    usable values (``train/losses.py`` builds it; a factory's arguments are checked there, against its signature)."""
+    if name == "model":
+        if loss_args:
+            raise ConfigError(
+                "train.loss_args is for a loss function, but train.loss=model: the model computes its loss."
+            )
+        return
+    unknown = sorted(set(loss_args) - set(CROSS_ENTROPY_ARGS))
+    if unknown:
+        raise ConfigError(
+            f"train.loss_args gives {', '.join(unknown)}, which train.loss=cross_entropy does not take (it takes "
+            f"{', '.join(CROSS_ENTROPY_ARGS)}; the reduction is the batch mean, which the trainer needs). Remove it, "
+            "or write a loss factory."
+        )
+    smoothing = loss_args.get("label_smoothing", 0.0)
+    if not isinstance(smoothing, (int, float)) or isinstance(smoothing, bool) or not 0 <= smoothing <= 1:
+        raise ConfigError(f"train.loss_args.label_smoothing={smoothing!r}: use a number from 0 to 1, e.g. 0.1.")
+    weight = loss_args.get("weight", [1.0])
+    numbers = isinstance(weight, (list, tuple)) and all(
+        isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0 for w in weight
+    )
+    if not numbers or not weight:
+        raise ConfigError(
+            f"train.loss_args.weight={weight!r}: give one weight >= 0 per class, as a list such as [1.0, 2.0, 0.5]."
+        )
+    index = loss_args.get("ignore_index", -100)
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise ConfigError(f"train.loss_args.ignore_index={index!r}: use the integer target to ignore, e.g. -100.")
+
+
+def check_global_batch(batch_size: int, world_size: int, key: str = "data.batch_size") -> None:
+    """Raise ConfigError unless the global ``batch_size`` (named ``key`` in the message) splits evenly."""
+    if batch_size < 1 or batch_size % world_size:
+        raise ConfigError(
+            f"{key}={batch_size} is the global batch and must split evenly over {world_size} processes "
+            f"(each would get {batch_size / world_size:.2f}); use a multiple of {world_size}, "
+            f"e.g. {key}={max(1, batch_size // world_size) * world_size}."
+        )
+
+
+def check_sizes(train: Any, val: Any, batch_size: int, world_size: int, key: str = "data.batch_size") -> None:
+    """Raise ConfigError for an empty split, a global batch that does not split evenly, or one too large. The splits
+    are sized: map-style datasets, or ranges of their sizes."""
+    check_global_batch(batch_size, world_size, key)
+    for split, ds in (("training", train), ("validation", val)):
+        if len(ds) == 0:
+            fix = "check data.root and data.name" if key.startswith("data.") else "pass a dataset with samples"
+            raise ConfigError(f"the {split} dataset is empty; {fix}.")
+    if len(val) < world_size:
+        raise ConfigError(
+            f"the validation dataset has {len(val)} sample(s), fewer than the {world_size} processes that each "
+            f"score a share of it; give it at least {world_size} (data.val_size for the built-in datasets), or run "
+            "fewer processes."
+        )
+    per_process = math.ceil(len(train) / world_size)
+    if batch_size // world_size > per_process:
+        raise ConfigError(
+            f"{key}={batch_size} gives {batch_size // world_size} samples per process, but each of the "
+            f"{world_size} processes only has {per_process} training samples; lower {key}."
+        )

@@ -26,6 +26,12 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 TRACKERS: tuple[str, ...] = get_args(Tracker)
 DATASETS = ("synthetic", "fake", "mnist", "fashion_mnist", "cifar10", "imagefolder")  # or "package.module:factory"
 DATASETS_ON_DISK = ("mnist", "fashion_mnist", "cifar10", "imagefolder")  # read from data.root
+GENERATED = ("synthetic", "fake")  # made in memory; their sizes are in the config
+# The built-in models, optimizers and schedules by name: a config that names only these (and gives them no extra
+# arguments) is checked without importing torch in the launching process.
+MODELS = ("simple_cnn", "mlp")  # besides any torchvision.models name and "package.module:factory"
+OPTIMIZERS = ("sgd", "adamw")  # besides any torch.optim class and "package.module:factory"
+SCHEDULES = ("cosine", "constant")  # besides any torch.optim.lr_scheduler class and "package.module:factory"
 
 
 @dataclass

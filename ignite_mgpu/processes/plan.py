@@ -78,12 +78,19 @@ class Machine:
     loopback: bool = True  # the machine has a "lo" interface
 
 
+# What a GPU driver puts on a machine: NVIDIA's (Linux, and WSL2's /dev/dxg) and ROCm's, whose GPUs torch.cuda shows.
+GPU_DRIVER_FILES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
+
+
 def probe_machine() -> Machine:
-    """Ask torch how many CUDA devices it sees (CUDA reads CUDA_VISIBLE_DEVICES now, at its first use)."""
+    """Ask torch how many CUDA devices it sees (CUDA reads CUDA_VISIBLE_DEVICES now, at its first use). A machine
+    without a GPU driver has none, and this process then does not import torch (about 3 s on a small machine)."""
+    loopback = any(name == "lo" for _, name in socket.if_nameindex())
+    if not any(os.path.exists(path) for path in GPU_DRIVER_FILES):
+        return Machine(0, cpu_count=os.cpu_count() or 1, loopback=loopback)
     import torch
 
     n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    loopback = any(name == "lo" for _, name in socket.if_nameindex())
     return Machine(n_cuda, torch.__version__, torch.version.cuda, os.cpu_count() or 1, loopback)
 
 
@@ -234,10 +241,15 @@ def check_devices(cfg: DistConfig, backend: str, gpu_plan: gpu_selection.GpuPlan
             "--backend auto, or check CUDA_VISIBLE_DEVICES and the driver (ignite-mgpu devices)."
         )
     if gpu_plan is not None and gpu_plan.physical_ids and not n_cuda:
-        built = "without CUDA" if machine.cuda_build is None else f"for CUDA {machine.cuda_build}"
+        version, cuda_build = machine.torch_version, machine.cuda_build
+        if not version:  # not probed: this machine has no GPU driver
+            import torch
+
+            version, cuda_build = torch.__version__, torch.version.cuda
+        built = "without CUDA" if cuda_build is None else f"for CUDA {cuda_build}"
         raise ConfigError(
             f"--gpus {cfg.gpus} selects GPUs that nvidia-smi shows, but PyTorch sees no CUDA device (torch "
-            f"{machine.torch_version}, built {built}); the job would silently train on the CPU. Install a CUDA "
+            f"{version}, built {built}); the job would silently train on the CPU. Install a CUDA "
             "build of PyTorch that matches the driver, or pass --gpus none to train on the CPU."
         )
     if cfg.strategy == "dp":

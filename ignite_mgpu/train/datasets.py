@@ -5,7 +5,6 @@ here imports ignite."""
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -15,13 +14,16 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, IterableDataset
 from torch.utils.data.dataloader import default_collate
 
+# torch-free, so that the launcher checks the sizes of generated data without torch; still importable from here
+from ignite_mgpu.config.checks import check_global_batch as check_global_batch
+from ignite_mgpu.config.checks import check_sizes as check_sizes
+from ignite_mgpu.config.schema import GENERATED as GENERATED
 from ignite_mgpu.config.schema import DataConfig
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.train import batches, plugins
 
 logger = logging.getLogger(__name__)
 AMPLITUDE = 0.2  # of the class patterns of synthetic images, against noise of standard deviation 1
-GENERATED = ("synthetic", "fake")  # made in memory; their sizes are in the config
 
 
 class SyntheticImages(Dataset):
@@ -165,34 +167,3 @@ def _builtin(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Dataset, Dat
         )
     except RuntimeError as err:  # torchvision: "Dataset not found. You can use download=True to download it"
         raise ConfigError(f"data.name={cfg.name}: {err} (looked in data.root={root}).") from None
-
-
-def check_global_batch(batch_size: int, world_size: int, key: str = "data.batch_size") -> None:
-    """Raise ConfigError unless the global ``batch_size`` (named ``key`` in the message) splits evenly."""
-    if batch_size < 1 or batch_size % world_size:
-        raise ConfigError(
-            f"{key}={batch_size} is the global batch and must split evenly over {world_size} processes "
-            f"(each would get {batch_size / world_size:.2f}); use a multiple of {world_size}, "
-            f"e.g. {key}={max(1, batch_size // world_size) * world_size}."
-        )
-
-
-def check_sizes(train: Dataset, val: Dataset, batch_size: int, world_size: int, key: str = "data.batch_size") -> None:
-    """Raise ConfigError for an empty split, a global batch that does not split evenly, or one too large."""
-    check_global_batch(batch_size, world_size, key)
-    for split, ds in (("training", train), ("validation", val)):
-        if len(ds) == 0:  # type: ignore[arg-type]  # map-style datasets are sized
-            fix = "check data.root and data.name" if key.startswith("data.") else "pass a dataset with samples"
-            raise ConfigError(f"the {split} dataset is empty; {fix}.")
-    if len(val) < world_size:  # type: ignore[arg-type]  # sized
-        raise ConfigError(
-            f"the validation dataset has {len(val)} sample(s), fewer than the {world_size} processes that each "  # type: ignore[arg-type]
-            f"score a share of it; give it at least {world_size} (data.val_size for the built-in datasets), or run "
-            "fewer processes."
-        )
-    per_process = math.ceil(len(train) / world_size)  # type: ignore[arg-type]  # sized
-    if batch_size // world_size > per_process:
-        raise ConfigError(
-            f"{key}={batch_size} gives {batch_size // world_size} samples per process, but each of the "
-            f"{world_size} processes only has {per_process} training samples; lower {key}."
-        )

@@ -4,17 +4,15 @@ module: ignite is imported only when a weighted loss is placed on the default de
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from ignite_mgpu.config.checks import BUILTIN_LOSSES, check_loss_args
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.train import plugins
-
-CROSS_ENTROPY_ARGS = ("label_smoothing", "weight", "ignore_index")  # reduction stays "mean": the trainer averages
 
 
 def create_loss(
@@ -43,36 +41,11 @@ def create_loss(
 
 
 def check_loss(name: str, loss_args: Mapping[str, Any]) -> None:
-    """ConfigError unless ``train.loss_args`` fits ``train.loss``: cross-entropy's three arguments with usable values,
-    nothing for "model", the keyword arguments a factory takes (whose module is imported to check)."""
-    if name == "model":
-        if loss_args:
-            raise ConfigError(
-                "train.loss_args is for a loss function, but train.loss=model: the model computes its loss."
-            )
+    """ConfigError unless ``train.loss_args`` fits ``train.loss``: a built-in loss's arguments (``check_loss_args``,
+    torch-free: the launching process checks them with the config), the keyword arguments a factory takes (whose
+    module is imported to check)."""
+    if name in BUILTIN_LOSSES:
+        check_loss_args(name, loss_args)
         return
-    if name != "cross_entropy":
-        fn = plugins.resolve(name, "train.loss")
-        plugins.check_arguments(fn, loss_args, f"train.loss={name}", "train.loss_args")
-        return
-    unknown = sorted(set(loss_args) - set(CROSS_ENTROPY_ARGS))
-    if unknown:
-        raise ConfigError(
-            f"train.loss_args gives {', '.join(unknown)}, which train.loss=cross_entropy does not take (it takes "
-            f"{', '.join(CROSS_ENTROPY_ARGS)}; the reduction is the batch mean, which the trainer needs). Remove it, "
-            "or write a loss factory."
-        )
-    smoothing = loss_args.get("label_smoothing", 0.0)
-    if not isinstance(smoothing, (int, float)) or isinstance(smoothing, bool) or not 0 <= smoothing <= 1:
-        raise ConfigError(f"train.loss_args.label_smoothing={smoothing!r}: use a number from 0 to 1, e.g. 0.1.")
-    weight = loss_args.get("weight", [1.0])
-    numbers = isinstance(weight, (list, tuple)) and all(
-        isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0 for w in weight
-    )
-    if not numbers or not weight:
-        raise ConfigError(
-            f"train.loss_args.weight={weight!r}: give one weight >= 0 per class, as a list such as [1.0, 2.0, 0.5]."
-        )
-    index = loss_args.get("ignore_index", -100)
-    if not isinstance(index, int) or isinstance(index, bool):
-        raise ConfigError(f"train.loss_args.ignore_index={index!r}: use the integer target to ignore, e.g. -100.")
+    fn = plugins.resolve(name, "train.loss")
+    plugins.check_arguments(fn, loss_args, f"train.loss={name}", "train.loss_args")

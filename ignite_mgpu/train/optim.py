@@ -17,6 +17,7 @@ from torch import nn
 from torch.optim import Optimizer, lr_scheduler
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau, SequentialLR
 
+from ignite_mgpu.config.schema import SCHEDULES
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.train import plugins
 from ignite_mgpu.train.param_groups import parameter_groups
@@ -24,7 +25,7 @@ from ignite_mgpu.train.param_groups import parameter_groups
 if TYPE_CHECKING:
     from ignite_mgpu.config.schema import OptimConfig
 
-BUILTIN_SCHEDULES = ("cosine", "constant")  # LambdaLR: the linear warm-up and then the shape, one function
+BUILTIN_SCHEDULES = SCHEDULES  # LambdaLR: the linear warm-up and then the shape, one function
 # Given by their own keys to every optimizer that takes them; optim.args may not give them a second value.
 OWN_KEYS = {"lr": "optim.lr", "weight_decay": "optim.weight_decay", "momentum": "optim.momentum"}
 REFUSED_OPTIMIZERS = {

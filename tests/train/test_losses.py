@@ -57,8 +57,8 @@ def test_a_factory_gets_its_arguments():
     ],
 )
 def test_mistakes_name_the_key_before_anything_starts(overrides, match):
-    t = load_config(overrides=overrides).train
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ConfigError, match=match):  # a built-in's arguments with the config, a factory's here
+        t = load_config(overrides=overrides).train
         check_loss(t.loss, t.loss_args)
 
 
