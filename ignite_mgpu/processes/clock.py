@@ -4,6 +4,7 @@ function runs. Torch-free, a leaf like ``stop.py``."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 _IMPORTED = time.time()
 
 
+@functools.cache  # one value per process (a forked child keeps its parent's: its job's plan was made there)
 def process_start() -> float:
     """This process's start as a ``time.time()`` (Linux: from ``/proc/self/stat``, so the interpreter's own start-up
     counts; elsewhere the time this module was imported)."""
