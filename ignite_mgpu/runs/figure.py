@@ -80,30 +80,10 @@ def draw_report(runs: list[Run]) -> Figure:
     """
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import MaxNLocator
 
     goodput = any(run.goodput for run in runs)
     fig = Figure(figsize=(10, 13.5 if goodput else 10.5), layout="constrained")
-    grid = fig.add_gridspec(4 if goodput else 3, 2, height_ratios=[1, 1, 1, 0.7] if goodput else None)
-    axes = {
-        "loss": fig.add_subplot(grid[0, 0]),
-        "accuracy": fig.add_subplot(grid[0, 1]),
-        "speed": fig.add_subplot(grid[1, 0]),
-        "wait": fig.add_subplot(grid[1, 1]),
-        "memory": fig.add_subplot(grid[2, :]),
-    }
-    ylabels = {
-        "loss": "mean loss per sample",
-        "accuracy": "accuracy (%)",
-        "speed": "samples/s (all processes)",
-        "wait": "% of training time (slowest rank)",
-    }
-    for key, ax in axes.items():
-        ax.set_title(TITLES[key])
-        if key in ylabels:
-            ax.set(xlabel="epoch", ylabel=ylabels[key])
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.grid(alpha=0.3)
+    axes = _panels(fig, goodput)
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for run, color in zip(runs, colors, strict=True):
         epochs = run.series("epoch")
@@ -128,7 +108,7 @@ def draw_report(runs: list[Run]) -> Figure:
     axes["loss"].legend(style, ["train", "validation"], fontsize="small")
     _memory_bars(axes["memory"], runs, colors)
     if goodput:
-        _goodput_bars(fig.add_subplot(grid[3, :]), runs)
+        _goodput_bars(axes["goodput"], runs)
     handles = [Line2D([], [], color=c, lw=6) for c in colors]
     fig.legend(handles, [r.label for r in runs], loc="outside upper center", ncols=min(len(runs), 2))
     return fig
@@ -158,8 +138,37 @@ def _memory_bars(ax: Axes, runs: list[Run], colors: list[str]) -> None:
         ax.set_title(f"{TITLES['memory']}, {when} (max/min: {shown})")
 
 
+def _panels(fig: Figure, goodput: bool) -> dict[str, Axes]:
+    """The figure's axes by name, titled and labelled; a goodput row where a run has goodput figures."""
+    from matplotlib.ticker import MaxNLocator
+
+    grid = fig.add_gridspec(4 if goodput else 3, 2, height_ratios=[1, 1, 1, 0.7] if goodput else None)
+    axes = {
+        "loss": fig.add_subplot(grid[0, 0]),
+        "accuracy": fig.add_subplot(grid[0, 1]),
+        "speed": fig.add_subplot(grid[1, 0]),
+        "wait": fig.add_subplot(grid[1, 1]),
+        "memory": fig.add_subplot(grid[2, :]),
+    }
+    ylabels = {
+        "loss": "mean loss per sample",
+        "accuracy": "accuracy (%)",
+        "speed": "samples/s (all processes)",
+        "wait": "% of training time (slowest rank)",
+    }
+    for key, ax in axes.items():
+        ax.set_title(TITLES[key])
+        if key in ylabels:
+            ax.set(xlabel="epoch", ylabel=ylabels[key])
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3)
+    if goodput:
+        axes["goodput"] = fig.add_subplot(grid[3, :])
+    return axes
+
+
 def _goodput_bars(ax: Axes, runs: list[Run]) -> None:
-    """One horizontal bar per run, stacked by the parts of its wall time, each part's share in the legend's
+    """One horizontal bar per run, stacked by the parts of its wall time in the legend's
     colours; the run's goodput (the share spent training) at the bar's end."""
     ax.set_title(TITLES["goodput"])
     names = [r.name for r in runs]

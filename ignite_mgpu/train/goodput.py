@@ -50,8 +50,9 @@ class Goodput:
         for engine, event in events:
             engine.add_event_handler(event, self._checkpoint_started)
         yield
-        for engine, event in events:
-            engine.add_event_handler(event, self._checkpoint_completed)
+        trainer.add_event_handler(GuardEvents.CHECKPOINT, self._checkpoint_completed)
+        trainer.add_event_handler(GuardEvents.STOPPING, self._checkpoint_completed)
+        evaluator.add_event_handler(Events.COMPLETED, self._checkpoint_ended)  # the epoch's line saves the progress
 
     def _close(self) -> float:
         """The time since the last switch goes to the current part; returns now."""
@@ -68,8 +69,11 @@ class Goodput:
         self._paused.append(self._state)
         self._switch("checkpoint")
 
-    def _checkpoint_completed(self, engine: Engine) -> None:
+    def _checkpoint_ended(self) -> None:
         self._switch(self._paused.pop() if self._paused else "other")
+
+    def _checkpoint_completed(self, engine: Engine) -> None:  # the trainer's: its progress is what was saved
+        self._checkpoint_ended()
         self._record(engine.state.iteration)
 
     def _epoch_started(self, engine: Engine) -> None:

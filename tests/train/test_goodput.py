@@ -49,6 +49,8 @@ def test_the_parts_are_measured_and_add_up_to_the_wall_time(tmp_path):
         assert line["time_restart_s"] == line["time_lost_s"] == 0
     assert first["time_checkpoint_s"] >= 2 * SAVE and second["time_checkpoint_s"] >= 3 * SAVE  # 4, 8; 12, 16, 20
     assert second["run_time_s"] == pytest.approx(first["time_wall_s"] + second["time_wall_s"], abs=0.002)
+    records = json.loads((tmp_path / "goodput.json").read_text())["records"]  # the trainer's, not the evaluator's
+    assert [r["iteration"] for r in records] == [4, 8, 10, 12, 16, 20, 20, 20]  # the last 8: saves, lines, the end
     totals = read_totals(tmp_path, [])  # goodput.json: up to the run's end, after the last line
     assert totals["time_wall_s"] >= second["run_time_s"]
     assert totals["time_wall_s"] == pytest.approx(time.time() - started, abs=0.05)
@@ -81,3 +83,16 @@ def test_without_anchors_the_clock_is_the_processs_start():
     from ignite_mgpu.processes.clock import job_clock
 
     assert job_clock() == JobClock(process_start()) and process_start() <= time.time()
+
+
+def test_nothing_is_timed_per_iteration(tmp_path):
+    """Only event boundaries: no handler on an iteration's or a batch's events."""
+    trainer, evaluator = Engine(lambda e, b: None), Engine(lambda e, b: None)
+    trainer.register_events(*GuardEvents)
+    goodput = Goodput(tmp_path / "goodput.json", JobClock(time.time()), writer=True)
+    goodput.attach(trainer)
+    with goodput.timing_checkpoints(trainer, evaluator):
+        pass
+    per_iteration = (Events.ITERATION_STARTED, Events.ITERATION_COMPLETED, Events.GET_BATCH_STARTED)
+    for engine in (trainer, evaluator):
+        assert all(not engine._event_handlers[e] for e in (*per_iteration, Events.GET_BATCH_COMPLETED))
