@@ -65,7 +65,7 @@ def assert_goodput_adds_up(out: Path) -> dict:
     assert sum(totals[FIELDS[p]] for p in MEASURED) >= 0.97 * wall, totals
     assert sum(r["time_wall_s"] for r in epochs) == pytest.approx(epochs[-1]["run_time_s"], abs=0.01)
     assert epochs[-1]["run_time_s"] <= wall
-    assert totals["goodput"] == pytest.approx(totals["time_train_s"] / wall, abs=2e-4)
+    assert totals["goodput"] == pytest.approx(totals["time_train_s"] / wall, rel=0.01)
     for r in epochs:
         assert sum(r[FIELDS[p]] for p in FIELDS) == pytest.approx(r["time_wall_s"], abs=0.01)
     return totals

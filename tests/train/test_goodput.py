@@ -43,18 +43,18 @@ def test_the_parts_are_measured_and_add_up_to_the_wall_time(tmp_path):
     first, second = lines
     assert first["time_startup_s"] >= 1.0 and second["time_startup_s"] == 0
     for line in lines:
-        assert sum(line[FIELDS[p]] for p in PARTS) == pytest.approx(line["time_wall_s"], abs=0.002)
+        assert sum(line[FIELDS[p]] for p in PARTS) == pytest.approx(line["time_wall_s"], abs=0.005)  # each rounded
         assert line["time_train_s"] >= 10 * STEP - 0.001 and line["time_data_wait_s"] == 0.001
         assert line["time_eval_s"] >= EVAL and line["redone_iterations"] == 0
         assert line["time_restart_s"] == line["time_lost_s"] == 0
     assert first["time_checkpoint_s"] >= 2 * SAVE and second["time_checkpoint_s"] >= 3 * SAVE  # 4, 8; 12, 16, 20
-    assert second["run_time_s"] == pytest.approx(first["time_wall_s"] + second["time_wall_s"], abs=0.002)
+    assert second["run_time_s"] == pytest.approx(first["time_wall_s"] + second["time_wall_s"], abs=0.005)
     records = json.loads((tmp_path / "goodput.json").read_text())["records"]  # the trainer's, not the evaluator's
     assert [r["iteration"] for r in records] == [4, 8, 10, 12, 16, 20, 20, 20]  # the last 8: saves, lines, the end
     totals = read_totals(tmp_path, [])  # goodput.json: up to the run's end, after the last line
     assert totals["time_wall_s"] >= second["run_time_s"]
-    assert totals["time_wall_s"] == pytest.approx(time.time() - started, abs=0.05)
-    assert totals["goodput"] == pytest.approx(totals["time_train_s"] / totals["time_wall_s"], abs=2e-4)
+    assert time.time() - started - 0.5 <= totals["time_wall_s"] <= time.time() - started + 0.001  # to its end
+    assert totals["goodput"] == pytest.approx(totals["time_train_s"] / totals["time_wall_s"], rel=0.01)  # rounded
 
 
 def test_a_restart_goes_on_from_the_progress_saved_with_its_checkpoint(tmp_path):
@@ -74,7 +74,7 @@ def test_a_restart_goes_on_from_the_progress_saved_with_its_checkpoint(tmp_path)
     assert second["time_lost_s"] == pytest.approx(failed_at - at_12["at"], abs=0.002)
     assert second["time_restart_s"] >= 0.05
     assert second["time_train_s"] >= 10 * STEP - 0.001  # 11-12 before the failure, 13-20 after it
-    assert second["run_time_s"] == pytest.approx(lines[0]["time_wall_s"] + second["time_wall_s"], abs=0.002)
+    assert second["run_time_s"] == pytest.approx(lines[0]["time_wall_s"] + second["time_wall_s"], abs=0.005)
     totals = read_totals(tmp_path, [])
     assert totals["redone_iterations"] == 2  # once, though the restart's own progress was saved since
 
