@@ -282,7 +282,8 @@ def report(run_dirs: tuple[str, ...], out: str | None, as_json: bool) -> None:
 
     \b
     Panels: training and validation loss, validation accuracy, samples/s and data-wait share per epoch, and
-    the peak memory of each GPU (dp) or process (ddp) in the last epoch with its max/min ratio. Several
+    the peak memory of each GPU (dp) or process (ddp) in the last epoch with its max/min ratio, and where each
+    run's wall time went (goodput: start-up, training, data wait, evaluation, checkpoints, restarts). Several
     RUN_DIRs are overlaid, each named by its folder, strategy and process count. Without matplotlib
     (pip install -e ".[plot]") only the table is printed. Reads files only: safe while a run is going.
     """

@@ -26,7 +26,7 @@ from ignite_mgpu.errors import (
     is_user_error,
     signal_exit_code,
 )
-from ignite_mgpu.processes import cluster, notebook
+from ignite_mgpu.processes import clock, cluster, notebook
 from ignite_mgpu.processes.binding import apply_binding
 from ignite_mgpu.processes.outcome import Outcome
 from ignite_mgpu.processes.plan import LaunchPlan, Restart, make_plan
@@ -92,6 +92,7 @@ def _run_job(
 def _run_here(plan: LaunchPlan, fn: Callable[..., Any], args: tuple, report: bool = True) -> tuple[Outcome, Any]:
     """One process of the job in this process: a one-process job, or one that torchrun / srun started."""
     unbind = apply_binding(plan.binding.rank(cluster.local_rank()))  # restored after the job
+    clock.set_clock(plan.clock)  # goodput's anchors: the command's start
     with in_process_signals(plan.preempt_signal):
         try:
             value = run_in_group(plan, fn, args)
@@ -105,6 +106,7 @@ def _run_here(plan: LaunchPlan, fn: Callable[..., Any], args: tuple, report: boo
             return Outcome(SUCCESS), value
         finally:
             unbind()
+            clock.set_clock(None)
     if report:
         print(f"ignite-mgpu: {ended.cause}", file=sys.stderr)
     return ended, None

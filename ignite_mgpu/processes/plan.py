@@ -18,6 +18,7 @@ from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.processes import acquire, cluster, gpu_selection
 from ignite_mgpu.processes.binding import BindingPlan, plan_for_job
 from ignite_mgpu.processes.claims import GpuClaims
+from ignite_mgpu.processes.clock import JobClock, process_start
 
 
 @dataclass
@@ -50,6 +51,8 @@ class LaunchPlan:
     # cannot import).
     start_method: str = "spawn"
     join_group: bool = True  # False: the job creates its own process group (ignite-mgpu run: a user's script)
+    # When the command started (and, for a restart, when the previous attempt failed): goodput's anchors.
+    clock: JobClock = field(default_factory=lambda: JobClock(process_start()), compare=False, repr=False)
 
     @property
     def world_size(self) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 
 from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, signal_exit_code
 from ignite_mgpu.processes import forkserver, stop
+from ignite_mgpu.processes.clock import JobClock
 from ignite_mgpu.processes.outcome import Failure, Outcome, no_restart_reason, outcome
 from ignite_mgpu.processes.plan import LaunchPlan, Restart, free_port
 from ignite_mgpu.processes.worker import RESULT_FILE, worker_main
@@ -65,6 +66,8 @@ class Supervisor:
         self.signalled = False  # whether this process has signalled the attempt's workers
         self.server: int | None = None  # the fork server's pid, once started (it outlives the attempts)
         self.deadline = self.failure_deadline = self.failure_time = float("inf")
+        self.failed_at: float | None = None  # time.time() of the attempt's first failure
+        self.clock = plan.clock  # the next attempt's anchors: a restart adds the failure's time and progress
 
     def _signal_all(self, sig: int) -> None:
         self.signalled = True
@@ -137,7 +140,7 @@ class Supervisor:
     def _attempt(self, attempt: int, args: tuple) -> tuple[Outcome, str | None, int]:
         """Start every worker, watch them, stop them all. Returns how they ended, why a restart cannot cure it
         (None: it can), and the last iteration that every rank had completed."""
-        plan = self.plan
+        plan = dataclasses.replace(self.plan, clock=self.clock)
         folder = Path(self.error_dir, f"attempt{attempt}")
         folder.mkdir()
         if plan.nnodes == 1 and plan.master_port is None:  # no TCP port at all; a fresh store for every attempt
@@ -149,6 +152,7 @@ class Supervisor:
                 plan = dataclasses.replace(plan, master_port=free_port(plan.master_addr))
         self.procs, self.first_failure, self.died, self.signalled = [], None, [], False
         self.deadline = self.failure_deadline = self.failure_time = float("inf")
+        self.failed_at = None
         try:
             for local_rank in range(plan.nproc):
                 if self.signal_received:
@@ -169,6 +173,8 @@ class Supervisor:
         if self.died == [self.first_failure[0] if self.first_failure else -1] and result.rank is not None:
             result = dataclasses.replace(result, died=True)  # one rank's death: its first restart need not wait
         reached = min((status[0] for status in self._statuses(folder)), default=0)
+        failed_at = self.failed_at if self.failed_at is not None else time.time()
+        self.clock = JobClock(plan.clock.started, failed_at, reached)  # used only if the job restarts
         self.value = self._read_value(folder) if result.code == SUCCESS else None
         return result, reason, reached
 
@@ -231,7 +237,7 @@ class Supervisor:
                     # One rank failed: the others cannot finish. With gloo their next collective fails at once
                     # ("Connection closed by peer") and they exit by themselves; NCCL may hang. They get a short
                     # settle time, and longer only while one writes a checkpoint (it is of a good iteration).
-                    self.failure_time = time.monotonic()
+                    self.failure_time, self.failed_at = time.monotonic(), time.time()
                     self.failure_deadline = self.failure_time + FAILURE_SETTLE
             now = time.monotonic()
             if alive and now > self.failure_deadline:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ignite_mgpu.errors import FAILED, ScriptArgumentsError, TrainingStopped, is_user_error
-from ignite_mgpu.processes import cluster, forkserver, stop
+from ignite_mgpu.processes import clock, cluster, forkserver, stop
 from ignite_mgpu.processes.binding import apply_binding, current, free_group_threads, thread_ids
 
 if TYPE_CHECKING:
@@ -225,6 +225,7 @@ def worker_main(
     if plan.preempt_signal:  # SLURM signals every process of the step, the workers too: the same stop
         signal.signal(plan.preempt_signal, _on_signal)
     stop.set_status_file(Path(error_dir, f"status{rank}"))  # how far it got, and whether it is saving
+    clock.set_clock(plan.clock)  # when the command started, when the previous attempt failed: goodput's anchors
     code = 0
     try:
         if environ is not None:

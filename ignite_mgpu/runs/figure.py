@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.runs.folder import REPORT_IMAGE
+from ignite_mgpu.runs.goodput import FIELDS, PARTS
 from ignite_mgpu.runs.read import Run, memory_kind, memory_names
 
 if TYPE_CHECKING:
@@ -23,6 +24,17 @@ TITLES = {
     "speed": "Throughput",
     "wait": "Data-loader wait",
     "memory": "Peak memory",  # the figure's title adds the epoch and max/min
+    "goodput": "Goodput: where the wall time went",
+}
+PART_NAMES = {
+    "startup": "start-up",
+    "train": "training",
+    "data_wait": "data wait",
+    "eval": "evaluation",
+    "checkpoint": "checkpoint stall",
+    "restart": "restarts",
+    "lost": "lost to restarts",
+    "other": "other",
 }
 
 
@@ -68,29 +80,10 @@ def draw_report(runs: list[Run]) -> Figure:
     """
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(10, 10.5), layout="constrained")
-    grid = fig.add_gridspec(3, 2)
-    axes = {
-        "loss": fig.add_subplot(grid[0, 0]),
-        "accuracy": fig.add_subplot(grid[0, 1]),
-        "speed": fig.add_subplot(grid[1, 0]),
-        "wait": fig.add_subplot(grid[1, 1]),
-        "memory": fig.add_subplot(grid[2, :]),
-    }
-    ylabels = {
-        "loss": "mean loss per sample",
-        "accuracy": "accuracy (%)",
-        "speed": "samples/s (all processes)",
-        "wait": "% of training time (slowest rank)",
-    }
-    for key, ax in axes.items():
-        ax.set_title(TITLES[key])
-        if key in ylabels:
-            ax.set(xlabel="epoch", ylabel=ylabels[key])
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.grid(alpha=0.3)
+    goodput = any(run.goodput for run in runs)
+    fig = Figure(figsize=(10, 13.5 if goodput else 10.5), layout="constrained")
+    axes = _panels(fig, goodput)
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for run, color in zip(runs, colors, strict=True):
         epochs = run.series("epoch")
@@ -114,6 +107,8 @@ def draw_report(runs: list[Run]) -> Figure:
     style = [Line2D([], [], color="gray", ls="-", marker="o"), Line2D([], [], color="gray", ls="--", marker="s")]
     axes["loss"].legend(style, ["train", "validation"], fontsize="small")
     _memory_bars(axes["memory"], runs, colors)
+    if goodput:
+        _goodput_bars(axes["goodput"], runs)
     handles = [Line2D([], [], color=c, lw=6) for c in colors]
     fig.legend(handles, [r.label for r in runs], loc="outside upper center", ncols=min(len(runs), 2))
     return fig
@@ -141,6 +136,56 @@ def _memory_bars(ax: Axes, runs: list[Run], colors: list[str]) -> None:
     else:
         shown = ", ".join(f"{r.name} {ratio}" for r, ratio in zip(runs, ratios, strict=True))
         ax.set_title(f"{TITLES['memory']}, {when} (max/min: {shown})")
+
+
+def _panels(fig: Figure, goodput: bool) -> dict[str, Axes]:
+    """The figure's axes by name, titled and labelled; a goodput row where a run has goodput figures."""
+    from matplotlib.ticker import MaxNLocator
+
+    grid = fig.add_gridspec(4 if goodput else 3, 2, height_ratios=[1, 1, 1, 0.7] if goodput else None)
+    axes = {
+        "loss": fig.add_subplot(grid[0, 0]),
+        "accuracy": fig.add_subplot(grid[0, 1]),
+        "speed": fig.add_subplot(grid[1, 0]),
+        "wait": fig.add_subplot(grid[1, 1]),
+        "memory": fig.add_subplot(grid[2, :]),
+    }
+    ylabels = {
+        "loss": "mean loss per sample",
+        "accuracy": "accuracy (%)",
+        "speed": "samples/s (all processes)",
+        "wait": "% of training time (slowest rank)",
+    }
+    for key, ax in axes.items():
+        ax.set_title(TITLES[key])
+        if key in ylabels:
+            ax.set(xlabel="epoch", ylabel=ylabels[key])
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3)
+    if goodput:
+        axes["goodput"] = fig.add_subplot(grid[3, :])
+    return axes
+
+
+def _goodput_bars(ax: Axes, runs: list[Run]) -> None:
+    """One horizontal bar per run, stacked by the parts of its wall time in the legend's
+    colours; the run's goodput (the share spent training) at the bar's end."""
+    ax.set_title(TITLES["goodput"])
+    names = [r.name for r in runs]
+    left = [0.0] * len(runs)
+    for i, part in enumerate(PARTS):
+        widths = [float(r.goodput.get(FIELDS[part]) or 0.0) for r in runs]
+        ax.barh(names, widths, left=left, color=f"C{i}", label=PART_NAMES[part])
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    for k, run in enumerate(runs):
+        share = run.goodput.get("goodput")
+        text = f" {100 * share:.1f} % training" if isinstance(share, (int, float)) and math.isfinite(share) else " -"
+        ax.text(left[k], k, text, va="center", fontsize="small")
+    ax.invert_yaxis()  # the first run on top, as in the legend
+    ax.set_xlabel("seconds (the command's start to the end of training)")
+    ax.margins(x=0.15)  # room for the share
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize="small", ncols=len(PARTS))
 
 
 def _entry(run: Run) -> str:

@@ -10,6 +10,7 @@ DEFAULT_RUN = RUNS / "default"  # training() called directly, without output_dir
 RUN_NAME = re.compile(r"(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d)(?:-(\d+))?")  # 2026-11-30_08-12-03[-2]: when it started
 CONFIG = "config.yaml"  # the fully resolved config, written by rank 0
 METRICS = "metrics.jsonl"  # one JSON line per epoch
+GOODPUT = "goodput.json"  # where the wall time went, for the run: its totals and the progress a restart resumes
 LOCK = ".lock"  # held by the job writing there (lock.output_lock)
 TENSORBOARD = "tb"  # the tensorboard tracker's event files
 TRACKING_CSV = "tracking.csv"  # the csv tracker: one row per number logged

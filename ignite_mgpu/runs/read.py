@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.runs.folder import BEST_NAME, CONFIG, METRICS
+from ignite_mgpu.runs.goodput import read_totals
 from ignite_mgpu.runs.metric_names import ranked
 from ignite_mgpu.text import plural
 
@@ -26,6 +27,7 @@ class Run:
     incomplete_lines: int = 0  # lines of metrics.jsonl that are not a complete JSON object
     name: str = ""  # the folder's name, or its path where two runs share a name (set by read_runs)
     config_note: str = ""  # why dist is empty: "no config.yaml" or "config.yaml unreadable"
+    goodput: dict[str, Any] = field(default_factory=dict)  # the run's totals (runs/goodput.py); {}: none recorded
 
     def series(self, key: str) -> list[float]:
         """``key`` of every epoch as floats; NaN where it is missing, null or not a number (a gap in a plot)."""
@@ -168,7 +170,8 @@ def read_run(folder: str | Path) -> Run:
             "its first epoch yet, or was stopped while writing it. Wait for the first epoch, or train again."
         )
     dist, note = _read_section(folder, "dist")
-    return Run(folder, epochs, dist, incomplete, folder.resolve().name or str(folder), note)
+    name = folder.resolve().name or str(folder)
+    return Run(folder, epochs, dist, incomplete, name, note, read_totals(folder, epochs))
 
 
 def read_runs(folders: Sequence[str | Path]) -> list[Run]:

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ignite_mgpu.runs.goodput import FIELDS, PARTS
 from ignite_mgpu.runs.read import Run, as_number, memory_kind, memory_names
 
 TABLE_EPOCHS = 10  # the text table shows the last epochs; --json has every one
@@ -63,7 +64,31 @@ def format_table(runs: list[Run]) -> str:
         entries = " | ".join(f"{n} {_cell(mb, '.1f')}" for n, mb in zip(names, run.memory, strict=True))
         lines.append(f"  peak memory, epoch {run.last['epoch']}, MB ({memory_kind(run)}): {entries or '-'}")
         blocks.append("\n".join(lines))
+    if any(run.goodput for run in runs):
+        blocks.append(format_goodput(runs))
     return "\n\n".join(blocks)
+
+
+GOODPUT_COLUMNS = ("run", "wall_s", *PARTS, "redone_it", "goodput_%")
+GOODPUT_TITLE = "goodput: the run's wall time and its parts, in seconds (the command's start to the end of training)"
+
+
+def format_goodput(runs: list[Run]) -> str:
+    """Where each run's wall time went: the wall time and each part in seconds, the iterations that restarts
+    re-did and the share spent training; "-" for a run that recorded none."""
+    rows = [list(GOODPUT_COLUMNS)]
+    for run in runs:
+        g = run.goodput
+        seconds = [_cell(as_number(g.get(key)), ".1f") for key in ("time_wall_s", *FIELDS.values())]
+        redone = str(g["redone_iterations"]) if "redone_iterations" in g else "-"
+        rows.append([run.name, *seconds, redone, _cell(as_number(g.get("goodput")), ".1f", 100)])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(GOODPUT_COLUMNS))]
+    lines = [GOODPUT_TITLE]
+    for r in rows:
+        lines.append(
+            "  " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        )
+    return "\n".join(lines)
 
 
 def _finite_or_none(value: Any) -> Any:
@@ -88,6 +113,7 @@ def to_json(runs: list[Run], image: Path | None) -> str:
             "nnodes": r.nnodes if r.strategy else None,
             "peak_memory_per": r.memory_per,
             "incomplete_lines": r.incomplete_lines,
+            "goodput": r.goodput or None,
             "epochs": r.epochs,
         }
         for r in runs

@@ -17,6 +17,8 @@ import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 
+from ignite_mgpu.train.goodput import Goodput
+
 logger = logging.getLogger(__name__)
 
 
@@ -67,10 +69,16 @@ class EpochLog:
     """
 
     def __init__(
-        self, path: str | Path, global_batch: int, evaluator: Engine, devices: list[torch.device], restarts: int = 0
+        self,
+        path: str | Path,
+        global_batch: int,
+        evaluator: Engine,
+        devices: list[torch.device],
+        restarts: int = 0,
+        goodput: Goodput | None = None,
     ) -> None:
         self.path, self.global_batch, self.evaluator, self.devices = Path(path), global_batch, evaluator, devices
-        self.restarts = restarts
+        self.restarts, self.goodput = restarts, goodput
         self.last: dict[str, Any] = {}
         self._wait = 0.0
         self._fetch_start = 0.0
@@ -140,13 +148,14 @@ class EpochLog:
     def _epoch_completed(self, engine: Engine) -> None:
         seconds = engine.state.times["EPOCH_COMPLETED"] or 1e-9  # training time of this epoch, without handlers
         iterations = engine.state.iteration - self._first_iteration
-        local = torch.tensor([self._epoch_wait(engine) / seconds, *_peak_memory_mb(self.devices)], dtype=torch.float64)
+        wait = self._epoch_wait(engine)
+        local = torch.tensor([wait / seconds, wait, *_peak_memory_mb(self.devices)], dtype=torch.float64)
         rows = (
             torch.as_tensor(idist.all_gather(local)).view(idist.get_world_size(), -1).cpu()
             if idist.get_world_size() > 1
             else local[None]
         )
-        memory = [round(float(m), 1) for m in rows[:, 1:].flatten()]
+        memory = [round(float(m), 1) for m in rows[:, 2:].flatten()]
         metrics = self.evaluator.state.metrics
         self.last = {
             "epoch": engine.state.epoch,
@@ -162,6 +171,8 @@ class EpochLog:
             "epoch_time_s": round(seconds, 3),
             "restarts": self.restarts,
         }
+        if self.goodput is not None:
+            self.last |= self.goodput.line(float(rows[:, 1].max()), engine.state.iteration)
         if idist.get_rank() == 0:
             with self.path.open("a") as f:
                 f.write(json.dumps(self.last) + "\n")

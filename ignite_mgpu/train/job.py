@@ -25,6 +25,7 @@ from ignite_mgpu.checkpoint.save import RunInfo, adopt_existing, attach_checkpoi
 from ignite_mgpu.checkpoint.state import checkpoint_objects
 from ignite_mgpu.config.loading import dump_config
 from ignite_mgpu.config.schema import Config, best_metric, run_dir
+from ignite_mgpu.processes.clock import job_clock
 from ignite_mgpu.processes.cluster import outer_restarts
 from ignite_mgpu.runs import folder
 from ignite_mgpu.train.allocator import setup_cpu_memory
@@ -33,6 +34,7 @@ from ignite_mgpu.train.deterministic import use_deterministic_algorithms
 from ignite_mgpu.train.engine import create_trainer
 from ignite_mgpu.train.epoch_log import EpochLog, jsonable
 from ignite_mgpu.train.evaluator import create_evaluator, validation_metrics
+from ignite_mgpu.train.goodput import Goodput
 from ignite_mgpu.train.loaders import attach_skip_counter, create_dataloaders
 from ignite_mgpu.train.losses import create_loss
 from ignite_mgpu.train.models import create_model
@@ -97,6 +99,8 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
     )
     metrics = validation_metrics(loss_fn, idist.device(), cfg.eval.metrics, cfg.eval.metric_args)
     evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=t.precision)
+    goodput = Goodput(out / folder.GOODPUT, job_clock(), writer=rank == 0)
+    goodput.attach(trainer)  # before the validation: an epoch's iterations end where its evaluation starts
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(val_loader))
 
     model_state, optimizer_state = checkpoint_objects(model, optimizer)  # FSDP: gathered into plain state dicts
@@ -109,9 +113,11 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
         "run": RunInfo(world_size, cfg.data.batch_size, run_signature(cfg)),
     }
     restarts = outer_restarts() if restarts is None else restarts
-    epoch_log = EpochLog(out / folder.METRICS, cfg.data.batch_size, evaluator, model_devices(model), restarts)
+    devices = model_devices(model)
+    epoch_log = EpochLog(out / folder.METRICS, cfg.data.batch_size, evaluator, devices, restarts, goodput)
     epoch_log.attach(trainer)
-    full, best = attach_checkpoints(trainer, evaluator, to_save, cfg.checkpoint, out, best_metric(cfg))
+    with goodput.timing_checkpoints(trainer, evaluator):  # the time in these handlers is the checkpoint stall
+        full, best = attach_checkpoints(trainer, evaluator, to_save, cfg.checkpoint, out, best_metric(cfg))
     _attach_extras(cfg, trainer, rank)
     if cfg.resume:
         if not resume(cfg, to_save, world_size):

@@ -181,6 +181,9 @@ def test_cli_train_resume_evaluate(tmp_path):
     assert titles[4].startswith("Peak memory per process, epoch 3 (max/min ")
     assert [len(ax.lines) for ax in fig.axes[:4]] == [2, 1, 1, 1]
     assert [bar.get_height() for bar in fig.axes[4].patches] == metrics(out)[-1]["peak_memory_mb"]
+    # Goodput over the two commands: each one's start-up, in the first line it wrote.
+    assert titles[5] == "Goodput: where the wall time went" and "goodput: the run's wall time" in report.stdout
+    assert [r["time_startup_s"] > 0 for r in metrics(out)] == [True, False, True]
 
 
 @pytest.mark.timeout(300)

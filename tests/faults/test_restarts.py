@@ -50,6 +50,43 @@ def assert_bitwise_equal(a: Path, b: Path) -> None:
         assert torch.equal(v["momentum_buffer"], sb["optimizer"][k]["momentum_buffer"]), k
 
 
+def lines(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_goodput_adds_up(out: Path) -> dict:
+    """The measured parts (all but "other") cover the run's wall time within 3 %; the epochs' lines add up to
+    the run's totals up to the last line. Returns the run's totals (goodput.json)."""
+    from ignite_mgpu.runs.goodput import FIELDS, MEASURED, read_totals
+
+    epochs = lines(out)
+    totals = read_totals(out, [])
+    wall = totals["time_wall_s"]
+    assert sum(totals[FIELDS[p]] for p in MEASURED) >= 0.97 * wall, totals
+    assert sum(r["time_wall_s"] for r in epochs) == pytest.approx(epochs[-1]["run_time_s"], abs=0.01)
+    assert epochs[-1]["run_time_s"] <= wall
+    assert totals["goodput"] == pytest.approx(totals["time_train_s"] / wall, rel=0.01)
+    for r in epochs:
+        assert sum(r[FIELDS[p]] for p in FIELDS) == pytest.approx(r["time_wall_s"], abs=0.01)
+    return totals
+
+
+def test_goodput_of_a_clean_run_adds_up_to_its_wall_time(reference: Path) -> None:
+    """The uninterrupted job: start-up, training, data wait, validation and checkpoint stalls were all seen, no
+    restart; the run's wall time (the command's start to the end of training) is most of the command's lifetime
+    (the workers' exit after it is not counted: seconds on a loaded machine)."""
+    totals = assert_goodput_adds_up(reference)
+    elapsed = float((reference.parent / "elapsed_s").read_text())
+    assert 0.8 * elapsed <= totals["time_wall_s"] <= elapsed, (elapsed, totals)
+    for part in ("startup", "train", "data_wait", "eval", "checkpoint"):
+        assert totals[f"time_{part}_s"] > 0, (part, totals)
+    assert totals["time_restart_s"] == totals["time_lost_s"] == totals["redone_iterations"] == 0
+    assert [r["time_startup_s"] > 0 for r in lines(reference)] == [True, False]
+    # Without the start-up, which dominates a job this short: epoch 2's measured parts still cover most of it.
+    second = lines(reference)[1]
+    assert second["time_wall_s"] - second["time_other_s"] >= 0.8 * second["time_wall_s"], second
+
+
 def rows(out: Path) -> list[tuple[int, int]]:
     """(epoch, restarts) of every line of metrics.jsonl."""
     return [(r["epoch"], r["restarts"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
@@ -73,6 +110,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
         assert result.rc == 0, result
     finally:
         harness.cleanup()
+    (root / "elapsed_s").write_text(str(result.elapsed))  # the command's wall time, for the goodput test
     assert sorted(checkpoints(out)) == [4, 8, 10, 12, 16, 20]
     return out
 
@@ -99,6 +137,10 @@ def test_a_sigkilled_rank_heals_bitwise_identical(h: Harness, reference: Path) -
     h.assert_no_leftovers()
     assert_bitwise_equal(out / "checkpoint_20.pt", reference / "checkpoint_20.pt")
     assert rows(out) == [(1, 0), (2, 1)]  # one row per epoch; epoch 2 was trained after the restart
+    # Goodput: the restart's time and the 2 iterations it re-did (13 and 14) are in epoch 2's line.
+    totals, second = assert_goodput_adds_up(out), lines(out)[1]
+    assert second["redone_iterations"] == totals["redone_iterations"] == 2
+    assert second["time_restart_s"] > 0 and second["time_lost_s"] > 0 and second["time_startup_s"] == 0
 
 
 @pytest.mark.timeout(180)
@@ -114,6 +156,10 @@ def test_a_kill_before_the_first_checkpoint_restarts_from_the_beginning(h: Harne
     h.assert_no_leftovers()
     assert_bitwise_equal(out / "checkpoint_10.pt", reference / "checkpoint_10.pt")
     assert rows(out) == [(1, 1)]
+    # The failed attempt's start-up is kept; its two iterations were re-done.
+    (first,) = lines(out)
+    assert first["redone_iterations"] == 2 and first["time_startup_s"] > 0 and first["time_restart_s"] > 0
+    assert_goodput_adds_up(out)
 
 
 @pytest.mark.timeout(180)

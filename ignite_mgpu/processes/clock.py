@@ -1,0 +1,48 @@
+"""When this job started and when its previous attempt failed: the anchors of the goodput accounting
+(``train/goodput.py``). The launching process records them in the plan; each worker sets them here before the job
+function runs. Torch-free, a leaf like ``stop.py``."""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+
+_IMPORTED = time.time()
+
+
+@functools.cache  # one value per process (a forked child keeps its parent's: its job's plan was made there)
+def process_start() -> float:
+    """This process's start as a ``time.time()`` (Linux: from ``/proc/self/stat``, so the interpreter's own start-up
+    counts; elsewhere the time this module was imported)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22, starttime: clock ticks since boot
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)  # starttime counts from boot, as this clock does
+        return min(_IMPORTED, time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK")))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return _IMPORTED
+
+
+@dataclass(frozen=True)
+class JobClock:
+    """The anchors of one attempt of a job, as ``time.time()`` values."""
+
+    started: float  # the command's start (the launching process's); under torchrun / SLURM, this process's
+    failed_at: float | None = None  # a restart: when the previous attempt's first rank failed (None: a first start)
+    reached: int = 0  # a restart: the last iteration that every rank of the previous attempt had completed
+
+
+_current: JobClock | None = None
+
+
+def set_clock(clock: JobClock | None) -> None:
+    """This worker's anchors (None: forget them, e.g. between the jobs of a test)."""
+    global _current
+    _current = clock
+
+
+def job_clock() -> JobClock:
+    """The anchors set for this process; without any (the job function called directly), this process's start."""
+    return _current if _current is not None else JobClock(process_start())
