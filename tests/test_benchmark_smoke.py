@@ -245,3 +245,20 @@ def test_instruction_counts_are_read_per_rank_and_refused_for_other_weights(inst
     (tmp_path / "callgrind.out.202.3").unlink()  # a rank that dumped fewer windows than it ran: no figure at all
     with pytest.raises(SystemExit, match="rank 1: callgrind wrote 2 window dumps, expected 3"):
         instructions.parse_dumps(tmp_path, spec)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_fsdp_step_benchmark_evaluation_loops_compute_the_same_metrics(tmp_path):
+    """bench_fsdp_step.py's evaluation loops on one process (no all-reduce): ignite-mgpu's evaluator and the
+    hand-written no_grad loop report equal loss and accuracy, pass after pass; a mismatch withholds the ratio."""
+    from benchmarks.fsdp import eval_loops, step_report
+
+    cfg = eval_loops.make_config("cnn", 128, tmp_path, 1)
+    times, differences = eval_loops.evaluation_turns(eval_loops.built(cfg), passes=2)
+    assert differences == [] and [len(t) for t in times.values()] == [2, 2]
+    assert eval_loops.difference({"hand-written": {"loss": 1.0}, "ignite-mgpu": {"loss": 1.5}}) is not None
+    record = {"turns": times, "window": 2, "differences": ["pass 0: hand-written {...}"]}
+    summary = {"refused": [], "eval": {}}
+    (row,) = step_report.eval_rows({"cnn": record}, summary)[3:]
+    assert "refused: metrics differ" in row and summary["refused"] and "ratio" not in summary["eval"]["cnn"]

@@ -29,8 +29,8 @@ os.environ["MKL_NUM_THREADS"] = "1"
 if str(Path(__file__).resolve().parents[2]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.fsdp import eval_loops, step_loops  # noqa: E402  # after sys.path
-from benchmarks.fsdp.step_report import report  # noqa: E402
+from benchmarks.fsdp import eval_loops, step_loops  # after sys.path
+from benchmarks.fsdp.step_report import report
 
 MEASURED_EPOCHS = 3
 TURNS_PER_EPOCH = 5
@@ -56,9 +56,9 @@ def step_rounds(local_rank: int, spec: dict[str, Any], rank: int) -> list[dict[s
         if rank == 0:
             assert state_b is not None
             difference = bitwise_difference(state_a, state_b)
-            runs.append({"workload": "gpt2", "round": r, "window": window, "difference": difference} | {
-                "turns": turns.turns
-            })
+            runs.append(
+                {"workload": "gpt2", "round": r, "window": window, "difference": difference} | {"turns": turns.turns}
+            )
     return runs
 
 

@@ -10,8 +10,8 @@ from typing import Any
 
 # workload -> title, validation samples (default, --quick): 2 processes x the per-process batches of one pass
 WORKLOADS = {
-    "cnn": ("small CNN (DDP)", 2048, 512),  # batch 128: 8 batches per process and pass
-    "gpt2": ("tiny GPT-2 (FSDP)", 256, 64),  # batch 16: 8 batches per process and pass
+    "cnn": ("small CNN (DDP)", 2048, 512),  # batch 128 (64 per process): 16 batches per process and pass
+    "gpt2": ("tiny GPT-2 (FSDP)", 256, 64),  # batch 16 (8 per process): 16 batches per process and pass
 }
 
 
@@ -66,7 +66,7 @@ def built(cfg: Any) -> dict[str, Any]:
 def hand_evaluate(net: Any, loader: Any, loss_fn: Any) -> dict[str, float]:
     """The hand-written evaluation: no_grad forwards, the loss weighted by each batch's size (and the correct
     predictions for cross-entropy) summed on this rank, one all-reduce at the end. ``loss_fn`` None: the model
-    computes its own loss from the batch's labels (a Hugging Face causal LM)."""
+    computes its own loss from the batch's labels (a Hugging Face causal LM). One process: no all-reduce."""
     import torch
     import torch.distributed as dist
 
@@ -85,7 +85,8 @@ def hand_evaluate(net: Any, loader: Any, loss_fn: Any) -> dict[str, float]:
                 correct += torch.eq(torch.argmax(out, dim=1), y).sum()
             count += n
     totals = torch.stack([loss_sum, correct.float(), torch.tensor(float(count))])
-    dist.all_reduce(totals)
+    if dist.is_initialized():
+        dist.all_reduce(totals)
     result = {"loss": totals[0].item() / int(totals[2].item())}
     if loss_fn is not None:
         result["accuracy"] = int(totals[1].item()) / int(totals[2].item())
@@ -101,13 +102,24 @@ def clocks() -> tuple[float, float]:
     return time.perf_counter(), time.thread_time()
 
 
-def evaluation_turns(parts: dict[str, Any], passes: int) -> tuple[dict[str, list[tuple[float, float]]], list[str]]:
-    """``passes`` passes of each loop over the validation split, taking turns (order alternating); returns each
-    loop's (wall s, CPU s) per pass after the first two (warm-up), and every pass whose metrics differed."""
-    loops = {
+def loops_of(parts: dict[str, Any]) -> dict[str, Any]:
+    """The two evaluation loops over ``built(cfg)``'s parts, as functions of no argument returning the metrics."""
+    return {
         "hand-written": lambda: hand_evaluate(parts["net"], parts["hand_loader"], parts["loss_fn"]),
         "ignite-mgpu": lambda: ignite_evaluate(parts),
     }
+
+
+def difference(results: dict[str, dict[str, float]]) -> str | None:
+    """None when ignite-mgpu's metrics equal the hand-written loop's (the same names, the same floats)."""
+    ours = {k: results["ignite-mgpu"].get(k) for k in results["hand-written"]}
+    return None if ours == results["hand-written"] else f"hand-written {results['hand-written']}, ignite-mgpu {ours}"
+
+
+def evaluation_turns(parts: dict[str, Any], passes: int) -> tuple[dict[str, list[tuple[float, float]]], list[str]]:
+    """``passes`` passes of each loop over the validation split, taking turns (order alternating); returns each
+    loop's (wall s, CPU s) per pass after the first two (warm-up), and every pass whose metrics differed."""
+    loops = loops_of(parts)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in loops}
     differences = []
     for p in range(passes + 2):
@@ -119,7 +131,6 @@ def evaluation_turns(parts: dict[str, Any], passes: int) -> tuple[dict[str, list
             end = clocks()
             if p >= 2:
                 times[name].append((end[0] - start[0], end[1] - start[1]))
-        ours = {k: results["ignite-mgpu"][k] for k in results["hand-written"]}
-        if ours != results["hand-written"]:
-            differences.append(f"pass {p}: hand-written {results['hand-written']}, ignite-mgpu {ours}")
+        if (found := difference(results)) is not None:
+            differences.append(f"pass {p}: {found}")
     return times, differences
