@@ -23,6 +23,9 @@ LOOPS = ("hand-written", "ignite-mgpu")
 PLAN = (4, 8)  # warm-up iterations, counted window (the guard checks once in it: check_every = the window)
 QUICK = (2, 2)
 EVAL_PASSES = 2  # counted passes of each evaluation loop, after one warm-up pass (--quick: 1)
+# Validation samples: 4 batches per process and pass (a quarter of the wall-time benchmark's passes: under valgrind a
+# CNN forward takes seconds), so the pass's fixed costs weigh 4x as much per batch as there.
+EVAL_VAL = {"cnn": 512, "gpt2": 64}
 TOTALS = re.compile(r"^(?:summary|totals): (\d+)", re.M)
 
 
@@ -114,7 +117,7 @@ def instructions_main(inside: str | None, quick: bool) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-fsdp-instructions-") as name:
         spec = {"dir": name, "plan": plan, "passes": passes,
-                "val": {w: v[2 if quick else 1] for w, v in eval_loops.WORKLOADS.items()}}  # fmt: skip
+                "val": EVAL_VAL}  # fmt: skip
         argv = ["valgrind", "--tool=callgrind", "--trace-children=yes", "--instr-atstart=yes", "--collect-atstart=no",
                 f"--callgrind-out-file={name}/callgrind.out.%p", sys.executable,
                 str(Path(__file__).with_name("bench_fsdp_step.py")), "--inside", json.dumps(spec)]  # fmt: skip
