@@ -4,8 +4,9 @@ rank; ``validation_metrics`` are the metrics the default job reports (``eval.met
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import ignite.distributed as idist
 import torch
@@ -90,12 +91,12 @@ def reduce_together(evaluator: Engine, metrics: Mapping[str, Metric]) -> None:
     def completed(engine: Engine) -> None:
         local = [getattr(m, attr) for m, attr in states]
         flat = torch.stack([torch.as_tensor(v, device=idist.device()).to(torch.float64).reshape(()) for v in local])
-        reduced = idist.all_reduce(flat)
+        reduced = cast(torch.Tensor, idist.all_reduce(flat))
         for (m, attr), old, value in zip(states, local, reduced, strict=True):
             setattr(m, attr, value.to(old.dtype) if isinstance(old, torch.Tensor) else type(old)(value.item()))
         try:
             for name, m in joint.items():
-                engine.state.metrics[name] = type(m).compute.__wrapped__(m)  # undecorated: no all-reduce
+                engine.state.metrics[name] = inspect.unwrap(type(m).compute)(m)  # undecorated: no all-reduce
         finally:
             for (m, attr), old in zip(states, local, strict=True):
                 setattr(m, attr, old)
