@@ -262,3 +262,21 @@ def test_fsdp_step_benchmark_evaluation_loops_compute_the_same_metrics(tmp_path)
     summary = {"refused": [], "eval": {}}
     (row,) = step_report.eval_rows({"cnn": record}, summary)[3:]
     assert "refused: metrics differ" in row and summary["refused"] and "ratio" not in summary["eval"]["cnn"]
+
+
+def test_fsdp_step_instruction_counts_are_read_per_part_and_rank(tmp_path):
+    """bench_fsdp_step.py --instructions: each rank's numbered dumps are read as (part, loop) windows in run order,
+    counted per iteration or per batch; a failed check withholds that part's ratio."""
+    from benchmarks.fsdp import step_instructions as si
+
+    windows = [("step", loop, 8.0) for loop in si.LOOPS] + [("cnn", loop, 8.0) for loop in si.LOOPS]
+    for rank, pid in enumerate((101, 202)):
+        (tmp_path / f"rank{rank}.pid").write_text(f"{pid}\n")
+        for n, total in enumerate((80_000_000, 80_800_000, 8_000_000, 8_400_000), start=1):
+            (tmp_path / f"callgrind.out.{pid}.{n}").write_text(f"events: Ir\nsummary: {total}\ntotals: {total}\n")
+    result = si.counts(tmp_path, windows)
+    assert result["step"]["rank 1"] == {"hand-written": 1e7, "ignite-mgpu": 1.01e7}
+    checks = {"step": None, "eval": {"cnn": {"batches": 4, "difference": "loss differs"}}}
+    rows = [line.split("|") for line in si.table(result, checks, (4, 8), 2) if line.startswith("| ")][1:]
+    assert [(r[2].strip(), r[7].strip(), r[8].strip()) for r in rows[:2]] == [(rank, "1.0100", "met") for rank in "01"]
+    assert all("refused: loss differs" in r[4] for r in rows[2:]) and len(rows) == 4

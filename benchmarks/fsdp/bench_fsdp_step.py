@@ -9,7 +9,11 @@
   DDP, the tiny GPT-2 under FSDP); passes take turns, and the metrics of each pair of passes must be equal.
 
 Run: python benchmarks/fsdp/bench_fsdp_step.py [--rounds 5] [--passes 40] [--only step,eval] [--quick] [--json P]
-     python benchmarks/fsdp/bench_fsdp_step.py --instructions     # the step counted under callgrind (valgrind)
+     python benchmarks/fsdp/bench_fsdp_step.py --quick            # about 40 s: the checks only, timings meaningless
+     python benchmarks/fsdp/bench_fsdp_step.py --instructions     # step and evaluation counted under callgrind
+
+``--rounds 3 --passes 30`` took 20 minutes on 2 cores under a load of 3 to 11 (a GPT-2 step of about 0.3 s
+unloaded). The figures of record: benchmarks/results/fsdp_eval_step_<date>.md.
 """
 
 from __future__ import annotations
