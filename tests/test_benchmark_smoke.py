@@ -245,3 +245,38 @@ def test_instruction_counts_are_read_per_rank_and_refused_for_other_weights(inst
     (tmp_path / "callgrind.out.202.3").unlink()  # a rank that dumped fewer windows than it ran: no figure at all
     with pytest.raises(SystemExit, match="rank 1: callgrind wrote 2 window dumps, expected 3"):
         instructions.parse_dumps(tmp_path, spec)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_fsdp_step_benchmark_evaluation_loops_compute_the_same_metrics(tmp_path):
+    """bench_fsdp_step.py's evaluation loops on one process (no all-reduce): ignite-mgpu's evaluator and the
+    hand-written no_grad loop report equal loss and accuracy, pass after pass; a mismatch withholds the ratio."""
+    from benchmarks.fsdp import eval_loops, step_report
+
+    cfg = eval_loops.make_config("cnn", 128, tmp_path, 1)
+    times, differences = eval_loops.evaluation_turns(eval_loops.built(cfg), passes=2)
+    assert differences == [] and [len(t) for t in times.values()] == [2, 2]
+    assert eval_loops.difference({"hand-written": {"loss": 1.0}, "ignite-mgpu": {"loss": 1.5}}) is not None
+    record = {"turns": times, "window": 2, "differences": ["pass 0: hand-written {...}"]}
+    summary = {"refused": [], "eval": {}}
+    (row,) = step_report.eval_rows({"cnn": record}, summary)[3:]
+    assert "refused: metrics differ" in row and summary["refused"] and "ratio" not in summary["eval"]["cnn"]
+
+
+def test_fsdp_step_instruction_counts_are_read_per_part_and_rank(tmp_path):
+    """bench_fsdp_step.py --instructions: each rank's numbered dumps are read as (part, loop) windows in run order,
+    counted per iteration or per batch; a failed check withholds that part's ratio."""
+    from benchmarks.fsdp import step_instructions as si
+
+    windows = [("step", loop, 8.0) for loop in si.LOOPS] + [("cnn", loop, 8.0) for loop in si.LOOPS]
+    for rank, pid in enumerate((101, 202)):
+        (tmp_path / f"rank{rank}.pid").write_text(f"{pid}\n")
+        for n, total in enumerate((80_000_000, 80_800_000, 8_000_000, 8_400_000), start=1):
+            (tmp_path / f"callgrind.out.{pid}.{n}").write_text(f"events: Ir\nsummary: {total}\ntotals: {total}\n")
+    result = si.counts(tmp_path, windows)
+    assert result["step"]["rank 1"] == {"hand-written": 1e7, "ignite-mgpu": 1.01e7}
+    checks = {"step": None, "eval": {"cnn": {"batches": 4, "difference": "loss differs"}}}
+    rows = [line.split("|") for line in si.table(result, checks, (4, 8), 2) if line.startswith("| ")][1:]
+    assert [(r[2].strip(), r[7].strip(), r[8].strip()) for r in rows[:2]] == [(rank, "1.0100", "met") for rank in "01"]
+    assert all("refused: loss differs" in r[4] for r in rows[2:]) and len(rows) == 4

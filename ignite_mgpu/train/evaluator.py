@@ -4,8 +4,9 @@ rank; ``validation_metrics`` are the metrics the default job reports (``eval.met
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import ignite.distributed as idist
 import torch
@@ -62,7 +63,52 @@ def create_evaluator(
         attach_even_forwards(evaluator, eval_step)
     for name, metric in metrics.items():
         metric.attach(evaluator, name)
+    reduce_together(evaluator, metrics)
     return evaluator
+
+
+# The states that ignite's Loss and Accuracy all-reduce in ``compute``, one collective per state.
+JOINTLY_REDUCED: dict[type, tuple[str, ...]] = {
+    Loss: ("_sum", "_num_examples"),
+    Accuracy: ("_num_correct", "_num_examples"),
+}
+
+
+def reduce_together(evaluator: Engine, metrics: Mapping[str, Metric]) -> None:
+    """On several processes, when every metric is a ``Loss`` or an ``Accuracy`` (exactly these classes: the default
+    job's), all-reduce all their states in one collective at the end of the run, instead of one per state (4 for
+    loss and accuracy, 2 for a loss alone): each is a round trip between all ranks, and a host sync on GPUs
+    (``benchmarks/fsdp/bench_fsdp_step.py``). Their values are ignite's: each metric's own ``compute`` runs on the
+    reduced states, which are put back afterwards, as ignite's ``sync_all_reduce`` does. Any other set of metrics
+    reduces itself, one collective per state, as before."""
+    joint = {n: m for n, m in metrics.items() if _reducible(m)}
+    if idist.get_world_size() == 1 or not joint or len(joint) < len(metrics):  # all of them: the same key order
+        return
+    for metric in joint.values():
+        evaluator.remove_event_handler(metric.completed, Events.EPOCH_COMPLETED)
+    states = [(m, attr) for m in joint.values() for attr in JOINTLY_REDUCED[type(m)]]
+
+    def completed(engine: Engine) -> None:
+        local = [getattr(m, attr) for m, attr in states]
+        flat = torch.stack([torch.as_tensor(v, device=idist.device()).to(torch.float64).reshape(()) for v in local])
+        reduced = cast(torch.Tensor, idist.all_reduce(flat))
+        for (m, attr), old, value in zip(states, local, reduced, strict=True):
+            setattr(m, attr, value.to(old.dtype) if isinstance(old, torch.Tensor) else type(old)(value.item()))
+        try:
+            for name, m in joint.items():
+                engine.state.metrics[name] = inspect.unwrap(type(m).compute)(m)  # undecorated: no all-reduce
+        finally:
+            for (m, attr), old in zip(states, local, strict=True):
+                setattr(m, attr, old)
+
+    evaluator.add_event_handler(Events.EPOCH_COMPLETED, completed)
+
+
+def _reducible(metric: Metric) -> bool:
+    """Whether ``metric`` is one whose states ``reduce_together`` knows: the class and ignite's state names (kept
+    across ignite's releases so far; another release that renames them falls back to ignite's own reduction)."""
+    names = JOINTLY_REDUCED.get(type(metric))
+    return names is not None and hasattr(type(metric).compute, "__wrapped__") and all(hasattr(metric, n) for n in names)
 
 
 def attach_even_forwards(evaluator: Engine, step: Callable[[Engine, Any], Any]) -> None:
