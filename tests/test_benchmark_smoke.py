@@ -245,3 +245,18 @@ def test_instruction_counts_are_read_per_rank_and_refused_for_other_weights(inst
     (tmp_path / "callgrind.out.202.3").unlink()  # a rank that dumped fewer windows than it ran: no figure at all
     with pytest.raises(SystemExit, match="rank 1: callgrind wrote 2 window dumps, expected 3"):
         instructions.parse_dumps(tmp_path, spec)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_checkpoint_stall_quick_run_prints_both_formats(tmp_path):
+    """bench_checkpoint_stall.py --quick: a small model, full format in-process, sharded on 2 gloo processes."""
+    script = BENCHMARKS / "checkpoint" / "bench_checkpoint_stall.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=140
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    for name in ("full", "sharded"):
+        assert f"{name}: async / sync stall ratio" in proc.stdout, proc.stdout
+    assert list(tmp_path.iterdir()) == []  # the checkpoints were deleted

@@ -165,7 +165,7 @@ def _while_saving(
             handler(engine)
             if wait:
                 finish_writes(handler)
-        state = trainer.state
+        state = cast(Any, trainer.state)  # ignite's State takes new attributes
         state.checkpoint_stall = getattr(state, "checkpoint_stall", 0.0) + time.perf_counter() - start
         state.checkpoint_saves = getattr(state, "checkpoint_saves", 0) + 1
 

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -121,9 +121,10 @@ def save_sharded_async(to_save: Mapping[str, Any], folder: Path, stager: Any, gr
 
     state = _prepare(to_save, folder)
     with _saving_error(folder), single_process_quietly():
-        return dcp.async_save(
+        upload = dcp.async_save(
             state, checkpoint_id=str(_temp(folder)), process_group=group, async_stager=stager, no_dist=_alone()
         )
+    return cast(Future, upload)  # a Future: the stager stages synchronously (an AsyncSaveResponse otherwise)
 
 
 def _temp(folder: Path) -> Path:
