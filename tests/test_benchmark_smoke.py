@@ -280,3 +280,17 @@ def test_fsdp_step_instruction_counts_are_read_per_part_and_rank(tmp_path):
     rows = [line.split("|") for line in si.table(result, checks, (4, 8), 2) if line.startswith("| ")][1:]
     assert [(r[2].strip(), r[7].strip(), r[8].strip()) for r in rows[:2]] == [(rank, "1.0100", "met") for rank in "01"]
     assert all("refused: loss differs" in r[4] for r in rows[2:]) and len(rows) == 4
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+def test_checkpoint_stall_quick_run_prints_both_formats(tmp_path):
+    """bench_checkpoint_stall.py --quick: a small model, full format in-process, sharded on 2 gloo processes."""
+    script = BENCHMARKS / "checkpoint" / "bench_checkpoint_stall.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=140
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    for name in ("full", "sharded"):
+        assert f"{name}: async / sync stall ratio" in proc.stdout, proc.stdout
+    assert list(tmp_path.iterdir()) == []  # the checkpoints were deleted

@@ -4,29 +4,29 @@ best unwrapped model after validation."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-from collections.abc import Callable, Mapping
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
 import ignite.distributed as idist
 from ignite.engine import Engine, Events
-from ignite.handlers import Checkpoint, DiskSaver, global_step_from_engine
+from ignite.handlers import Checkpoint, global_step_from_engine
 from torch import nn
 
+from ignite_mgpu.checkpoint.background import AsyncDiskSaver
+from ignite_mgpu.checkpoint.disk import SafeDiskSaver as SafeDiskSaver  # where it was
 from ignite_mgpu.checkpoint.files import (
     BEST_NAME,
     CKPT_NAME,
     SAFETENSORS,
-    TEMP_PREFIX,
-    TEMP_SUFFIX,
-    fsync_dir,
     list_checkpoints,
 )
 from ignite_mgpu.checkpoint.sharded import ShardedCheckpoint
 from ignite_mgpu.checkpoint.state import FullModelState, module_and_optimizer
-from ignite_mgpu.checkpoint.weights import SOURCE, TiedWeights, model_metadata, write_safetensors
+from ignite_mgpu.checkpoint.weights import SOURCE, TiedWeights, model_metadata
 from ignite_mgpu.config.schema import CheckpointConfig
 from ignite_mgpu.errors import CheckpointError
 from ignite_mgpu.processes import stop
@@ -34,52 +34,7 @@ from ignite_mgpu.runs import metric_names
 from ignite_mgpu.train.guard import GuardEvents
 from ignite_mgpu.train.strategy import unwrap
 
-
-class SafeDiskSaver(DiskSaver):
-    """DiskSaver that writes a private temp file, fsyncs it, renames it, fsyncs the folder, and only then deletes
-    the old checkpoint.
-
-    ignite's Checkpoint asks to remove the oldest file *before* saving the new one (pytorch-ignite #1986): a crash
-    or a full disk in between would leave no checkpoint. Removals are deferred until the next save succeeds.
-    Files are created 0600 (ignite's DiskSaver adds group/other read bits). A ``.safetensors`` name is written as
-    safetensors (``weights.write_safetensors``, as atomic), with ``metadata``.
-    """
-
-    def __init__(self, dirname: str | Path, metadata: Mapping[str, str] | None = None) -> None:
-        super().__init__(dirname, atomic=True, create_dir=True, require_empty=False)
-        self._pending: list[str] = []
-        self.metadata = dict(metadata or {})
-
-    def _save_func(self, checkpoint: Mapping, path: Path, func: Callable) -> None:
-        try:
-            if path.suffix == SAFETENSORS:
-                write_safetensors(checkpoint, path, self.metadata)
-            else:
-                self._write(checkpoint, path, func)
-        except BaseException as err:
-            kept = ", ".join(p.name for p in reversed(list_checkpoints(self.dirname))) or "none"
-            raise CheckpointError(f"saving {path.name} failed ({err}); kept the previous checkpoints: {kept}") from err
-        fsync_dir(self.dirname)  # the rename survives a power loss only once its folder is synced
-        for name in self._pending:
-            if name != path.name:  # ignite "removes" a file it is about to overwrite under the same name
-                (Path(self.dirname) / name).unlink(missing_ok=True)
-        self._pending.clear()
-
-    def _write(self, checkpoint: Mapping, path: Path, func: Callable) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.dirname, prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                func(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-    def remove(self, filename: str) -> None:
-        if idist.get_rank() == self.save_on_rank:
-            self._pending.append(filename)
+logger = logging.getLogger(__name__)
 
 
 class RunInfo:
@@ -121,12 +76,15 @@ def create_checkpointers(
     best_step: Callable[[Any, Any], int],
     mode: str = "auto",
     best_format: str = "pt",
+    async_save: bool = False,
 ) -> tuple[Checkpoint, Checkpoint]:
     """(full training state ``checkpoint_<iteration>.pt``, best unwrapped model ``best_model_*.pt``, or with
     ``best_format="safetensors"`` ``best_model_*.safetensors``: each tie written once, the model's settings from
-    ``objects["run"]`` as its metadata)."""
+    ``objects["run"]`` as its metadata). ``async_save``: the full state is written in the background
+    (``AsyncDiskSaver``); the best model always synchronously (``fit`` returns its file right after training)."""
     saver = SafeDiskSaver(dirname, _best_metadata(objects, metric))
-    full = Checkpoint(dict(objects), saver, n_saved=n_saved, global_step_transform=lambda e, _: e.state.iteration)
+    full_saver = AsyncDiskSaver(dirname, idist.device().type) if async_save else saver
+    full = Checkpoint(dict(objects), full_saver, n_saved=n_saved, global_step_transform=lambda e, _: e.state.iteration)
     safetensors, weights = best_format == "safetensors", cast(Any, model)
     if safetensors:  # a wrapper's (DataParallel's) state_dict would carry its prefix: ignite unwraps only its own
         unwrapped = model if isinstance(model, FullModelState) else unwrap(model)
@@ -179,28 +137,61 @@ def attach_checkpoints(
         global_step_from_engine(trainer),
         cfg.metric_mode,
         cfg.best_format,
+        cfg.async_save and cfg.format == "full",
     )
     if cfg.format == "sharded":
-        full = ShardedCheckpoint(to_save, output_dir, cfg.n_saved)
-    trainer.add_event_handler(GuardEvents.CHECKPOINT, _while_saving(full))
+        full = ShardedCheckpoint(to_save, output_dir, cfg.n_saved, cfg.async_save)
+    trainer.add_event_handler(GuardEvents.CHECKPOINT, _while_saving(full, trainer))
     if cfg.every:
         trainer.add_event_handler(
             Events.EPOCH_COMPLETED(every=cfg.every), lambda engine: engine.fire_event(GuardEvents.CHECKPOINT)
         )
-    if cfg.save_on_stop:
-        trainer.add_event_handler(GuardEvents.STOPPING, _while_saving(full))
-    evaluator.add_event_handler(Events.COMPLETED, _while_saving(best))
+    if cfg.save_on_stop:  # the stop's checkpoint is awaited: the process exits next
+        trainer.add_event_handler(GuardEvents.STOPPING, _while_saving(full, trainer, wait=True))
+    evaluator.add_event_handler(Events.COMPLETED, _while_saving(best, trainer))
     return full, best
 
 
-def _while_saving(handler: Checkpoint | ShardedCheckpoint) -> Callable[[Engine], None]:
-    """``handler`` marked as saving for the supervisor: after another rank's failure it lets this save land."""
+def _while_saving(
+    handler: Checkpoint | ShardedCheckpoint, trainer: Engine, wait: bool = False
+) -> Callable[[Engine], None]:
+    """``handler`` marked as saving for the supervisor: after another rank's failure it lets this save land. The
+    training thread's time in it is added to ``trainer.state.checkpoint_stall`` (seconds, since the run's start;
+    ``checkpoint_saves`` counts the saves). ``wait``: a background write is awaited too."""
 
     def save(engine: Engine) -> None:
+        start = time.perf_counter()
         with stop.saving():
             handler(engine)
+            if wait:
+                finish_writes(handler)
+        state = cast(Any, trainer.state)  # ignite's State takes new attributes
+        state.checkpoint_stall = getattr(state, "checkpoint_stall", 0.0) + time.perf_counter() - start
+        state.checkpoint_saves = getattr(state, "checkpoint_saves", 0) + 1
 
     return save
+
+
+def finish_writes(full: Checkpoint | ShardedCheckpoint) -> None:
+    """Wait for ``full``'s background write, if any (``checkpoint.async_save``), raising its error."""
+    target = full if isinstance(full, ShardedCheckpoint) else full.save_handler
+    if isinstance(target, (AsyncDiskSaver, ShardedCheckpoint)):
+        target.finish()
+
+
+@contextlib.contextmanager
+def writes_awaited(full: Checkpoint | ShardedCheckpoint) -> Iterator[None]:
+    """Around ``trainer.run``: the last background write is awaited before the job goes on, and its error raised;
+    after another error it is awaited too, its own error only logged (the first error is the job's)."""
+    try:
+        yield
+    except BaseException:
+        try:
+            finish_writes(full)
+        except CheckpointError as err:
+            logger.error("%s", err)
+        raise
+    finish_writes(full)
 
 
 def adopt_existing(

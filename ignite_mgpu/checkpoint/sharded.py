@@ -10,8 +10,9 @@ import os
 import shutil
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from ignite.engine import Engine
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from ignite_mgpu.checkpoint.background import BackgroundWriter
+
 logger = logging.getLogger(__name__)
 SHARDED = ("model", "optimizer")  # written by every rank through torch.distributed.checkpoint; the rest by rank 0
 
@@ -38,52 +41,146 @@ class ShardedCheckpoint:
 
     ``to_save`` is what ``checkpoint_*.pt`` would hold: ``model`` and ``optimizer`` (plain, or the FSDP adapters of
     ``state.checkpoint_objects``) are saved sharded, everything else into ``train_state.pt``. Every rank must call it.
+    ``async_save``: the shards are written by ``torch.distributed.checkpoint.async_save`` (a snapshot, then a
+    background thread, its collectives over a gloo group of their own), the rename and the rotation after it on
+    rank 0; at most one write in flight; ``finish()`` awaits it.
     """
 
-    def __init__(self, to_save: Mapping[str, Any], dirname: str | Path, n_saved: int) -> None:
+    def __init__(self, to_save: Mapping[str, Any], dirname: str | Path, n_saved: int, async_save: bool = False) -> None:
         self.to_save, self.dirname, self.n_saved = to_save, Path(dirname), n_saved
+        self.writer: BackgroundWriter | None = None
+        if async_save:
+            import ignite.distributed as idist
+
+            from ignite_mgpu.checkpoint.background import BackgroundWriter
+
+            self.writer = BackgroundWriter("ignite-mgpu sharded checkpoint writer")
+            self._stager: Any = None
+            # the background collectives must not interleave with training's: a group of their own (every rank)
+            self._group = None if _alone() else torch.distributed.new_group(backend="gloo")
+            self._device_type = idist.device().type
 
     def __call__(self, engine: Engine) -> None:
+        folder = self.dirname / f"checkpoint_{engine.state.iteration}"
+        if self.writer is None:
+            save_sharded(self.to_save, folder)
+            self._rotate()
+            return
+        self.writer.wait()  # at most one in flight: the stager's buffers hold the previous snapshot
+        if self._stager is None:
+            from ignite_mgpu.checkpoint.background import create_stager
+
+            self._stager = create_stager(self._device_type)
+        upload = save_sharded_async(self.to_save, folder, self._stager, self._group)
+
+        def write() -> None:
+            with _saving_error(folder):
+                upload.result()
+                _commit(folder)
+            self._rotate()
+
+        self.writer.submit(write)
+
+    def _rotate(self) -> None:
         import ignite.distributed as idist
 
-        save_sharded(self.to_save, self.dirname / f"checkpoint_{engine.state.iteration}")
         if idist.get_rank() == 0:
             for old in [p for p in list_checkpoints(self.dirname) if p.is_dir()][self.n_saved :]:
                 shutil.rmtree(old, ignore_errors=True)
+
+    def finish(self) -> None:
+        """Wait for the write in flight (raising its error as a CheckpointError), free the snapshot's buffers."""
+        if self.writer is None:
+            return
+        try:
+            self.writer.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
 
 
 def save_sharded(to_save: Mapping[str, Any], folder: Path) -> None:
     """Write ``folder`` atomically: every rank writes its shards into ``.tmp-<name>/``; torch.distributed.checkpoint
     writes ``.metadata`` last, once every rank's files are on disk (fsynced); then rank 0 renames the folder.
     A folder without ``.metadata`` is therefore incomplete, and ``--resume auto`` skips it."""
-    import ignite.distributed as idist
     import torch.distributed.checkpoint as dcp
+
+    state = _prepare(to_save, folder)
+    with _saving_error(folder):
+        with single_process_quietly():
+            dcp.save(state, checkpoint_id=str(_temp(folder)), no_dist=_alone())  # returns on every rank after .metadata
+        _commit(folder)
+
+
+def save_sharded_async(to_save: Mapping[str, Any], folder: Path, stager: Any, group: Any) -> Future:
+    """``save_sharded``'s writing started in the background (``torch.distributed.checkpoint.async_save``): returns
+    once the state is staged; the future's result is there when every rank's shards and ``.metadata`` are on disk.
+    ``_commit(folder)`` must follow, as in ``save_sharded``."""
+    import torch.distributed.checkpoint as dcp
+
+    state = _prepare(to_save, folder)
+    with _saving_error(folder), single_process_quietly():
+        upload = dcp.async_save(
+            state, checkpoint_id=str(_temp(folder)), process_group=group, async_stager=stager, no_dist=_alone()
+        )
+    return cast(Future, upload)  # a Future: the stager stages synchronously (an AsyncSaveResponse otherwise)
+
+
+def _temp(folder: Path) -> Path:
+    return folder.with_name(TEMP_PREFIX + folder.name)
+
+
+def _prepare(to_save: Mapping[str, Any], folder: Path) -> dict[str, Any]:
+    """Rank 0 makes an empty ``.tmp-<name>/`` and writes ``train_state.pt`` into it; every rank waits for that.
+    Returns what torch.distributed.checkpoint writes: this rank's model and optimizer state."""
+    import ignite.distributed as idist
 
     from ignite_mgpu.checkpoint.state import module_and_optimizer, sharded_state  # torch.distributed's, when saving
 
-    rank, tmp = idist.get_rank(), folder.with_name(TEMP_PREFIX + folder.name)
+    tmp = _temp(folder)
     module, optimizer = module_and_optimizer(to_save["model"], to_save.get("optimizer"))
     state = sharded_state(module, optimizer)
     rest = {name: obj.state_dict() for name, obj in to_save.items() if name not in SHARDED}
-    if rank == 0:
+    if idist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a killed writer's shards must not mix with these
         tmp.mkdir(parents=True)
         torch.save(rest, tmp / TRAIN_STATE)
     idist.barrier()  # the folder exists and is empty of old shards before any rank writes into it
+    return state
+
+
+def _commit(folder: Path) -> None:
+    """On rank 0: the complete ``.tmp-<name>/`` renamed to ``folder`` (replacing one of the same iteration)."""
+    import ignite.distributed as idist
+
+    if idist.get_rank() != 0:
+        return
+    tmp = _temp(folder)
+    fsync_dir(tmp)
+    replaced = folder.with_name(f"{TEMP_PREFIX}{folder.name}.old")  # removed at the next start if left
+    if folder.exists():  # resumed from an earlier checkpoint: this iteration is written again
+        os.replace(folder, replaced)
+    os.replace(tmp, folder)
+    fsync_dir(folder.parent)  # the rename survives a power loss only once its folder is synced
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _saving_error(folder: Path) -> Iterator[None]:
+    """A write's OSError (and torch.distributed.checkpoint's report of one on any rank) as a CheckpointError."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
-        with single_process_quietly():
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=_alone())  # returns on every rank after .metadata
-        if rank == 0:
-            fsync_dir(tmp)
-            replaced = folder.with_name(f"{TEMP_PREFIX}{folder.name}.old")  # removed at the next start if left
-            if folder.exists():  # resumed from an earlier checkpoint: this iteration is written again
-                os.replace(folder, replaced)
-            os.replace(tmp, folder)
-            fsync_dir(folder.parent)  # the rename survives a power loss only once its folder is synced
-            shutil.rmtree(replaced, ignore_errors=True)
-    except OSError as err:
+        yield
+    except (OSError, CheckpointException) as err:
+        reason = str(err)
+        if isinstance(err, CheckpointException):  # its text is every rank's traceback: the errors suffice
+            reason = "; ".join(f"rank {rank}: {exc}" for rank, (exc, _) in sorted(err.failures.items()))
         kept = ", ".join(p.name for p in reversed(list_checkpoints(folder.parent))) or "none"
-        raise CheckpointError(f"saving {folder.name}/ failed ({err}); kept the previous checkpoints: {kept}") from err
+        raise CheckpointError(
+            f"saving {folder.name}/ failed ({reason}); kept the previous checkpoints: {kept}"
+        ) from err
 
 
 def _alone() -> bool:

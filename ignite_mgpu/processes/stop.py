@@ -12,6 +12,7 @@ import contextlib
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ _collective_timeout: float | None = None
 _map: mmap.mmap | None = None  # the worker's status file, mapped
 _status: memoryview | None = None  # _map as [last completed iteration, saving 0/1]
 _STATUS = struct.Struct("qq")
+_saving, _saving_lock = 0, threading.Lock()  # saves in progress: the training thread's and a background write
 
 
 def request_stop(signum: int) -> None:
@@ -78,14 +80,20 @@ def note_progress(iteration: int) -> None:
 @contextlib.contextmanager
 def saving() -> Iterator[None]:
     """While a checkpoint is being written: a supervisor stopping the job after another rank's failure waits for
-    it, so the checkpoint of a good iteration still lands."""
-    if _status is not None:
-        _status[1] = 1
+    it, so the checkpoint of a good iteration still lands. Nests, also across threads (a background write
+    outlives the save that started it): the flag clears when the last one ends."""
+    global _saving
+    with _saving_lock:
+        _saving += 1
+        if _status is not None:
+            _status[1] = 1
     try:
         yield
     finally:
-        if _status is not None:
-            _status[1] = 0
+        with _saving_lock:
+            _saving -= 1
+            if _status is not None and not _saving:
+                _status[1] = 0
 
 
 def read_status(path: str | Path) -> tuple[int, bool] | None:

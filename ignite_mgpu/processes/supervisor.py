@@ -241,7 +241,8 @@ class Supervisor:
                     self.failure_deadline = self.failure_time + FAILURE_SETTLE
             now = time.monotonic()
             if alive and now > self.failure_deadline:
-                saving = any(status[1] for status in self._statuses(folder))
+                living = [self.plan.node_rank * self.plan.nproc + self.procs.index(p) for p in alive.values()]
+                saving = any(status[1] for status in self._statuses(folder, living))  # a dead rank's flag is stale
                 if not saving or now > self.failure_time + self.plan.stop_grace:
                     self._signal_all(signal.SIGKILL)
                     self.failure_deadline = float("inf")
@@ -254,8 +255,10 @@ class Supervisor:
                 self.deadline = float("inf")
 
     @staticmethod
-    def _statuses(folder: Path) -> list[tuple[int, bool]]:
-        found = (stop.read_status(f) for f in folder.glob("status*"))
+    def _statuses(folder: Path, ranks: list[int] | None = None) -> list[tuple[int, bool]]:
+        """The status of every worker (or of the global ``ranks``) that wrote one."""
+        files = folder.glob("status*") if ranks is None else (folder / f"status{rank}" for rank in ranks)
+        found = (stop.read_status(f) for f in files)
         return [s for s in found if s is not None]
 
     @staticmethod

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from ignite_mgpu.checkpoint.files import clean_stale_temp_files, weights_only_resume
 from ignite_mgpu.checkpoint.load import load_checkpoint
 from ignite_mgpu.checkpoint.resume import resume, run_signature
-from ignite_mgpu.checkpoint.save import RunInfo, adopt_existing, attach_checkpoints
+from ignite_mgpu.checkpoint.save import RunInfo, adopt_existing, attach_checkpoints, writes_awaited
 from ignite_mgpu.checkpoint.state import checkpoint_objects
 from ignite_mgpu.config.loading import dump_config
 from ignite_mgpu.config.schema import Config, best_metric, run_dir
@@ -127,7 +127,7 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
             if rank == 0:
                 epoch_log.drop_epochs_after(trainer.state.epoch)  # one row per epoch, also across restarts
 
-    with Trackers(cfg, trainer, evaluator, optimizer, epoch_log, out):  # train.loggers: MLflow, W&B, ... (rank 0)
+    with Trackers(cfg, trainer, evaluator, optimizer, epoch_log, out), writes_awaited(full):  # the last write too
         trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
     if rank == 0:
         best_model = str(best.last_checkpoint) if best.last_checkpoint else None

@@ -322,17 +322,22 @@ def test_s2_data_loader_error_on_one_rank_unblocks_the_other(h: Harness) -> None
     h.assert_no_leftovers(grace=2.0)
 
 
+ASYNC = ["checkpoint.async_save=true"]
+
+
 @pytest.mark.timeout(180)
-def test_s19_writer_killed_mid_save_keeps_the_previous_checkpoint(h: Harness) -> None:
-    """SIGKILL rank 0 while it is half-way through writing checkpoint_4: checkpoint_2 stays the newest complete
-    checkpoint, no partial file carries a checkpoint name, and the next start removes the temp file."""
+@pytest.mark.parametrize("saving", [[], pytest.param(ASYNC, marks=pytest.mark.slow)], ids=["sync", "async"])
+def test_s19_writer_killed_mid_save_keeps_the_previous_checkpoint(h: Harness, saving: list[str]) -> None:
+    """SIGKILL rank 0 while it is half-way through writing checkpoint_4 (async: in the background thread, the
+    training thread waiting at the next save): checkpoint_2 stays the newest complete checkpoint, no partial file
+    carries a checkpoint name, and the next start removes the temp file."""
     out = h.root / "out"
-    job = h.start([*BASE, "--output-dir", str(out)], fault="slowwrite:0:4:60")
+    job = h.start([*BASE, *saving, "--output-dir", str(out)], fault="slowwrite:0:4:60")
     marker = job.pids_dir / "halfwritten0"
     wait_until(marker.exists, job, 90, "a half-written checkpoint")
     assert list(out.glob(".tmp-*.pt")), sorted(p.name for p in out.iterdir())  # the writer's private temp file
     os.kill(int((job.pids_dir / "rank0").read_text()), signal.SIGKILL)
-    r = job.wait(timeout=45)
+    r = job.wait(timeout=time.monotonic() - job.start + 45)  # 45 s after the kill
     assert r.rc == 1, str(r)
     assert "rank 0 terminated with signal SIGKILL" in r.stderr, str(r)
     h.assert_no_leftovers()
@@ -340,11 +345,31 @@ def test_s19_writer_killed_mid_save_keeps_the_previous_checkpoint(h: Harness) ->
     assert_loads(out / "checkpoint_2.pt", 2)
     assert list(out.glob(".tmp-*.pt")), "the killed writer's temp file should still be there"
 
-    r = h.run([*BASE, "--output-dir", str(out), "--resume", "auto"], timeout=90, tag="b")
+    r = h.run([*BASE, *saving, "--output-dir", str(out), "--resume", "auto"], timeout=90, tag="b")
     assert r.rc == 0, str(r)
     assert re.search(r"resumed from \S*checkpoint_2\.pt at iteration 2", r.stderr), str(r)
     assert_last_good(out, 10)  # also: the stale temp file is gone
     h.assert_no_leftovers()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sigterm_during_a_background_write_finishes_it_then_saves_the_stop(h: Harness) -> None:
+    """checkpoint.async_save: SIGTERM while checkpoint_4 is half-written in the background (3 s): the job stops
+    at a common iteration, the stop's save waits for checkpoint_4, writes its own, and the worker exits only
+    once both are complete."""
+    out = h.root / "out"
+    args = [*BASE, *ASYNC, "--output-dir", str(out), "dist.stop_grace=30", "checkpoint.n_saved=3"]
+    job = h.start(args, fault="slowwrite:0:4:3,slow:*:1:0.1")
+    wait_until((job.pids_dir / "halfwritten0").exists, job, 90, "a half-written background checkpoint")
+    os.kill(job.pid, signal.SIGTERM)
+    r = job.wait(timeout=60)
+    assert r.rc == 143, str(r)
+    m = re.search(r"stopped by SIGTERM at iteration (\d+)", r.stderr)
+    assert m and int(m.group(1)) > 4, str(r)
+    h.assert_no_leftovers()
+    assert_last_good(out, int(m.group(1)))  # every file complete, no temp file
+    assert 4 in checkpoints(out), sorted(p.name for p in out.iterdir())
 
 
 # ----------------------------------------------------------------------------------------------- signals

@@ -1,0 +1,68 @@
+"""The atomic saver of checkpoint files: a private temp file, fsynced, renamed into place, its folder fsynced, and
+only then the files it replaces deleted."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import ignite.distributed as idist
+from ignite.handlers import DiskSaver
+
+from ignite_mgpu.checkpoint.files import SAFETENSORS, TEMP_PREFIX, TEMP_SUFFIX, fsync_dir, list_checkpoints
+from ignite_mgpu.checkpoint.weights import write_safetensors
+from ignite_mgpu.errors import CheckpointError
+
+
+class SafeDiskSaver(DiskSaver):
+    """DiskSaver that writes a private temp file, fsyncs it, renames it, fsyncs the folder, and only then deletes
+    the old checkpoint.
+
+    ignite's Checkpoint asks to remove the oldest file *before* saving the new one (pytorch-ignite #1986): a crash
+    or a full disk in between would leave no checkpoint. Removals are deferred until the next save succeeds.
+    Files are created 0600 (ignite's DiskSaver adds group/other read bits). A ``.safetensors`` name is written as
+    safetensors (``weights.write_safetensors``, as atomic), with ``metadata``.
+    """
+
+    def __init__(self, dirname: str | Path, metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(dirname, atomic=True, create_dir=True, require_empty=False)
+        self._pending: list[str] = []
+        self.metadata = dict(metadata or {})
+
+    def _save_func(self, checkpoint: Mapping, path: Path, func: Callable) -> None:
+        self._commit(checkpoint, path, func, self._pending)
+
+    def _commit(self, checkpoint: Mapping, path: Path, func: Callable, pending: list[str]) -> None:
+        """Write ``path`` atomically, then delete the files of ``pending`` (and clear it); on an error nothing is
+        deleted."""
+        try:
+            if path.suffix == SAFETENSORS:
+                write_safetensors(checkpoint, path, self.metadata)
+            else:
+                self._write(checkpoint, path, func)
+        except BaseException as err:
+            kept = ", ".join(p.name for p in reversed(list_checkpoints(self.dirname))) or "none"
+            raise CheckpointError(f"saving {path.name} failed ({err}); kept the previous checkpoints: {kept}") from err
+        fsync_dir(self.dirname)  # the rename survives a power loss only once its folder is synced
+        for name in pending:
+            if name != path.name:  # ignite "removes" a file it is about to overwrite under the same name
+                (Path(self.dirname) / name).unlink(missing_ok=True)
+        pending.clear()
+
+    def _write(self, checkpoint: Mapping, path: Path, func: Callable) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.dirname, prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                func(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def remove(self, filename: str) -> None:
+        if idist.get_rank() == self.save_on_rank:
+            self._pending.append(filename)
