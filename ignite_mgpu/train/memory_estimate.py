@@ -166,7 +166,7 @@ def measure(cfg: Config, example: Any, batch: int, world_size: int = 1, strategy
         data = fake_batch(example, batch)
         tracker: MemTracker
         if sharded:
-            tracker = ShardedStepTracker(model, None)  # type: ignore[arg-type]  # the optimizer is created inside
+            tracker = ShardedStepTracker(model, None)  # the optimizer is created inside: its hooks are global
             tracker.track_inputs(data)
         else:
             tracker = StepTracker()

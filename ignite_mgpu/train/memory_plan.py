@@ -103,11 +103,11 @@ def largest_fit(fixed: float, per_sample: float, free: int, limit: int) -> int |
     return limit if per_sample <= 0 else min(limit, int(room // per_sample))
 
 
-def _row(strategy: str, f: Footprint, per_sample: float, free: int, processes: int, **extra: int) -> Row:
+def _row(strategy: str, f: Footprint, per_sample: float, free: int, processes: int, block: int = 0) -> Row:
     fixed = f.peak - per_sample * f.batch
     micro = largest_fit(fixed, per_sample, free, f.batch)
     return Row(strategy, processes, f.batch, f.params, f.grads, f.optimizer, round(per_sample), f.peak,
-               fits=micro == f.batch, micro_batch=micro, **extra)  # fmt: skip
+               block=block, fits=micro == f.batch, micro_batch=micro)  # fmt: skip
 
 
 def make_memory_plan(cfg: Config, cap: Capacity) -> MemoryPlan:

@@ -72,8 +72,18 @@ def create_optimizer(
     """
     import ignite.distributed as idist
 
-    groups = {"no_decay_norm_and_bias": no_decay_norm_and_bias, "param_groups": param_groups}
-    return idist.auto_optim(build_optimizer(model, name, lr, momentum, weight_decay, nesterov, args=args, **groups))
+    opt = build_optimizer(
+        model,
+        name,
+        lr,
+        momentum,
+        weight_decay,
+        nesterov,
+        args=args,
+        no_decay_norm_and_bias=no_decay_norm_and_bias,
+        param_groups=param_groups,
+    )
+    return idist.auto_optim(opt)
 
 
 def build_optimizer(
