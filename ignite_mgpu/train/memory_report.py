@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from ignite_mgpu.train.memory_plan import CUDA_CONTEXT, MARGIN, MemoryPlan, Row
+from ignite_mgpu.train.memory_plan import CUDA_CONTEXT, MemoryPlan, Row
 
 COLUMNS = ("strategy", "procs", "batch", "params", "grads", "optimizer", "act/sample", "peak", "fits", "micro-batch")
 
@@ -49,8 +49,9 @@ def format_plan(plan: MemoryPlan) -> str:
               "outputs and their gradient)" for r in plan.rows if r.strategy == "dp" and r.extra]  # fmt: skip
     notes += [f"  fsdp: largest gathered block {size(r.block)}" for r in plan.rows if r.strategy == "fsdp" and r.block]
     footer = (
-        f"Per process (dp: GPU 0), one training step measured on fake tensors on the CPU: nothing allocated. "
-        f"The peak is within 15 % of a measured step (benchmarks/memory); a fit leaves {MARGIN * 100:.0f} % of it free."
+        "Per process (dp: GPU 0), one training step measured on fake tensors on the CPU: nothing allocated.\n"
+        f"The peak is within 15 % of a measured step (benchmarks/memory); a fit leaves {cap.margin * 100:.0f} % of it "
+        "free" + (" (glibc's heap on the CPU)." if cap.device == "cpu" else ".")
     )
     return "\n".join([head, where, "", *table, *(["", *notes] if notes else []), "", plan.advice, footer])
 
