@@ -121,3 +121,21 @@ def evaluate(cfg: Config, checkpoint: str | Path, as_json: bool = False) -> int:
     except (ConfigError, CheckpointError) as err:
         return _refused(err)
     return launcher.run_plan(plan, scoring, cfg, str(checkpoint), as_json)
+
+
+def plan_memory(cfg: Config, as_json: bool = False) -> int:
+    """Print the memory plan of ``cfg`` (``ignite-mgpu plan``): per process, parameters, gradients, optimizer state,
+    activations per sample and the peak of a training step under ddp, dp and fsdp, measured on fake tensors (nothing
+    allocated, no process started), and which strategy and micro-batch fit the selected GPUs' free memory (on a
+    machine without GPUs: the available RAM). Returns 0, or 2 with the reason when a check fails."""
+    from ignite_mgpu.train.memory_plan import capacity, make_memory_plan
+    from ignite_mgpu.train.memory_report import format_plan, to_json
+
+    try:
+        validate(cfg)
+        check_job(cfg)
+        plan = make_memory_plan(cfg, capacity(cfg))
+    except ConfigError as err:
+        return _refused(err)
+    print(to_json(plan) if as_json else format_plan(plan))
+    return 0

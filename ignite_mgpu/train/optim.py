@@ -73,6 +73,34 @@ def create_optimizer(
     """
     import ignite.distributed as idist
 
+    opt = build_optimizer(
+        model,
+        name,
+        lr,
+        momentum,
+        weight_decay,
+        nesterov,
+        args=args,
+        no_decay_norm_and_bias=no_decay_norm_and_bias,
+        param_groups=param_groups,
+    )
+    return idist.auto_optim(opt)
+
+
+def build_optimizer(
+    model: nn.Module,
+    name: str,
+    lr: float,
+    momentum: float,
+    weight_decay: float,
+    nesterov: bool = True,
+    *,
+    args: Mapping[str, Any] | None = None,
+    no_decay_norm_and_bias: bool = False,
+    param_groups: str | None = None,
+) -> Optimizer:
+    """``create_optimizer``'s optimizer before ``idist.auto_optim``, which asks the process group (the memory plan
+    builds it under a process group of its own)."""
     extra = dict(args or {})
     fn = optimizer_factory(name)
     kwargs = _optimizer_kwargs(fn, name, lr, momentum, weight_decay, nesterov, extra)
@@ -81,7 +109,7 @@ def create_optimizer(
     opt = plugins.call(functools.partial(fn, groups), kwargs | extra, name, "optim.name")
     if not isinstance(opt, Optimizer):
         raise ConfigError(f"optim.name={name} returned a {type(opt).__name__}, not a torch.optim.Optimizer.")
-    return idist.auto_optim(opt)
+    return opt
 
 
 def create_lr_scheduler(
