@@ -77,7 +77,7 @@ def launch(quick: bool, log: list[str]) -> list[Row]:
     for nproc, target in ((2, "≤ 1.0"), (4, "< 1.0")):
         ratio = found(rf"{nproc} processes, ignite-mgpu {re.escape(str(ROOT))}\s*:.*; ([\d.]+)x the hand-written", out)
         rows.append(
-            (f"launch to the first iteration, {nproc} processes, over hand-written mp.spawn", ratio, target, "x")
+            Row(f"launch to the first iteration, {nproc} processes, over hand-written mp.spawn", ratio, target, "x")
         )
     return rows
 
