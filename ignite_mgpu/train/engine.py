@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import ignite.distributed as idist
@@ -20,6 +21,8 @@ from ignite_mgpu.train.deterministic import PortableDeterministicEngine, use_det
 from ignite_mgpu.train.fsdp import find_fsdp, no_sync_of
 from ignite_mgpu.train.guard import TrainingGuard, accumulation_window
 from ignite_mgpu.train.losses import create_loss as create_loss  # its home before losses.py: still importable here
+from ignite_mgpu.train.micro_batch import MicroBatching
+from ignite_mgpu.train.micro_step import micro_batch_step, optimizer_step
 from ignite_mgpu.train.strategy import find_ddp, reduce_replica_losses, unwrap
 
 FP16_DEVICE_TYPES = ("cuda",)  # fp16 needs a GradScaler, which PyTorch ships for CUDA; bf16 is the CPU's choice
@@ -57,6 +60,8 @@ def create_trainer(
     checkpoint_every_iters: int = 0,
     checkpoint_every_minutes: float | None = None,
     non_blocking: bool = True,
+    micro_batch: int | str | None = None,
+    micro_batch_file: str | Path | None = None,
 ) -> Engine:
     """A trainer Engine for a model already placed by ``prepare_model`` (DDP, DataParallel, FSDP or plain).
 
@@ -84,10 +89,20 @@ def create_trainer(
         use_deterministic_algorithms()
     scaler = Scaler(device.type, enabled=precision == "fp16")
     compute_loss = under_autocast(_loss_of_batch(model, loss_fn), precision, device)  # backward runs outside it
-    step = _train_step(
-        model, optimizer, compute_loss, scaler, device, non_blocking, grad_accum_steps, clip_grad_norm, lr_scheduler
-    )
+    if micro_batch is None:
+        step = _train_step(
+            model, optimizer, compute_loss, scaler, device, non_blocking, grad_accum_steps, clip_grad_norm, lr_scheduler
+        )
+    else:
+        sizing = MicroBatching(micro_batch, micro_batch_file)
+        finish = optimizer_step(optimizer, scaler, _trained(model), clip_grad_norm, lr_scheduler)
+        step = micro_batch_step(
+            model, optimizer, compute_loss, scaler, device, non_blocking, grad_accum_steps, finish, sizing,
+            model_loss=loss_fn is None,
+        )  # fmt: skip
     trainer = PortableDeterministicEngine(step) if deterministic else Engine(step)
+    if micro_batch is not None:
+        trainer.micro_batching = sizing  # type: ignore[attr-defined]  # the evaluator and metrics.jsonl read it
     trainer.logger.setLevel("CRITICAL")  # failures are reported once by the launcher, not by every rank's engine
     trainer.scaler = scaler  # type: ignore[attr-defined]  # checkpoints save and restore it with the trainer
     trainer.add_event_handler(Events.EPOCH_STARTED, _set_sampler_epoch)
@@ -101,6 +116,10 @@ def create_trainer(
     )
     guard.attach(trainer)
     return trainer
+
+
+def _trained(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _check_step_options(precision: str, grad_accum_steps: int, device: torch.device) -> None:
