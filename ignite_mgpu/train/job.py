@@ -98,10 +98,8 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
         micro_batch_file=out / folder.MICRO_BATCH,
     )
     metrics = validation_metrics(loss_fn, idist.device(), cfg.eval.metrics, cfg.eval.metric_args)
-    micro_batch = getattr(trainer, "micro_batching", None)  # the evaluation's parts follow the training's
-    evaluator = create_evaluator(
-        model, metrics, model_loss=loss_fn is None, precision=t.precision, micro_batch=micro_batch
-    )
+    parts = getattr(trainer, "micro_batching", None)  # the evaluation's parts follow the training's
+    evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=t.precision, micro_batch=parts)
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(val_loader))
 
     model_state, optimizer_state = checkpoint_objects(model, optimizer)  # FSDP: gathered into plain state dicts

@@ -86,14 +86,16 @@ def micro_batch_step(
     device: torch.device,
     non_blocking: bool,
     grad_accum_steps: int,
-    finish: Callable[[], None],
+    clip_grad_norm: float | None,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     sizing: MicroBatching,
     model_loss: bool,
 ) -> Callable[[Engine, Batch], torch.Tensor]:
-    """The Engine's process function: the batch in parts (``sizing``), and on a window's last iteration ``finish``
-    (the optimizer step). Under ``auto``, an attempt that ran out of memory is undone and retried."""
+    """The Engine's process function: the batch in parts (``sizing``), and on a window's last iteration the
+    optimizer step. Under ``auto``, an attempt that ran out of memory is undone and retried."""
     attempt = _Attempt(model, compute_loss, scaler, sizing, model_loss and takes_num_items(model))
     parameters = [p for p in model.parameters() if p.requires_grad]
+    finish = optimizer_step(optimizer, scaler, parameters, clip_grad_norm, lr_scheduler)
     inner, move = unwrap(model), device.type != "cpu"
     keep_window = sizing.auto and grad_accum_steps > 1
 
