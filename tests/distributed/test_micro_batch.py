@@ -18,13 +18,14 @@ from ignite_mgpu.train.job import training
 from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-# 128 samples in global batches of 32: 16 per process, 4 iterations an epoch. Rank 1 may hold 1500 MB more than at
+# 256 samples in global batches of 32: 16 per process, 8 iterations an epoch (3 epochs: past auto's 20 iterations
+# of settling, so both of its sync paths run). Rank 1 may hold 1500 MB more than at
 # its first training forward, and every sample asks for 128 MB: 16 (2 GB) do not fit, 8 (1 GB) do, with room left for
 # what the process maps later (thread arenas, FSDP's buffers). Address space only: the scratch is never touched.
 JOB = [
     "model.name=tests.plugins_pkg.factories:capped_mlp",
-    "data.image_size=8", "data.train_size=128", "data.val_size=32", "data.batch_size=32", "data.shuffle=false",
-    "train.check_every=4", "train.progress_bar=false", "train.epochs=2",
+    "data.image_size=8", "data.train_size=256", "data.val_size=32", "data.batch_size=32", "data.shuffle=false",
+    "train.check_every=4", "train.progress_bar=false", "train.epochs=3",
 ]  # fmt: skip
 CAPPED = ["model.args.capped_rank=1"]
 
@@ -66,7 +67,7 @@ def assert_within(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: 
 def test_auto_survives_one_ranks_real_out_of_memory_and_parts_train_like_whole_batches(tmp_path):
     launch(micro_batch_jobs, str(tmp_path), nproc=2, backend="gloo")
     auto = tmp_path / "auto"
-    assert [row["micro_batch"] for row in metrics(auto)] == [8, 8]  # rank 1 ran out with 16: both use 8
+    assert [row["micro_batch"] for row in metrics(auto)] == [8, 8, 8]  # rank 1 ran out with 16: both use 8
     assert json.loads((auto / "micro_batch.json").read_text()) == {"micro_batch": 8}
     assert "micro_batch" not in metrics(tmp_path / "whole")[-1]  # null: metrics.jsonl as before
     eight, whole = final_model(tmp_path / "eight"), final_model(tmp_path / "whole")
