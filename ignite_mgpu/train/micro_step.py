@@ -94,6 +94,10 @@ def micro_batch_step(
     """The Engine's process function: the batch in parts (``sizing``), and on a window's last iteration the
     optimizer step. Under ``auto``, an attempt that ran out of memory is undone and retried."""
     attempt = _Attempt(model, compute_loss, scaler, sizing, model_loss and takes_num_items(model))
+    if sizing.auto and idist.get_world_size() > 1:  # one size on every rank, also where the file was not seen
+        whole = 2**31 - 1
+        agreed = int(idist.all_reduce(torch.tensor(sizing.size or whole, device=idist.device()), op="MIN"))
+        sizing.size = None if agreed == whole else agreed
     parameters = [p for p in model.parameters() if p.requires_grad]
     finish = optimizer_step(optimizer, scaler, parameters, clip_grad_norm, lr_scheduler)
     inner, move = unwrap(model), device.type != "cpu"
