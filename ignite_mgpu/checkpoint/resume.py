@@ -23,6 +23,7 @@ RESUMABLE_CHANGES = (
     "resume",
     "output_dir",
     "train.epochs",
+    "train.micro_batch",  # the parts of a batch: the same gradient
     "train.progress_bar",
     "train.tensorboard",
     "train.loggers",

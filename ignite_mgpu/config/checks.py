@@ -74,6 +74,13 @@ def _check_optim(o: OptimConfig) -> None:
 def _check_train(t: TrainConfig, c: CheckpointConfig) -> None:
     _check(t.epochs >= 1, "train.epochs", t.epochs, "train for at least 1 epoch")
     _check(t.grad_accum_steps >= 1, "train.grad_accum_steps", t.grad_accum_steps, "use 1 (no accumulation) or more")
+    mb = t.micro_batch
+    _check(
+        mb is None or mb == "auto" or (isinstance(mb, int) and mb >= 1),
+        "train.micro_batch",
+        mb,
+        "use null (the whole batch at once), auto (shrink on out-of-memory) or a number of samples >= 1",
+    )
     clip = t.clip_grad_norm
     _check(clip is None or (math.isfinite(clip) and clip > 0), "train.clip_grad_norm", clip, "use null or a value > 0")
     _check(t.epoch_length is None or t.epoch_length >= 1, "train.epoch_length", t.epoch_length, "use null or >= 1")

@@ -91,6 +91,7 @@ class TrainConfig:
     loss_args: dict[str, Any] = field(default_factory=dict)  # the loss's arguments (label_smoothing, weight, ...)
     precision: Precision = "fp32"  # bf16/fp16 autocast; fp16 uses a GradScaler (CUDA only)
     grad_accum_steps: int = 1  # micro-batches per optimizer step; DDP all-reduces only on the last one
+    micro_batch: int | Literal["auto"] | None = None  # N: each process's batch in parts of N; auto: smaller on OOM
     clip_grad_norm: float | None = None  # max global gradient norm (None = no clipping)
     deterministic: bool = False  # DeterministicEngine + torch.use_deterministic_algorithms: bitwise resume
     epoch_length: int | None = None  # iterations per epoch (None = one full pass over the data)

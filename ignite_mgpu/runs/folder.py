@@ -18,6 +18,7 @@ TRACKER_RUNS = "trackers.json"  # the MLflow and W&B runs of this folder, contin
 MLFLOW_DB = "mlflow.db"  # the mlflow tracker's default store (sqlite:///<run folder>/mlflow.db)
 MLFLOW_ARTIFACTS = "mlartifacts"  # its artifacts (config.yaml), with that default store
 WANDB = "wandb"  # where the wandb tracker writes its run files (unless WANDB_DIR or logger_args.wandb.dir)
+MICRO_BATCH = "micro_batch.json"  # train.micro_batch=auto: the size it found, read back by a restart or a resume
 REPORT_IMAGE = "report.png"  # ignite-mgpu report's figure of one run
 # The best model: best_model_<epoch>_val_<metric>=<score>.pt (or .safetensors: checkpoint.best_format); a loss used
 # to be written negated (val_loss=-2.4889).

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import ignite.distributed as idist
@@ -20,6 +21,8 @@ from ignite_mgpu.train.deterministic import PortableDeterministicEngine, use_det
 from ignite_mgpu.train.fsdp import find_fsdp, no_sync_of
 from ignite_mgpu.train.guard import TrainingGuard, accumulation_window
 from ignite_mgpu.train.losses import create_loss as create_loss  # its home before losses.py: still importable here
+from ignite_mgpu.train.micro_batch import MicroBatching
+from ignite_mgpu.train.micro_step import micro_batch_step
 from ignite_mgpu.train.strategy import find_ddp, reduce_replica_losses, unwrap
 
 FP16_DEVICE_TYPES = ("cuda",)  # fp16 needs a GradScaler, which PyTorch ships for CUDA; bf16 is the CPU's choice
@@ -57,6 +60,8 @@ def create_trainer(
     checkpoint_every_iters: int = 0,
     checkpoint_every_minutes: float | None = None,
     non_blocking: bool = True,
+    micro_batch: int | str | None = None,
+    micro_batch_file: str | Path | None = None,
 ) -> Engine:
     """A trainer Engine for a model already placed by ``prepare_model`` (DDP, DataParallel, FSDP or plain).
 
@@ -84,23 +89,51 @@ def create_trainer(
         use_deterministic_algorithms()
     scaler = Scaler(device.type, enabled=precision == "fp16")
     compute_loss = under_autocast(_loss_of_batch(model, loss_fn), precision, device)  # backward runs outside it
-    step = _train_step(
-        model, optimizer, compute_loss, scaler, device, non_blocking, grad_accum_steps, clip_grad_norm, lr_scheduler
+    options = (grad_accum_steps, clip_grad_norm, lr_scheduler)
+    step, sizing = _create_step(
+        model, optimizer, compute_loss, scaler, device, non_blocking, options, (micro_batch, micro_batch_file), loss_fn
     )
     trainer = PortableDeterministicEngine(step) if deterministic else Engine(step)
+    trainer.micro_batching = sizing  # type: ignore[attr-defined]  # None, or the parts' size (evaluator, metrics)
     trainer.logger.setLevel("CRITICAL")  # failures are reported once by the launcher, not by every rank's engine
     trainer.scaler = scaler  # type: ignore[attr-defined]  # checkpoints save and restore it with the trainer
     trainer.add_event_handler(Events.EPOCH_STARTED, _set_sampler_epoch)
+    _attach_guard(trainer, check_every, grad_accum_steps, checkpoint_every_iters, checkpoint_every_minutes)
+    return trainer
+
+
+def _attach_guard(
+    trainer: Engine, check_every: int, grad_accum_steps: int, every_iters: int, every_minutes: float | None
+) -> None:
     if check_every:  # a stop must fall on an optimizer step, never inside a gradient-accumulation window
         check_every = max(grad_accum_steps, check_every // grad_accum_steps * grad_accum_steps)
     guard = TrainingGuard(
         check_every,
-        checkpoint_every_iters=checkpoint_every_iters,
+        checkpoint_every_iters=every_iters,
         grad_accum_steps=grad_accum_steps,
-        checkpoint_every_minutes=checkpoint_every_minutes,
+        checkpoint_every_minutes=every_minutes,
     )
     guard.attach(trainer)
-    return trainer
+
+
+def _create_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    compute_loss: Callable[[Batch], torch.Tensor],
+    scaler: Scaler,
+    device: torch.device,
+    non_blocking: bool,
+    options: tuple[int, float | None, torch.optim.lr_scheduler.LRScheduler | None],
+    micro_batch: tuple[int | str | None, str | Path | None],
+    loss_fn: Callable[..., torch.Tensor] | None,
+) -> tuple[Callable[[Engine, Batch], torch.Tensor], MicroBatching | None]:
+    """The process function: this module's step (micro_batch None), or ``micro_step.py``'s over parts."""
+    setting, path = micro_batch
+    if setting is None:
+        return _train_step(model, optimizer, compute_loss, scaler, device, non_blocking, *options), None
+    sizing = MicroBatching(setting, path)
+    args = (model, optimizer, compute_loss, scaler, device, non_blocking, *options)
+    return micro_batch_step(*args, sizing, model_loss=loss_fn is None), sizing
 
 
 def _check_step_options(precision: str, grad_accum_steps: int, device: torch.device) -> None:

@@ -173,6 +173,10 @@ class EpochLog:
         }
         if self.goodput is not None:
             self.last |= self.goodput.line(float(rows[:, 1].max()), engine.state.iteration)
+        sizing = getattr(engine, "micro_batching", None)  # train.micro_batch: the part size at the epoch's end
+        if sizing is not None:
+            whole = self.global_batch // idist.get_world_size() if idist.backend() else self.global_batch
+            self.last["micro_batch"] = sizing.size if sizing.size is not None else whole
         if idist.get_rank() == 0:
             with self.path.open("a") as f:
                 f.write(json.dumps(self.last) + "\n")

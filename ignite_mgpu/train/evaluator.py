@@ -19,6 +19,7 @@ from ignite_mgpu.train.batches import Batch
 from ignite_mgpu.train.engine import under_autocast
 from ignite_mgpu.train.fsdp import find_fsdp
 from ignite_mgpu.train.metrics import create_metrics
+from ignite_mgpu.train.micro_batch import MicroBatching, in_parts
 from ignite_mgpu.train.strategy import find_ddp, reduce_replica_losses
 
 
@@ -30,6 +31,7 @@ def create_evaluator(
     device: torch.device | str | None = None,
     precision: str = "fp32",
     non_blocking: bool = True,
+    micro_batch: int | MicroBatching | None = None,
 ) -> Engine:
     """An evaluator Engine whose metrics are reduced over all ranks (ignite metrics all-reduce in ``compute``).
 
@@ -38,6 +40,9 @@ def create_evaluator(
     It runs the unwrapped module: DDP's forward may broadcast buffers, a collective that would hang when ranks
     hold different numbers of validation batches (the validation sampler does not pad). An FSDP model's every
     forward is a collective: ranks with fewer batches repeat their last one, unscored, until all ran as many.
+    ``micro_batch`` (a size, or the trainer's ``micro_batching``): each batch in parts of that many samples, the
+    outputs joined (a loss weighted by the parts' samples); not under FSDP, whose forwards must be as many on every
+    rank.
     """
     device = torch.device(device) if device is not None else idist.device()
     ddp = find_ddp(model)
@@ -51,6 +56,9 @@ def create_evaluator(
         return batches.logits(batches.predict(net, inputs)).float(), targets
 
     forward = under_autocast(output, precision if precision != "fp16" or device.type == "cuda" else "fp32", device)
+    fsdp = find_fsdp(model) is not None and idist.get_world_size() > 1
+    if micro_batch is not None and not fsdp:  # FSDP: as many forwards on every rank, so whole batches
+        forward = in_parts(forward, micro_batch, model_loss)
 
     @torch.no_grad()
     def eval_step(engine: Engine, batch: Batch) -> tuple[torch.Tensor, Any]:
@@ -59,7 +67,7 @@ def create_evaluator(
     evaluator = Engine(eval_step)
     evaluator.add_event_handler(Events.STARTED, lambda: net.eval())  # once per run: eval() visits every submodule
     evaluator.logger.setLevel("CRITICAL")
-    if find_fsdp(model) is not None:  # its forward is a collective: as many on every rank, before the metrics reduce
+    if fsdp:  # its forward is a collective: as many on every rank, before the metrics reduce
         attach_even_forwards(evaluator, eval_step)
     for name, metric in metrics.items():
         metric.attach(evaluator, name)

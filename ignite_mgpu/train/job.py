@@ -96,9 +96,12 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
         check_every=t.check_every,
         checkpoint_every_iters=cfg.checkpoint.every_iters,
         checkpoint_every_minutes=cfg.checkpoint.every_minutes,
+        micro_batch=t.micro_batch,
+        micro_batch_file=out / folder.MICRO_BATCH,
     )
     metrics = validation_metrics(loss_fn, idist.device(), cfg.eval.metrics, cfg.eval.metric_args)
-    evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=t.precision)
+    parts = getattr(trainer, "micro_batching", None)  # the evaluation's parts follow the training's
+    evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=t.precision, micro_batch=parts)
     goodput = Goodput(out / folder.GOODPUT, job_clock(), writer=rank == 0)
     goodput.attach(trainer)  # before the validation: an epoch's iterations end where its evaluation starts
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(val_loader))

@@ -118,3 +118,43 @@ def samples(device: str = "cpu", scale: int = 1):
 
 def not_a_metric():
     return 3.0
+
+
+class CappedMLP(nn.Module):
+    """An MLP whose training forward holds ``mb_per_sample`` MB of scratch per sample (untouched: address space
+    only). In rank ``capped_rank`` its first training forward of a batch caps the process's address space at what
+    it uses then plus ``headroom_mb``: a real allocator failure for a batch that does not fit. ``log``: a file that
+    gets each training forward's batch size (rank 0's)."""
+
+    def __init__(self, capped_rank: int, headroom_mb: int, mb_per_sample: int, log: str | None) -> None:
+        import ignite.distributed as idist
+
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.mb_per_sample, self.log = mb_per_sample, log if idist.get_rank() == 0 else None
+        self.cap_mb = headroom_mb if idist.get_rank() == capped_rank else 0
+
+    def _cap(self) -> None:
+        import resource
+
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[0]) * resource.getpagesize()
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        resource.setrlimit(resource.RLIMIT_AS, (used + self.cap_mb * 2**20, hard))
+        self.cap_mb = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and len(x) > 1:  # not the one sample that builds the model
+            if self.cap_mb:
+                self._cap()
+            torch.empty(len(x) * self.mb_per_sample * 2**20, dtype=torch.uint8)  # the activations of a big model
+            if self.log:
+                with open(self.log, "a") as f:
+                    f.write(f"{len(x)}\n")
+        return self.net(x)
+
+
+def capped_mlp(
+    num_classes: int = 10, capped_rank: int = -1, headroom_mb: int = 1500, mb_per_sample: int = 128, log: str = ""
+) -> nn.Module:
+    return CappedMLP(capped_rank, headroom_mb, mb_per_sample, log or None)
