@@ -84,21 +84,7 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
     optimizer = _create_optimizer(cfg, model)  # after prepare_model: FSDP2's parameters are the sharded ones
     lr_scheduler = _create_lr_scheduler(cfg, optimizer, len(train_loader))
     loss_fn = create_loss(t.loss, t.loss_args)
-    trainer = create_trainer(
-        model,
-        optimizer,
-        loss_fn,
-        precision=t.precision,
-        grad_accum_steps=t.grad_accum_steps,
-        clip_grad_norm=t.clip_grad_norm,
-        lr_scheduler=lr_scheduler,
-        deterministic=t.deterministic,
-        check_every=t.check_every,
-        checkpoint_every_iters=cfg.checkpoint.every_iters,
-        checkpoint_every_minutes=cfg.checkpoint.every_minutes,
-        micro_batch=t.micro_batch,
-        micro_batch_file=out / folder.MICRO_BATCH,
-    )
+    trainer = _create_trainer(cfg, model, optimizer, lr_scheduler, loss_fn, out)
     metrics = validation_metrics(loss_fn, idist.device(), cfg.eval.metrics, cfg.eval.metric_args)
     parts = getattr(trainer, "micro_batching", None)  # the evaluation's parts follow the training's
     evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=t.precision, micro_batch=parts)
@@ -136,6 +122,32 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
         best_model = str(best.last_checkpoint) if best.last_checkpoint else None
         summary = epoch_log.last | {"output_dir": str(out), "best_model": best_model}
         logger.info("finished: %s", json.dumps(summary))
+
+
+def _create_trainer(
+    cfg: Config,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: LRScheduler,
+    loss_fn: Any,
+    out: Path,
+) -> Engine:
+    t = cfg.train
+    return create_trainer(
+        model,
+        optimizer,
+        loss_fn,
+        precision=t.precision,
+        grad_accum_steps=t.grad_accum_steps,
+        clip_grad_norm=t.clip_grad_norm,
+        lr_scheduler=lr_scheduler,
+        deterministic=t.deterministic,
+        check_every=t.check_every,
+        checkpoint_every_iters=cfg.checkpoint.every_iters,
+        checkpoint_every_minutes=cfg.checkpoint.every_minutes,
+        micro_batch=t.micro_batch,
+        micro_batch_file=out / folder.MICRO_BATCH,
+    )
 
 
 def _start(cfg: Config, rank: int, world_size: int) -> Path:
