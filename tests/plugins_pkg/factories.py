@@ -154,7 +154,9 @@ class CappedMLP(nn.Module):
         return self.net(x)
 
 
+# 16 samples (8 GiB of scratch) never fit under the cap, 8 (4 GiB) fit with about 1.9 GiB of address space to spare
+# for what the process maps after the cap (gloo's and FSDP's buffers, a thread's malloc arena of 64 MiB each).
 def capped_mlp(
-    num_classes: int = 10, capped_rank: int = -1, headroom_mb: int = 1500, mb_per_sample: int = 128, log: str = ""
+    num_classes: int = 10, capped_rank: int = -1, headroom_mb: int = 6000, mb_per_sample: int = 512, log: str = ""
 ) -> nn.Module:
     return CappedMLP(capped_rank, headroom_mb, mb_per_sample, log or None)
