@@ -38,7 +38,7 @@ from ignite_mgpu.train.goodput import Goodput
 from ignite_mgpu.train.loaders import attach_skip_counter, create_dataloaders
 from ignite_mgpu.train.losses import create_loss
 from ignite_mgpu.train.models import create_model
-from ignite_mgpu.train.optim import create_lr_scheduler, create_optimizer
+from ignite_mgpu.train.optim import create_lr_scheduler, optimizer_from_config
 from ignite_mgpu.train.strategy import model_devices, prepare_model
 from ignite_mgpu.train.trackers import Trackers
 
@@ -178,18 +178,7 @@ def _create_model(cfg: Config, loader: DataLoader) -> nn.Module:
 
 def _create_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     """``optim.name`` over the parameter groups of the prepared model."""
-    o = cfg.optim
-    return create_optimizer(
-        model,
-        o.name,
-        o.lr,
-        o.momentum,
-        o.weight_decay,
-        o.nesterov,
-        args=o.args,
-        no_decay_norm_and_bias=o.no_decay_norm_and_bias,
-        param_groups=o.param_groups,
-    )
+    return optimizer_from_config(cfg.optim, model)
 
 
 def _create_lr_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, loader_length: int) -> LRScheduler:

@@ -107,20 +107,9 @@ def _autocast(precision: str) -> contextlib.AbstractContextManager[Any]:
 
 
 def _optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
-    from ignite_mgpu.train.optim import build_optimizer
+    from ignite_mgpu.train.optim import build_optimizer, optimizer_from_config
 
-    o = cfg.optim
-    return build_optimizer(
-        model,
-        o.name,
-        o.lr,
-        o.momentum,
-        o.weight_decay,
-        o.nesterov,
-        args=o.args,
-        no_decay_norm_and_bias=o.no_decay_norm_and_bias,
-        param_groups=o.param_groups,
-    )
+    return optimizer_from_config(cfg.optim, model, build_optimizer)
 
 
 def _run_steps(cfg: Config, model: nn.Module, tracker: MemTracker, batch: Any) -> tuple[torch.optim.Optimizer, int]:

@@ -144,6 +144,22 @@ def create_lr_scheduler(
     return main if warmup is None else SequentialLR(optimizer, [warmup, main], milestones=[warmup_steps])
 
 
+def optimizer_from_config(o: OptimConfig, model: nn.Module, build: Callable[..., Optimizer] | None = None) -> Optimizer:
+    """The ``optim:`` section's optimizer over ``model``: ``create_optimizer`` (or ``build``, e.g.
+    ``build_optimizer``) with the section's keys."""
+    return (build or create_optimizer)(
+        model,
+        o.name,
+        o.lr,
+        o.momentum,
+        o.weight_decay,
+        o.nesterov,
+        args=o.args,
+        no_decay_norm_and_bias=o.no_decay_norm_and_bias,
+        param_groups=o.param_groups,
+    )
+
+
 def check_optim(o: OptimConfig) -> None:
     """ConfigError unless ``optim.name`` and ``optim.scheduler`` name what exists and take ``optim.args`` /
     ``optim.scheduler_args``, and ``optim.param_groups`` imports; in the parent, before spawning."""
