@@ -212,11 +212,14 @@ def instructions(monkeypatch):
 @pytest.mark.timeout(120)
 def test_instruction_loops_run_natively_and_end_with_the_same_weights(instructions, tmp_path):
     """The three loops of bench_instructions.py (its --quick plan, one process, outside valgrind, where the toggles
-    do nothing) run and end bit-identical: a ratio of their counts compares the same work."""
-    spec = {"dir": str(tmp_path), "nproc": 1, "workloads": ["mlp"], "plan": instructions.QUICK}
+    do nothing) run and end bit-identical: a ratio of their counts compares the same work. ``--set`` reaches
+    ignite-mgpu's job (here its checkpoint written in the step)."""
+    overrides = ["checkpoint.async_save=false"]
+    spec = {"dir": str(tmp_path), "nproc": 1, "workloads": ["mlp"], "plan": instructions.QUICK, "overrides": overrides}
     instructions.inside(spec)
     assert json.loads((tmp_path / "differences.json").read_text()) == {"mlp": []}
     assert (tmp_path / "rank0.pid").read_text().strip().isdigit()
+    assert "async_save: false" in (tmp_path / "mlp-ignite-mgpu" / "config.yaml").read_text()
 
 
 def test_instruction_counts_are_read_per_rank_and_refused_for_other_weights(instructions, tmp_path):
@@ -255,6 +258,7 @@ def test_fsdp_step_benchmark_evaluation_loops_compute_the_same_metrics(tmp_path)
     from benchmarks.fsdp import eval_loops, step_report
 
     cfg = eval_loops.make_config("cnn", 128, tmp_path, 1)
+    cfg.train.keep_cpu_memory = False  # built() sets the allocator up as the job does: not in the test process
     times, differences = eval_loops.evaluation_turns(eval_loops.built(cfg), passes=2)
     assert differences == [] and [len(t) for t in times.values()] == [2, 2]
     assert eval_loops.difference({"hand-written": {"loss": 1.0}, "ignite-mgpu": {"loss": 1.5}}) is not None

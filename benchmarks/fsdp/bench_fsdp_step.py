@@ -8,7 +8,8 @@
   and accuracy for the small CNN) with one all-reduce at the end, on the same prepared model (the small CNN under
   DDP, the tiny GPT-2 under FSDP); passes take turns, and the metrics of each pair of passes must be equal.
 
-Run: python benchmarks/fsdp/bench_fsdp_step.py [--rounds 5] [--passes 40] [--only step,eval] [--quick] [--json P]
+Run: python benchmarks/fsdp/bench_fsdp_step.py [--rounds 5] [--passes 40] [--only step,eval] [--eval-workloads gpt2,cnn]
+                                               [--quick] [--json P]
      python benchmarks/fsdp/bench_fsdp_step.py --quick            # about 40 s: the checks only, timings meaningless
      python benchmarks/fsdp/bench_fsdp_step.py --instructions     # step and evaluation counted under callgrind
 
@@ -114,6 +115,9 @@ def main() -> int:
     parser.add_argument("--iters", type=int, help=f"iterations per measured epoch [{step_loops.WORKLOADS['gpt2'][1]}]")
     parser.add_argument("--passes", type=int, default=40, help="validation passes per loop and workload [40]")
     parser.add_argument("--only", default="step,eval", help="comma-separated: step, eval [step,eval]")
+    parser.add_argument(
+        "--eval-workloads", default=",".join(eval_loops.WORKLOADS), help="the evaluations to compare [gpt2,cnn]"
+    )
     parser.add_argument("--quick", action="store_true", help="one short round and a few passes: the checks only")
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
     parser.add_argument("--no-pin", action="store_true", help="leave the processes unpinned")
@@ -138,7 +142,7 @@ def main() -> int:
         "iters": args.iters or step_loops.WORKLOADS["gpt2"][2 if quick else 1],
         "epochs": 1 if quick else MEASURED_EPOCHS,
         "passes": 4 if quick else args.passes,
-        "eval_workloads": [w for w in eval_loops.WORKLOADS if "eval" in only],
+        "eval_workloads": [w for w in eval_loops.WORKLOADS if "eval" in only and w in args.eval_workloads.split(",")],
         "val": {w: v[2 if quick else 1] for w, v in eval_loops.WORKLOADS.items()},
         "pin": not args.no_pin,
     }

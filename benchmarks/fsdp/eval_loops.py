@@ -8,10 +8,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-# workload -> title, validation samples (default, --quick): 2 processes x the per-process batches of one pass
+# workload -> title, validation samples (default, --quick): 2 processes x the per-process batches of one pass. The
+# FSDP one first: ``built`` sets the CPU allocator up as each job does (``setup_cpu_memory``), which is process-wide
+# and for good: the DDP job keeps freed memory, the FSDP job leaves malloc as it is.
 WORKLOADS = {
-    "cnn": ("small CNN (DDP)", 2048, 512),  # batch 128 (64 per process): 16 batches per process and pass
     "gpt2": ("tiny GPT-2 (FSDP)", 256, 64),  # batch 16 (8 per process): 16 batches per process and pass
+    "cnn": ("small CNN (DDP)", 2048, 512),  # batch 128 (64 per process): 16 batches per process and pass
 }
 
 
@@ -32,23 +34,26 @@ def make_config(workload: str, val_size: int, output_dir: Any, nproc: int) -> An
 
 
 def built(cfg: Any) -> dict[str, Any]:
-    """The model, loss, evaluator and validation loader as ``training(cfg)`` builds them, and the hand-written
-    loop's own loader over the same validation split (each rank every world-size-th sample, unpadded)."""
+    """The model, loss, evaluator and validation loader as ``training(cfg)`` builds them, with the CPU allocator set
+    up as it sets it up (both loops run with it), and the hand-written loop's own loader over the same validation
+    split (each rank every world-size-th sample, unpadded)."""
     import ignite.distributed as idist
     from torch.utils.data import DataLoader, Subset
 
     import ignite_mgpu.train.job as job
+    from ignite_mgpu.train.allocator import setup_cpu_memory
     from ignite_mgpu.train.evaluator import create_evaluator, validation_metrics
     from ignite_mgpu.train.loaders import create_dataloaders
     from ignite_mgpu.train.losses import create_loss
     from ignite_mgpu.train.strategy import find_ddp
 
+    world, rank = idist.get_world_size(), idist.get_rank()
+    setup_cpu_memory(cfg.train.keep_cpu_memory, idist.device().type, sharded=job.sharding(cfg, world))
     train_loader, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
     model = job._create_model(cfg, train_loader)
     loss_fn = create_loss(cfg.train.loss, cfg.train.loss_args)
     metrics = validation_metrics(loss_fn, idist.device(), cfg.eval.metrics, cfg.eval.metric_args)
     evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=cfg.train.precision)
-    world, rank = idist.get_world_size(), idist.get_rank()
     val_ds = val_loader.dataset
     mine = Subset(val_ds, range(rank, len(val_ds), world))  # type: ignore[arg-type]  # sized
     hand_loader = DataLoader(mine, batch_size=cfg.data.batch_size // world)

@@ -12,7 +12,8 @@ natively; under valgrind a step is ~50x slower, so the automatic interval would 
 inside the window are counted. What a second process adds (gloo's all-reduce, the other rank's wake-ups) is the same
 for every loop and only grows the denominator, so the one-process ratio bounds the two-process one from above.
 
-Run: python benchmarks/instructions/bench_instructions.py [--workloads mlp,cnn] [--quick]   (needs valgrind)
+Run: python benchmarks/instructions/bench_instructions.py [--workloads mlp,cnn] [--quick] [--set KEY=VALUE]
+     (needs valgrind; --set: an override of ignite-mgpu's job, e.g. checkpoint.async_save=false)
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ def run_loops(local_rank: int, spec: dict[str, Any]) -> None:
         iters = warmup + window + 1  # the epoch ends one iteration after the window: its end is never counted
         final = {}
         for loop in LOOPS:
-            cfg = make_config(workload, iters, 1, root / f"{workload}-{loop.replace(' ', '_')}", nproc)
+            extra = spec.get("overrides", []) if loop == "ignite-mgpu" else []
+            cfg = make_config(workload, iters, 1, root / f"{workload}-{loop.replace(' ', '_')}", nproc, extra)
             cfg.train.check_every = check_every
             final[loop] = RUNNERS[loop](cfg, toggler(warmup, warmup + window))
         # The same final weights, bit for bit: the three loops did the same work (else no ratio is printed).
@@ -224,6 +226,9 @@ def main() -> int:
     parser.add_argument("--workloads", default="mlp,cnn", help="comma-separated: mlp, cnn [mlp,cnn]")
     parser.add_argument("--quick", action="store_true", help="tiny windows: checks that it runs, counts meaningless")
     parser.add_argument("--json", metavar="PATH", help="also write the counts as JSON to PATH")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override of ignite-mgpu's job"
+    )
     parser.add_argument("--inside", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inside:
@@ -236,7 +241,7 @@ def main() -> int:
     plan = {w: (QUICK if args.quick else PLAN)[w] for w in workloads}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-instructions-") as tmp:
-        spec = {"dir": tmp, "nproc": args.nproc, "workloads": workloads, "plan": plan}
+        spec = {"dir": tmp, "nproc": args.nproc, "workloads": workloads, "plan": plan, "overrides": args.set}
         argv = [
             "valgrind",
             "--tool=callgrind",
@@ -261,7 +266,8 @@ def main() -> int:
 
     print(f"Machine: {machine()}")
     print(f"valgrind {subprocess.run(['valgrind', '--version'], capture_output=True, text=True).stdout.strip()}, "
-          f"{time.perf_counter() - started:.0f} s\n")  # fmt: skip
+          f"{time.perf_counter() - started:.0f} s")  # fmt: skip
+    print(f"ignite-mgpu's overrides: {' '.join(args.set) or 'none (the defaults)'}\n")
     print("\n".join(report(result, plan, args.nproc, differences)))
     if args.quick:
         print("\n(--quick: tiny windows; the counts are not meaningful, only that it runs)")

@@ -10,7 +10,7 @@ figures against their targets; ``--write`` also saves all of it as ``benchmarks/
 Figures are ratios within each benchmark's own interleaved turns, so the machine's load mostly cancels out; the
 seconds do not carry over to another machine.
 Run: `python benchmarks/not_training/bench_not_training.py [--quick] [--only restart,launch,stall,fsdp] [--write]`
-(about 40 minutes on 2 quiet cores; ``--quick``: a few minutes, the checks and rough figures only).
+(about 35 minutes on 2 quiet cores; ``--quick``: a few minutes, the checks and rough figures only).
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
 PARTS = ("restart", "launch", "stall", "fsdp")
+# bench_fsdp_step.py's defaults (5 rounds, 40 passes) left intervals of +-2-4 % on a quiet machine, too wide to
+# decide a 1.02 target; 12 rounds gave +-1 % for the step, 200 passes +-0.6 % (CNN) and +-2 % (GPT-2, whose FSDP
+# collectives make single batches vary most): about 8 minutes there (benchmarks/results/not_training_2026-12-02.md).
+LONG_FSDP = ["--rounds", "12", "--passes", "400"]
 
 
 class Row(NamedTuple):
@@ -102,7 +106,7 @@ def fsdp(quick: bool, log: list[str]) -> list[Row]:
         path = Path(tmp, "fsdp.json")
         run(
             "FSDP step and evaluation",
-            ["benchmarks/fsdp/bench_fsdp_step.py", *(["--quick"] if quick else []), "--json", str(path)],
+            ["benchmarks/fsdp/bench_fsdp_step.py", *(["--quick"] if quick else LONG_FSDP), "--json", str(path)],
             log,
         )
         summary = json.loads(path.read_text()) if path.is_file() else {}

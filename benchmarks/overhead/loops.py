@@ -4,7 +4,7 @@ workloads they train, the turns they take inside (b)'s run, and the bitwise comp
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +16,15 @@ LOOPS = ("hand-written", "ignite-mgpu")
 REFERENCE = "ignite Engine"  # (a)'s step in ignite's bare Engine: what ignite's loop itself costs
 
 
-def make_config(workload: str, iters: int, epochs: int, output_dir: str | Path, nproc: int) -> Any:
+def make_config(
+    workload: str, iters: int, epochs: int, output_dir: str | Path, nproc: int, extra: Sequence[str] = ()
+) -> Any:
     """The run's Config, built like ``ignite-mgpu train`` builds it (defaults < overrides, then validated).
 
     One epoch is one full pass (train_size = iters * batch), so every epoch starts a fresh, re-shuffled
     sampler pass. The full checkpoint is written once, after the last epoch, outside the timed part: it holds
-    the final weights compared with (a). Validation runs on 256 samples (also outside the timed part).
+    the final weights compared with (a). Validation runs on 256 samples (also outside the timed part). ``extra``:
+    more dotted overrides, applied last.
     """
     from ignite_mgpu.config.loading import load_config
 
@@ -39,6 +42,7 @@ def make_config(workload: str, iters: int, epochs: int, output_dir: str | Path, 
             f"dist.nproc={nproc}",
             f"output_dir={output_dir}",
             "seed=0",
+            *extra,
         ],
     )
 

@@ -72,16 +72,26 @@ class BackgroundWriter:
             raise CheckpointError(f"a background checkpoint write failed ({error!r})") from error
 
 
+def stager_available() -> bool:
+    """Whether this PyTorch has torch.distributed.checkpoint's ``DefaultStager`` (2.9 or newer), which snapshots a
+    state dict for a background write."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def create_stager(device_type: str) -> DefaultStager:
     """torch.distributed.checkpoint's stager: copies a state dict's tensors to the CPU (pinned, non-blocking on
     CUDA), keeping ties and every other value, into buffers it keeps for the next save."""
-    try:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    except ImportError:
+    if not stager_available():
         raise ConfigError(
             f"checkpoint.async_save=true needs torch.distributed.checkpoint's DefaultStager (PyTorch 2.9 or newer); "
             f"this is PyTorch {torch.__version__}. Upgrade PyTorch, or set checkpoint.async_save=false."
-        ) from None
+        )
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
     cuda = device_type == "cuda"
     return DefaultStager(StagingOptions(cuda, False, False, cuda))  # pinned, shared memory, async staging, non-blocking
 

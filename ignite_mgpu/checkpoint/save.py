@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import ignite.distributed as idist
+import torch
 from ignite.engine import Engine, Events
 from ignite.handlers import Checkpoint, global_step_from_engine
 from torch import nn
 
-from ignite_mgpu.checkpoint.background import AsyncDiskSaver
+from ignite_mgpu.checkpoint.background import AsyncDiskSaver, stager_available
 from ignite_mgpu.checkpoint.disk import SafeDiskSaver as SafeDiskSaver  # where it was
 from ignite_mgpu.checkpoint.files import (
     BEST_NAME,
@@ -128,6 +129,7 @@ def attach_checkpoints(
     validation and the epoch log: a checkpoint of a finished epoch always has that epoch recorded.
     """
     full: Checkpoint | ShardedCheckpoint
+    in_background = _in_background(cfg.async_save)
     full, best = create_checkpointers(
         to_save,
         to_save["model"],
@@ -137,10 +139,10 @@ def attach_checkpoints(
         global_step_from_engine(trainer),
         cfg.metric_mode,
         cfg.best_format,
-        cfg.async_save and cfg.format == "full",
+        in_background and cfg.format == "full",
     )
     if cfg.format == "sharded":
-        full = ShardedCheckpoint(to_save, output_dir, cfg.n_saved, cfg.async_save)
+        full = ShardedCheckpoint(to_save, output_dir, cfg.n_saved, in_background)
     trainer.add_event_handler(GuardEvents.CHECKPOINT, _while_saving(full, trainer))
     if cfg.every:
         trainer.add_event_handler(
@@ -150,6 +152,20 @@ def attach_checkpoints(
         trainer.add_event_handler(GuardEvents.STOPPING, _while_saving(full, trainer, wait=True))
     evaluator.add_event_handler(Events.COMPLETED, _while_saving(best, trainer))
     return full, best
+
+
+def _in_background(async_save: bool) -> bool:
+    """``checkpoint.async_save`` (the default) where this PyTorch can take the snapshot (2.9 or newer); on an older
+    one the job saves synchronously, as before, and rank 0 says so once, rather than failing a job that did not ask."""
+    if async_save and not stager_available():
+        if idist.get_rank() == 0:
+            logger.warning(
+                "checkpoint.async_save: PyTorch %s cannot snapshot a checkpoint for a background write (2.9 or newer "
+                "can); checkpoints are written synchronously",
+                torch.__version__,
+            )
+        return False
+    return async_save
 
 
 def _while_saving(

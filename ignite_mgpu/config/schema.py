@@ -128,7 +128,7 @@ class CheckpointConfig:
     allow_config_change: bool = False  # let --resume continue a checkpoint written with other settings
     format: Literal["full", "sharded"] = "full"  # full: one file, written by rank 0; sharded: a folder, by every rank
     best_format: Literal["pt", "safetensors"] = "pt"  # the best model's file: a torch.save state_dict, or safetensors
-    async_save: bool = False  # snapshot the state in the step (into CPU memory), write it in the background
+    async_save: bool = True  # snapshot the state in the step (into CPU memory), write it in the background
 
 
 @dataclass

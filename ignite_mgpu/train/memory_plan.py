@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from ignite_mgpu.config.schema import Config
+from ignite_mgpu.config.schema import CheckpointConfig, Config
 from ignite_mgpu.processes import gpu_selection
 from ignite_mgpu.processes.gpus import GpuInfo, query_gpus
 from ignite_mgpu.train.datasets import check_global_batch
@@ -48,6 +48,7 @@ class Row:
     peak: int
     extra: int = 0  # dp: GPU 0's share beyond a replica's (the whole batch's inputs, the gathered outputs)
     block: int = 0  # fsdp: the largest unit's gathered parameters
+    snapshot: int = 0  # on the CPU: checkpoint.async_save's copy of the saved state, in the same RAM (counted in fits)
     fits: bool = False  # the whole ``batch`` fits, with MARGIN
     micro_batch: int | None = None  # the largest micro-batch per process that fits (None: not even one sample)
     note: str = ""
@@ -105,11 +106,22 @@ def largest_fit(fixed: float, per_sample: float, free: int, limit: int, margin: 
     return limit if per_sample <= 0 else min(limit, int(room // per_sample))
 
 
-def _row(strategy: str, f: Footprint, per_sample: float, cap: Capacity, block: int = 0) -> Row:
-    fixed = f.peak - per_sample * f.batch
+def _row(strategy: str, f: Footprint, per_sample: float, cap: Capacity, block: int = 0, snapshot: int = 0) -> Row:
+    fixed = f.peak - per_sample * f.batch + snapshot
     micro = largest_fit(fixed, per_sample, min(cap.free), f.batch, cap.margin)
     return Row(strategy, len(cap.free), f.batch, f.params, f.grads, f.optimizer, round(per_sample), f.peak,
-               block=block, fits=micro == f.batch, micro_batch=micro)  # fmt: skip
+               block=block, snapshot=snapshot, fits=micro == f.batch, micro_batch=micro)  # fmt: skip
+
+
+def snapshot_bytes(ckpt: CheckpointConfig, whole: Footprint, own: Footprint, device: str) -> int:
+    """What ``checkpoint.async_save`` keeps in RAM from the first save on, where training uses that RAM too (the
+    CPU; on GPUs the snapshot is in host memory): the whole model's parameters and optimizer state on rank 0 for
+    ``checkpoint.format=full`` (counted for every process: the plan fits the smallest share), each process's own
+    shards for ``sharded``."""
+    if device != "cpu" or not ckpt.async_save:
+        return 0
+    saved = whole if ckpt.format == "full" else own
+    return saved.params + saved.optimizer
 
 
 def make_memory_plan(cfg: Config, cap: Capacity) -> MemoryPlan:
@@ -121,10 +133,11 @@ def make_memory_plan(cfg: Config, cap: Capacity) -> MemoryPlan:
     full = measure(cfg, example, local, nproc, "ddp")
     other = max(1, local // 2) if local > 1 else 2
     per_sample = max(0.0, (full.peak - measure(cfg, example, other, nproc, "ddp").peak) / (local - other))
-    rows = [_row("ddp", full, per_sample, cap)]
+    rows = [_row("ddp", full, per_sample, cap, snapshot=snapshot_bytes(cfg.checkpoint, full, full, cap.device))]
     if nproc > 1:
         sharded = measure(cfg, example, local, nproc, "fsdp")
-        rows.append(_row("fsdp", sharded, per_sample, cap, block=sharded.block))
+        snapshot = snapshot_bytes(cfg.checkpoint, full, sharded, cap.device)
+        rows.append(_row("fsdp", sharded, per_sample, cap, block=sharded.block, snapshot=snapshot))
     else:
         rows.append(dataclasses.replace(rows[0], strategy="fsdp", note="one process: nothing to shard (as ddp)"))
     rows.append(_dataparallel(full, per_sample, cap, batch))

@@ -48,6 +48,9 @@ def format_plan(plan: MemoryPlan) -> str:
     notes += [f"  dp: GPU 0 also holds {size(r.extra)} more than a replica (the whole batch's inputs, the gathered "
               "outputs and their gradient)" for r in plan.rows if r.strategy == "dp" and r.extra]  # fmt: skip
     notes += [f"  fsdp: largest gathered block {size(r.block)}" for r in plan.rows if r.strategy == "fsdp" and r.block]
+    if kept := ", ".join(f"{r.strategy}: {size(r.snapshot)}" for r in plan.rows if r.snapshot):
+        notes.append(f"  checkpoint.async_save: the background checkpoint's snapshot stays in RAM ({kept}), counted in "
+                     "the fit")  # fmt: skip
     footer = (
         "Per process (dp: GPU 0), one training step measured on fake tensors on the CPU: nothing allocated.\n"
         f"The peak is within 15 % of a measured step (benchmarks/memory); a fit leaves {cap.margin * 100:.0f} % of it "

@@ -178,7 +178,8 @@ def test_time_based_and_iteration_checkpoints_land_on_window_ends_after_the_epoc
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: reported.append(len(list_checkpoints(tmp_path))))
     evaluator = Engine(lambda e, b: None)
     to_save = {"model": model, "trainer": trainer}
-    cfg = CheckpointConfig(every=0, every_iters=4, every_minutes=0.05, n_saved=20)
+    # synchronous: each file is on disk when its save returns, which the counts at each epoch's report read
+    cfg = CheckpointConfig(every=0, every_iters=4, every_minutes=0.05, n_saved=20, async_save=False)
     attach_checkpoints(trainer, evaluator, to_save, cfg, tmp_path, "accuracy")
     trainer.run(data(n=40, batch=4), max_epochs=2)
     # Iterations: multiples 4, 8, 12, 16, 20 -> the ends of their windows 6, 9, 13, 16 and the epoch end 20. Time

@@ -322,15 +322,16 @@ def test_s2_data_loader_error_on_one_rank_unblocks_the_other(h: Harness) -> None
     h.assert_no_leftovers(grace=2.0)
 
 
-ASYNC = ["checkpoint.async_save=true"]
+ASYNC = ["checkpoint.async_save=true"]  # the default, named where a test is about it
+SYNC = ["checkpoint.async_save=false"]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("saving", [[], pytest.param(ASYNC, marks=pytest.mark.slow)], ids=["sync", "async"])
+@pytest.mark.parametrize("saving", [ASYNC, pytest.param(SYNC, marks=pytest.mark.slow)], ids=["async", "sync"])
 def test_s19_writer_killed_mid_save_keeps_the_previous_checkpoint(h: Harness, saving: list[str]) -> None:
-    """SIGKILL rank 0 while it is half-way through writing checkpoint_4 (async: in the background thread, the
-    training thread waiting at the next save): checkpoint_2 stays the newest complete checkpoint, no partial file
-    carries a checkpoint name, and the next start removes the temp file."""
+    """SIGKILL rank 0 while it is half-way through writing checkpoint_4 (async, the default: in the background
+    thread, the training thread waiting at the next save; sync: in the step): checkpoint_2 stays the newest complete
+    checkpoint, no partial file carries a checkpoint name, and the next start removes the temp file."""
     out = h.root / "out"
     job = h.start([*BASE, *saving, "--output-dir", str(out)], fault="slowwrite:0:4:60")
     marker = job.pids_dir / "halfwritten0"

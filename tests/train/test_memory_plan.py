@@ -106,6 +106,30 @@ def test_a_tight_gpu_gets_a_micro_batch_and_dp_its_gpu0_share(stack_cfg):
     assert "micro-batch" in text and "GPU 0,1" in text and "largest gathered block 48.2 KiB" in text
 
 
+def test_on_the_cpu_the_background_checkpoints_snapshot_is_counted(stack_cfg):
+    """checkpoint.async_save (the default) keeps a copy of the saved state in RAM: on the CPU, where training uses
+    the same RAM, the fit counts it (the whole state for format=full, each process's shards for sharded); on GPUs
+    it is host memory, not the GPU's."""
+    cfg = load_config(None, [*STACK, "optim.name=adamw"])
+    state = PARAMS + 2 * PARAMS + 4 * 4  # the parameters and AdamW's state of the whole model
+    cpu = {r.strategy: r for r in make_memory_plan(cfg, Capacity("cpu", [2**30, 2**30], "the CPU (RAM)", 0)).rows}
+    assert (cpu["ddp"].snapshot, cpu["fsdp"].snapshot) == (state, state)
+    sharded = load_config(None, [*STACK, "optim.name=adamw", "checkpoint.format=sharded"])
+    rows = {r.strategy: r for r in make_memory_plan(sharded, Capacity("cpu", [2**30] * 2, "the CPU", 0)).rows}
+    assert rows["fsdp"].snapshot == PARAMS // 2 + PARAMS + 4 * 4  # its own shards
+    off = load_config(None, [*STACK, "optim.name=adamw", "checkpoint.async_save=false"])
+    assert all(r.snapshot == 0 for r in make_memory_plan(off, Capacity("cpu", [2**30] * 2, "the CPU", 0)).rows)
+    assert all(r.snapshot == 0 for r in make_memory_plan(cfg, Capacity("cuda", [2**30] * 2, "GPU 0,1", 0)).rows)
+    ddp = cpu["ddp"]
+    fixed = ddp.peak - ddp.activations_per_sample * ddp.batch
+    room = int((fixed + ddp.activations_per_sample * ddp.batch) * 1.16)  # the step fits, the snapshot does not
+    tight = {r.strategy: r for r in make_memory_plan(cfg, Capacity("cpu", [room] * 2, "the CPU", 0)).rows}
+    assert not tight["ddp"].fits and tight["ddp"].snapshot == state
+    assert "the background checkpoint's snapshot stays in RAM (ddp: " in format_plan(
+        make_memory_plan(cfg, Capacity("cpu", [room] * 2, "the CPU", 0))
+    )
+
+
 def test_size_reads_as_people_read_it():
     assert [size(812), size(40872), size(3 * 2**20), size(1.5 * 2**30)] == ["812 B", "39.9 KiB", "3.0 MiB", "1.50 GiB"]
 
