@@ -1,16 +1,19 @@
 """Evaluation compared: ignite-mgpu's evaluator (``create_evaluator`` with ``validation_metrics``, as ``training``
 builds it) against a hand-written ``torch.no_grad()`` loop that computes the same metrics (loss, and accuracy for
-cross-entropy) with one all-reduce at the end, on the same prepared model; passes over the validation split take
-turns, and both loops' metrics must be equal."""
+cross-entropy) with one all-reduce at the end, on the same prepared model; and, as the reference, ignite's bare
+``Engine`` running the hand-written loop's work. Passes over the validation split take turns, and every loop's
+metrics must equal the hand-written loop's."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 # workload -> title, validation samples (default, --quick): 2 processes x the per-process batches of one pass. The
 # FSDP one first: ``built`` sets the CPU allocator up as each job does (``setup_cpu_memory``), which is process-wide
 # and for good: the DDP job keeps freed memory, the FSDP job leaves malloc as it is.
+REFERENCE = "ignite Engine"  # the hand-written loop's work in ignite's bare Engine: what ignite's loop itself costs
 WORKLOADS = {
     "gpt2": ("tiny GPT-2 (FSDP)", 256, 64),  # batch 16 (8 per process): 16 batches per process and pass
     "cnn": ("small CNN (DDP)", 2048, 512),  # batch 128 (64 per process): 16 batches per process and pass
@@ -73,29 +76,67 @@ def hand_evaluate(net: Any, loader: Any, loss_fn: Any) -> dict[str, float]:
     predictions for cross-entropy) summed on this rank, one all-reduce at the end. ``loss_fn`` None: the model
     computes its own loss from the batch's labels (a Hugging Face causal LM). One process: no all-reduce."""
     import torch
-    import torch.distributed as dist
 
     net.eval()
-    loss_sum, correct, count = torch.zeros(()), torch.zeros((), dtype=torch.long), 0
+    sums = Sums()
     with torch.no_grad():
         for batch in loader:
-            if loss_fn is None:
-                n = len(batch["input_ids"])
-                loss_sum += net(**batch).loss.float() * n
-            else:
-                x, y = batch[0], batch[1]
-                n = len(y)
-                out = net(x).float()
-                loss_sum += loss_fn(out, y) * n
-                correct += torch.eq(torch.argmax(out, dim=1), y).sum()
-            count += n
-    totals = torch.stack([loss_sum, correct.float(), torch.tensor(float(count))])
-    if dist.is_initialized():
-        dist.all_reduce(totals)
-    result = {"loss": totals[0].item() / int(totals[2].item())}
-    if loss_fn is not None:
-        result["accuracy"] = int(totals[1].item()) / int(totals[2].item())
-    return result
+            sums.add(net, batch, loss_fn)
+    return sums.result(loss_fn)
+
+
+class Sums:
+    """The hand-written loop's per-batch work and its end: this rank's sums, then one all-reduce."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.loss, self.correct, self.count = torch.zeros(()), torch.zeros((), dtype=torch.long), 0
+
+    def add(self, net: Any, batch: Any, loss_fn: Any) -> None:
+        import torch
+
+        if loss_fn is None:
+            n = len(batch["input_ids"])
+            self.loss += net(**batch).loss.float() * n
+        else:
+            x, y = batch[0], batch[1]
+            n = len(y)
+            out = net(x).float()
+            self.loss += loss_fn(out, y) * n
+            self.correct += torch.eq(torch.argmax(out, dim=1), y).sum()
+        self.count += n
+
+    def result(self, loss_fn: Any) -> dict[str, float]:
+        import torch
+        import torch.distributed as dist
+
+        totals = torch.stack([self.loss, self.correct.float(), torch.tensor(float(self.count))])
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        result = {"loss": totals[0].item() / int(totals[2].item())}
+        if loss_fn is not None:
+            result["accuracy"] = int(totals[1].item()) / int(totals[2].item())
+        return result
+
+
+def engine_loop(net: Any, loader: Any, loss_fn: Any) -> Callable[[], dict[str, float]]:
+    """The reference: ignite's bare ``Engine`` (built once, as ignite-mgpu's evaluator is) running the hand-written
+    loop's per-batch work over the same loader, with no handler and no metric: what ignite's loop itself costs."""
+    import torch
+    from ignite.engine import Engine
+
+    sums = [Sums()]
+    engine = Engine(lambda _, batch: sums[0].add(net, batch, loss_fn))
+
+    def evaluate() -> dict[str, float]:
+        net.eval()
+        sums[0] = Sums()
+        with torch.no_grad():
+            engine.run(loader)
+        return sums[0].result(loss_fn)
+
+    return evaluate
 
 
 def ignite_evaluate(parts: dict[str, Any]) -> dict[str, float]:
@@ -107,28 +148,32 @@ def clocks() -> tuple[float, float]:
     return time.perf_counter(), time.thread_time()
 
 
-def loops_of(parts: dict[str, Any]) -> dict[str, Any]:
-    """The two evaluation loops over ``built(cfg)``'s parts, as functions of no argument returning the metrics."""
-    return {
-        "hand-written": lambda: hand_evaluate(parts["net"], parts["hand_loader"], parts["loss_fn"]),
-        "ignite-mgpu": lambda: ignite_evaluate(parts),
-    }
+def loops_of(parts: dict[str, Any], reference: bool = False) -> dict[str, Any]:
+    """The evaluation loops over ``built(cfg)``'s parts, as functions of no argument returning the metrics: the
+    hand-written one and ignite-mgpu's, and with ``reference`` ignite's bare ``Engine`` (REFERENCE)."""
+    args = (parts["net"], parts["hand_loader"], parts["loss_fn"])
+    loops = {"hand-written": lambda: hand_evaluate(*args), "ignite-mgpu": lambda: ignite_evaluate(parts)}
+    return loops | ({REFERENCE: engine_loop(*args)} if reference else {})
 
 
 def difference(results: dict[str, dict[str, float]]) -> str | None:
-    """None when ignite-mgpu's metrics equal the hand-written loop's (the same names, the same floats)."""
-    ours = {k: results["ignite-mgpu"].get(k) for k in results["hand-written"]}
-    return None if ours == results["hand-written"] else f"hand-written {results['hand-written']}, ignite-mgpu {ours}"
+    """None when every other loop's metrics equal the hand-written loop's (the same names, the same floats)."""
+    hand = results["hand-written"]
+    for name, found in results.items():
+        if (other := {k: found.get(k) for k in hand}) != hand:
+            return f"hand-written {hand}, {name} {other}"
+    return None
 
 
 def evaluation_turns(parts: dict[str, Any], passes: int) -> tuple[dict[str, list[tuple[float, float]]], list[str]]:
-    """``passes`` passes of each loop over the validation split, taking turns (order alternating); returns each
-    loop's (wall s, CPU s) per pass after the first two (warm-up), and every pass whose metrics differed."""
-    loops = loops_of(parts)
+    """``passes`` passes of each loop (the reference's too) over the validation split, taking turns (the order
+    rotating); returns each loop's (wall s, CPU s) per pass after the first two (warm-up), and every pass whose
+    metrics differed."""
+    loops = loops_of(parts, reference=True)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in loops}
     differences = []
     for p in range(passes + 2):
-        names = list(loops) if p % 2 else list(loops)[::-1]
+        names = list(loops)[p % len(loops) :] + list(loops)[: p % len(loops)]
         results = {}
         for name in names:
             start = clocks()
