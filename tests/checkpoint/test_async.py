@@ -113,6 +113,8 @@ def test_one_write_in_flight_and_rotation_after_it_completes(tmp_path, monkeypat
     started = time.perf_counter()
     full(engine_at(4))  # returns while the write is blocked
     assert time.perf_counter() - started < 5 and saver.writer.in_flight
+    while not save.active and time.perf_counter() - started < 20:  # until the writer thread is in torch.save,
+        time.sleep(0.01)  # its temp file open
     train_step(to_save, 5)  # the snapshot is not the live state
     assert sorted(p.name for p in list_checkpoints(tmp_path)) == ["checkpoint_2.pt"]  # not rotated yet
     assert find_resumable(tmp_path) == tmp_path / "checkpoint_2.pt" and list(tmp_path.glob(".tmp-*.pt"))

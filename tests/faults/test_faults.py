@@ -252,12 +252,19 @@ def test_s3_sigkilled_rank_then_resume_auto(h: Harness) -> None:
 
 @pytest.mark.timeout(120)
 def test_s4_rank0_sigkilled_job_ends_promptly(h: Harness) -> None:
+    """Rank 0, the writer, is killed in iteration 5, right after it saved checkpoint_4. In the background (the
+    default) that write may still be in flight, and a crash loses at most that one: then its temp file is there
+    (the next start removes it) and checkpoint_2 is the newest; every checkpoint on disk is complete."""
     out = h.root / "out"
     r = h.run([*BASE, "--output-dir", str(out)], fault="kill:0:5", timeout=45)
     assert r.rc == 1, str(r)
     assert "rank 0 terminated with signal SIGKILL" in r.stderr, str(r)
     h.assert_no_leftovers()
-    assert_last_good(out, 4)
+    found = checkpoints(out)
+    for it, path in found.items():
+        assert_loads(path, it)
+    in_flight = list(out.glob(".tmp-*.pt"))
+    assert (max(found), len(in_flight)) in ((4, 0), (2, 1)), (sorted(found), in_flight)
 
 
 @pytest.mark.timeout(120)

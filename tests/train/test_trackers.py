@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -280,10 +281,12 @@ def test_an_mlflow_store_that_fails_later_is_one_warning(tmp_path, monkeypatch, 
         trainer, _ = tiny_run(out, "train.loggers=[mlflow,csv]", epochs=3)
     assert trainer.state.epoch == 3 and len(calls) == 4  # nothing more was sent after the failure
     warnings = [r.getMessage() for r in caplog.records if "train.loggers" in r.getMessage()]
-    assert warnings == [
-        "train.loggers: the mlflow tracker failed to log (ConnectionError: the server went away); training goes on "
-        "without it."
-    ]
+    # The sender thread's error surfaces at the next request or at the end, whichever comes first after it failed.
+    assert len(warnings) == 1 and re.fullmatch(
+        r"train.loggers: the mlflow tracker failed to (log|end its run) \(ConnectionError: the server went away\); "
+        r"training goes on without it\.",
+        warnings[0],
+    ), warnings
     assert [i for i, _ in values(csv_rows(out), "train/loss")] == list(range(2, 13, 2))  # the others go on
 
 
