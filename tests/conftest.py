@@ -1,6 +1,7 @@
 """Shared fixtures: restore os.environ and tear down any process group after each test; run the CLI for real.
 
-Run everything with `python -m pytest -q`; `-m "not distributed"` keeps to the in-process tests.
+Run everything with `python -m pytest -q`; `-m "not slow"` is the fast tier: no test there spawns a job (every
+`distributed` test is also `slow`, which collection checks).
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ def needs_gpus(n: int) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
+    marked = [(item, {m.name for m in item.iter_markers()}) for item in items]
+    unmarked = [item.nodeid for item, names in marked if "distributed" in names and "slow" not in names]
+    if unmarked:  # the fast tier (-m "not slow") must never start a multi-process job
+        raise pytest.UsageError(f"a distributed test must also be marked slow: {', '.join(unmarked)}")
     if not any("gpu" in item.keywords for item in items) or cuda_device_count():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -282,6 +282,7 @@ def test_fsdp_step_instruction_counts_are_read_per_part_and_rank(tmp_path):
     assert all("refused: loss differs" in r[4] for r in rows[2:]) and len(rows) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(150)
 def test_checkpoint_stall_quick_run_prints_both_formats(tmp_path):

@@ -27,7 +27,7 @@ from ignite_mgpu.train.job import training
 from tests.conftest import REPO, TINY, make_image_folder, run_cli
 from tests.runs.test_read import assert_table_equals_metrics
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def tiny_config(out: Path, *extra: str):

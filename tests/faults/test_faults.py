@@ -26,7 +26,7 @@ import pytest
 from tests.conftest import make_image_folder
 from tests.faults.harness import Harness, Job, Result, is_loopback
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 # A tiny 2-rank job: 640 samples / global batch 64 = 10 iterations per epoch, a check every iteration and a
 # checkpoint every 2 iterations (two kept).
@@ -326,7 +326,7 @@ ASYNC = ["checkpoint.async_save=true"]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("saving", [[], pytest.param(ASYNC, marks=pytest.mark.slow)], ids=["sync", "async"])
+@pytest.mark.parametrize("saving", [[], ASYNC], ids=["sync", "async"])
 def test_s19_writer_killed_mid_save_keeps_the_previous_checkpoint(h: Harness, saving: list[str]) -> None:
     """SIGKILL rank 0 while it is half-way through writing checkpoint_4 (async: in the background thread, the
     training thread waiting at the next save): checkpoint_2 stays the newest complete checkpoint, no partial file
@@ -352,7 +352,6 @@ def test_s19_writer_killed_mid_save_keeps_the_previous_checkpoint(h: Harness, sa
     h.assert_no_leftovers()
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sigterm_during_a_background_write_finishes_it_then_saves_the_stop(h: Harness) -> None:
     """checkpoint.async_save: SIGTERM while checkpoint_4 is half-written in the background (3 s): the job stops
@@ -567,7 +566,6 @@ def test_s10_s11_bad_input_exits_2_before_spawning(h: Harness, extra: list[str],
 # ----------------------------------------------------------------------------------------------- soak
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_soak_memory_stays_flat_over_20k_iterations(h: Harness) -> None:
     """One process, 20 epochs x 1000 tiny iterations (batch 8, 8x8 images), a checkpoint every epoch: the peak
