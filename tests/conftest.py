@@ -1,16 +1,19 @@
 """Shared fixtures: restore os.environ and tear down any process group after each test; run the CLI for real.
 
-Run everything with `python -m pytest -q`; `-m "not distributed"` keeps to the in-process tests.
+Run everything with `python -m pytest -q`; `-m "not slow"` is the fast tier, without the multi-process jobs (every
+`distributed` test is also `slow`: collection refuses one that is not).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,6 +65,10 @@ def _cpu_only(request, _no_leaked_environment, monkeypatch):
     depends on _no_leaked_environment so that monkeypatch is undone before the leak check runs."""
     if "gpu" in request.keywords:
         return
+    _hide_gpus(monkeypatch)
+
+
+def _hide_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     from ignite_mgpu.processes import gpus, plan
@@ -75,6 +82,16 @@ def _cpu_only(request, _no_leaked_environment, monkeypatch):
     # The plan asks torch.cuda (which tests patch to show GPUs) only where a GPU driver is installed: pretend one is.
     # The jobs the tests launch run on this machine as it is (tests/test_preflight.py: no driver, no torch there).
     monkeypatch.setattr(plan, "GPU_DRIVER_FILES", ("/",))
+
+
+@contextlib.contextmanager
+def cpu_only(claims_dir: Path) -> Iterator[None]:
+    """What _cpu_only and _private_claims_dir give a test, for a job that a module-scoped fixture starts (launch()
+    here, or the CLI in a child): such a fixture runs before the function-scoped autouse fixtures. Undone after."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _hide_gpus(monkeypatch)
+        monkeypatch.setenv("IGNITE_MGPU_CLAIMS_DIR", str(claims_dir))
+        yield
 
 
 def _no_nvidia_smi(argv):
@@ -101,6 +118,10 @@ def needs_gpus(n: int) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
+    marked = [(item, {m.name for m in item.iter_markers()}) for item in items]
+    unmarked = [item.nodeid for item, names in marked if "distributed" in names and "slow" not in names]
+    if unmarked:  # the fast tier (-m "not slow") must never start a multi-process job
+        raise pytest.UsageError(f"a distributed test must also be marked slow: {', '.join(unmarked)}")
     if not any("gpu" in item.keywords for item in items) or cuda_device_count():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

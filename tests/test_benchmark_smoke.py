@@ -113,6 +113,7 @@ def test_loops_take_turns_and_end_with_the_same_weights():
     assert session.window_size(500) == 100 and session.window_size(7) == 1 and session.window_size(40) == 8
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_engine_floor_prints_all_four_loops():
     script = SCRIPT.with_name("bench_engine_floor.py")
@@ -130,6 +131,7 @@ def test_engine_floor_prints_all_four_loops():
     assert all(float(row[2]) > 0 for row in rows), proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cpu_allocator_benchmark_prints_both_modes():
     script = BENCHMARKS / "allocator" / "bench_cpu_allocator.py"
@@ -286,6 +288,7 @@ def test_fsdp_step_instruction_counts_are_read_per_part_and_rank(tmp_path):
     assert all("refused: loss differs" in r[4] for r in rows[2:]) and len(rows) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(150)
 def test_checkpoint_stall_quick_run_prints_both_formats(tmp_path):

@@ -42,6 +42,7 @@ def test_the_reader_finds_the_blocks():  # a reader that found nothing would mak
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("block", RUN_HERE, ids=[b.id for b in RUN_HERE])
 def test_block_runs(block, tmp_path):
@@ -104,6 +105,7 @@ def documented_names(page: str) -> list[str]:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_checkpoints_how_to_and_the_files_it_documents(tmp_path):
     """One job (trained, inspected, evaluated, reported) checks the how-to's commands, the metrics.jsonl

@@ -11,7 +11,7 @@ import yaml
 from tests.conftest import REPO
 from tests.docs_blocks import doc_block, run_block, sandbox
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def run_example(name, *args, timeout=150):

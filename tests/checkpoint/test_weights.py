@@ -289,6 +289,7 @@ def test_a_restart_before_the_first_checkpoint_starts_from_the_weights_again(tmp
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_share_weights_how_to(tmp_path):
     """One 1-process CLI job: the best model as safetensors, evaluated, then a new run from its weights."""

@@ -26,6 +26,7 @@ from tests.conftest import run_cli
 
 pytestmark = [
     pytest.mark.distributed,
+    pytest.mark.slow,
     pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs: one per rank"),
 ]
 TINY_MLP = [

@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 from ignite_mgpu import ConfigError, create_dataloader, create_evaluator, create_trainer, launch, validation_metrics
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 class FirstClass(nn.Module):

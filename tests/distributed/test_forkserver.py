@@ -16,7 +16,7 @@ import pytest
 
 from ignite_mgpu.processes import forkserver, launcher
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def job(local_rank: int, folder: str) -> dict:

@@ -19,9 +19,9 @@ from ignite_mgpu.checkpoint.tools import convert
 from ignite_mgpu.cli import main
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.train.job import training
-from tests.conftest import TINY, run_cli
+from tests.conftest import TINY, cpu_only, run_cli
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 # 2000 training samples in global batches of 20: 100 steps an epoch. 101 validation samples, 10 per rank and batch:
 # rank 0 holds 51 (6 batches), rank 1 50 (5 batches), so FSDP's evaluation must pad rank 1 with one forward.
 JOB = ["model.name=mlp", "data.image_size=8", "data.train_size=2000", "data.val_size=101", "data.batch_size=20"]
@@ -46,11 +46,32 @@ def assert_within(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: 
         assert diff <= atol, f"{key}: max difference {diff:.2e} > {atol:.0e}"
 
 
+def launched_work(local_rank: int, root: str, fsdp2, ddp2) -> None:
+    """The work of the tests that launch() from here, one part after the other in the same 2 processes (one
+    start-up): the default job under FSDP and under DDP, the public API's accumulation runs, the fp16 scaler. Each
+    part builds its own objects."""
+    training(local_rank, fsdp2)
+    training(local_rank, ddp2)
+    accumulation_runs(local_rank, str(Path(root, "accumulation")))
+    scaler_worker(local_rank, str(Path(root, "scaler")))
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> Path:
+    """One 2-process launch() job, shared by the tests that read its parts: ``fsdp2`` and ``ddp2`` (the default
+    job's runs), ``accumulation``, ``scaler``."""
+    root = tmp_path_factory.mktemp("launched")
+    for part in ("accumulation", "scaler"):
+        (root / part).mkdir()
+    with cpu_only(root / "claims"):
+        fsdp2, ddp2 = config(root / "fsdp2", "dist.strategy=fsdp"), config(root / "ddp2")
+        launch(launched_work, str(root), fsdp2, ddp2, nproc=2, backend="gloo")
+    return root
+
+
 @pytest.mark.timeout(300)
-def test_fsdp_trains_like_ddp_and_like_one_process_and_evaluates_uneven_shards_exactly(tmp_path):
-    fsdp2, ddp2, fsdp1 = tmp_path / "fsdp2", tmp_path / "ddp2", tmp_path / "fsdp1"
-    launch(training, config(fsdp2, "dist.strategy=fsdp"), nproc=2, backend="gloo")
-    launch(training, config(ddp2), nproc=2, backend="gloo")
+def test_fsdp_trains_like_ddp_and_like_one_process_and_evaluates_uneven_shards_exactly(tmp_path, launched):
+    fsdp2, ddp2, fsdp1 = launched / "fsdp2", launched / "ddp2", tmp_path / "fsdp1"
     launch(training, config(fsdp1, "dist.strategy=fsdp"), nproc=1)
     sharded = final_model(fsdp2)
     assert list_checkpoints(fsdp2)[0].name == "checkpoint_200.pt"  # 200 steps, same seed and global batch, fp32
@@ -99,7 +120,8 @@ def test_fsdp_trains_like_ddp_and_like_one_process_and_evaluates_uneven_shards_e
 
 
 def accumulation_worker(local_rank: int, out: str, strategy: str, global_batch: int, accum: int) -> None:
-    """The public API with FSDP: gradient accumulation (sync off on accumulation steps) and global-norm clipping."""
+    """The public API with FSDP: gradient accumulation (sync off on accumulation steps) and global-norm clipping.
+    Everything it builds is its own: a second call in the same processes starts afresh."""
     from torch.utils.data import TensorDataset
     from torch.utils.data.distributed import DistributedSampler
 
@@ -125,12 +147,17 @@ def accumulation_worker(local_rank: int, out: str, strategy: str, global_batch: 
         torch.save({"state": state, "syncs": syncs}, Path(out) / f"{strategy}-{accum}.pt")
 
 
-@pytest.mark.timeout(240)
-def test_fsdp_accumulation_skips_sync_and_clipping_takes_the_global_norm(tmp_path):
+def accumulation_runs(local_rank: int, out: str) -> None:
+    """DDP, FSDP, and FSDP with 2 accumulation steps, in turn."""
     for strategy, batch, accum in (("ddp", 32, 1), ("fsdp", 32, 1), ("fsdp", 16, 2)):
-        launch(accumulation_worker, str(tmp_path), strategy, batch, accum, nproc=2, backend="gloo")
+        accumulation_worker(local_rank, out, strategy, batch, accum)
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_accumulation_skips_sync_and_clipping_takes_the_global_norm(launched):
     ddp, fsdp, accumulated = (
-        torch.load(tmp_path / name, weights_only=True) for name in ("ddp-1.pt", "fsdp-1.pt", "fsdp-2.pt")
+        torch.load(launched / "accumulation" / name, weights_only=True)
+        for name in ("ddp-1.pt", "fsdp-1.pt", "fsdp-2.pt")
     )
     # clip_grad_norm=0.05 clips every step: a norm over each rank's own shard would give other updates than DDP.
     assert_within(fsdp["state"], ddp["state"], atol=1e-5)
@@ -158,10 +185,9 @@ def scaler_worker(local_rank: int, out: str) -> None:
     Path(out, f"rank{idist.get_rank()}.json").write_text(json.dumps({"scale": scaler.get_scale(), "stepped": stepped}))
 
 
-@pytest.mark.timeout(120)
-def test_fp16_loss_scaling_skips_an_overflowing_step_on_every_rank(tmp_path):
-    launch(scaler_worker, str(tmp_path), nproc=2, backend="gloo")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+@pytest.mark.timeout(300)
+def test_fp16_loss_scaling_skips_an_overflowing_step_on_every_rank(launched):
+    ranks = [json.loads((launched / "scaler" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks == [{"scale": 512.0, "stepped": False}] * 2
 
 

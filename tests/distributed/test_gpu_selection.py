@@ -12,8 +12,6 @@ from ignite_mgpu import launch
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.processes import gpus
 
-pytestmark = [pytest.mark.distributed]
-
 FOUR_A100 = [
     gpus.GpuInfo(i, f"00000000:{7 + i:02X}:00.0", "NVIDIA A100-SXM4-80GB", used, 81920, util, procs)
     for i, (used, util, procs) in enumerate([(70000, 95, 2), (30000, 40, 1), (500, 0, 0), (400, 0, 0)])
@@ -26,6 +24,8 @@ def report_environment(local_rank: int, out: str) -> None:
     Path(out, f"rank{local_rank}.json").write_text(json.dumps(seen))
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("spec, expected", [("2,3", "2,3"), ("auto:2", "2,3"), ("3,1", "3,1")])
 def test_workers_see_the_selected_gpus(tmp_path, monkeypatch, spec, expected):
@@ -66,6 +66,8 @@ def report_device(local_rank: int, out: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_real_gpu_selection(tmp_path, monkeypatch):
     snapshot = gpus.query_gpus()

@@ -18,7 +18,7 @@ from tests.conftest import REPO
 from tests.docs_blocks import doc_block, run_block, sandbox
 from tests.train.test_metrics import expected_metrics
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def weighted_precision(logits: torch.Tensor, y: torch.Tensor) -> float:

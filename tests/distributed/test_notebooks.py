@@ -18,7 +18,6 @@ from tests.conftest import REPO, TINY, needs_gpus, run_in_session
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
-pytestmark = [pytest.mark.distributed]
 
 DEFINE = """
 import os
@@ -104,6 +103,8 @@ def kernel_env(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_function_defined_in_a_cell_trains_on_2_processes_and_a_failure_raises_in_the_cell(tmp_path, kernel_env):
     fit_cell = f"""
@@ -127,6 +128,8 @@ print("FIT", result == 0, result.exit_code, result.output_dir, result.metrics["e
     assert_gone(kernel)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_from_stdin_the_workers_are_forked_and_a_failure_exits_with_the_jobs_code(tmp_path):
     program = DEFINE + LAUNCH + FAIL.split("try:")[0] + "launch(broken, nproc=2)\nprint('not reached')\n"
@@ -159,6 +162,8 @@ except ValueError as err:
 
 
 @pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gpu_a_cell_trains_on_2_gpus_with_nccl_and_gets_rank_0s_tensor_on_the_cpu(tmp_path, kernel_env):
     needs_gpus(2)
@@ -170,6 +175,8 @@ def test_gpu_a_cell_trains_on_2_gpus_with_nccl_and_gets_rank_0s_tensor_on_the_cp
 
 
 @pytest.mark.gpu
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gpu_cuda_initialised_or_asked_in_the_kernel_is_refused_with_what_did_it(tmp_path, kernel_env):
     needs_gpus(1)

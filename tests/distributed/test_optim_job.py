@@ -14,7 +14,7 @@ from ignite_mgpu.checkpoint.files import list_checkpoints, read_checkpoint
 from ignite_mgpu.runs import folder
 from tests.docs_blocks import doc_block, run_block, sandbox
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 @pytest.mark.timeout(240)

@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import REPO, needs_gpus
 from tests.faults.harness import Harness
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 SCRIPTS = REPO / "examples" / "scripts"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 

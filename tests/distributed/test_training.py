@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -24,10 +25,10 @@ from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.runs.figure import draw_report
 from ignite_mgpu.runs.read import read_runs
 from ignite_mgpu.train.job import training
-from tests.conftest import REPO, TINY, make_image_folder, run_cli
+from tests.conftest import REPO, TINY, cpu_only, make_image_folder, run_cli
 from tests.runs.test_read import assert_table_equals_metrics
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def tiny_config(out: Path, *extra: str):
@@ -44,10 +45,31 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def launched_work(local_rank: int, root: str, cfg) -> None:
+    """The work of the tests that launch() from here, one part after the other in the same 2 processes (one
+    start-up): the default job, the public API's two runs, the guard's schedule. Each part builds its own
+    objects."""
+    training(local_rank, cfg)
+    public_api_runs(local_rank, str(Path(root, "public_api")))
+    guard_schedule_worker(local_rank, str(Path(root, "guard")))
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> Path:
+    """One 2-process launch() job, shared by the tests that read its parts: ``two`` (the default job's run),
+    ``public_api/plain`` and ``public_api/accum``, ``guard``. Collectives time out after 60 s: the guard's ranks
+    pairing their all_gathers wrongly would hang."""
+    root = tmp_path_factory.mktemp("launched")
+    for part in ("public_api/plain", "public_api/accum", "guard"):
+        (root / part).mkdir(parents=True)
+    with cpu_only(root / "claims"):
+        launch(launched_work, str(root), tiny_config(root / "two"), nproc=2, backend="gloo", timeout=60)
+    return root
+
+
 @pytest.mark.timeout(180)
-def test_two_processes_end_like_one_and_evaluate_exactly(tmp_path):
-    two, one = tmp_path / "two", tmp_path / "one"
-    launch(training, tiny_config(two), nproc=2, backend="gloo")
+def test_two_processes_end_like_one_and_evaluate_exactly(tmp_path, launched):
+    two, one = launched / "two", tmp_path / "one"
     launch(training, tiny_config(one), nproc=1)
     a, b = final_model(two), final_model(one)
     for key in a:
@@ -78,7 +100,8 @@ def test_two_processes_end_like_one_and_evaluate_exactly(tmp_path):
 
 
 def public_api_worker(local_rank: int, out: str, global_batch: int, accum: int) -> None:
-    """What a user writes: own model and data, the engine factory, launched with launch(..., nproc=2)."""
+    """What a user writes: own model and data, the engine factory, launched with launch(..., nproc=2). Everything
+    it builds is its own: a second call in the same processes starts afresh."""
     from torch.utils.data import TensorDataset
     from torch.utils.data.distributed import DistributedSampler
 
@@ -108,13 +131,15 @@ def public_api_worker(local_rank: int, out: str, global_batch: int, accum: int) 
     )
 
 
+def public_api_runs(local_rank: int, root: str) -> None:
+    """Both runs, one after the other: global batch 32 in one step, then 16 with 2 accumulation steps."""
+    for name, global_batch, accum in (("plain", 32, 1), ("accum", 16, 2)):
+        public_api_worker(local_rank, str(Path(root, name)), global_batch, accum)
+
+
 @pytest.mark.timeout(180)
-def test_public_api_ranks_agree_and_accumulation_skips_sync_correctly(tmp_path):
-    plain, accumulated = tmp_path / "plain", tmp_path / "accum"
-    plain.mkdir()
-    accumulated.mkdir()
-    launch(public_api_worker, str(plain), 32, 1, nproc=2, backend="gloo")
-    launch(public_api_worker, str(accumulated), 16, 2, nproc=2, backend="gloo")
+def test_public_api_ranks_agree_and_accumulation_skips_sync_correctly(launched):
+    plain, accumulated = launched / "public_api" / "plain", launched / "public_api" / "accum"
     r0, r1 = (torch.load(plain / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     for key in r0["state"]:
         assert torch.equal(r0["state"][key], r1["state"][key])  # DDP keeps ranks bitwise identical
@@ -335,19 +360,26 @@ def test_two_nodes_on_loopback(tmp_path):
     assert read_checkpoint(list_checkpoints(tmp_path / "run")[0])["run"]["world_size"] == 2
 
 
+# 16 iterations on 2 processes (8 an epoch), deterministic, a checkpoint every 4 iterations, all kept.
+DETERMINISTIC = [*TINY, "train.deterministic=true", "checkpoint.every_iters=4", "checkpoint.n_saved=10"]
+
+
+@pytest.fixture(scope="module")
+def deterministic_run(tmp_path_factory) -> Path:
+    """One finished 2-process run of DETERMINISTIC, shared by the resume tests (a test that writes into it copies
+    it first): the reference of the mid-epoch resume, and the run that other settings may not resume."""
+    root = tmp_path_factory.mktemp("deterministic")
+    full = root / "full"
+    with cpu_only(root / "claims"):
+        result = run_cli(["train", *DETERMINISTIC, "--nproc", "2", "--output-dir", str(full)], root)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return full
+
+
 @pytest.mark.timeout(300)
-def test_resume_mid_epoch_is_bitwise_identical(tmp_path):
-    args = [
-        *TINY,
-        "train.deterministic=true",
-        "checkpoint.every_iters=4",
-        "checkpoint.n_saved=10",
-        "train.epochs=2",
-        "--nproc",
-        "2",
-    ]
-    full = tmp_path / "full"
-    assert run_cli(["train", *args, "--output-dir", str(full)], tmp_path).returncode == 0
+def test_resume_mid_epoch_is_bitwise_identical(tmp_path, deterministic_run):
+    args = [*DETERMINISTIC, "--nproc", "2"]
+    full = deterministic_run
     # The checkpoint (RNG states included) loads with plain torch.load in an interpreter where nothing was allowed.
     plain = "import sys, torch; c = torch.load(sys.argv[1], weights_only=True); print(len(c['trainer']['rng_states']))"
     loaded = subprocess.run(
@@ -369,15 +401,16 @@ def test_resume_mid_epoch_is_bitwise_identical(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_resume_with_another_world_size_but_not_other_settings(tmp_path):
+def test_resume_with_another_world_size_but_not_other_settings(tmp_path, deterministic_run):
     out = tmp_path / "run"
-    assert run_cli(["train", *TINY, "--nproc", "2", "--output-dir", str(out)], tmp_path).returncode == 0
-    other = run_cli(["train", *TINY, "--output-dir", str(out), "--resume", "auto", "optim.lr=0.2"], tmp_path)
+    shutil.copytree(deterministic_run, out)  # a 2-process run that ended at epoch 2
+    args = DETERMINISTIC
+    other = run_cli(["train", *args, "--output-dir", str(out), "--resume", "auto", "optim.lr=0.2"], tmp_path)
     assert other.returncode == 1 and "belongs to a run with other settings (optim.lr: 0.05 -> 0.2)" in other.stderr
     assert "Traceback" not in other.stderr
     (out / ".tmp-killed-writer.pt").write_bytes(b"half a checkpoint")  # left by a writer killed mid-save
     result = run_cli(
-        ["train", *TINY, "--nproc", "1", "--output-dir", str(out), "--resume", "auto", "train.epochs=3"], tmp_path
+        ["train", *args, "--nproc", "1", "--output-dir", str(out), "--resume", "auto", "train.epochs=3"], tmp_path
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "written with 2 processes, resuming with 1: the global batch stays 32" in result.stderr
@@ -445,10 +478,9 @@ def guard_schedule_worker(local_rank: int, out: str) -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps({"checked": checked, "loss": trainer.state.metrics}))
 
 
-@pytest.mark.timeout(120)
-def test_guard_ranks_agree_on_an_adaptive_schedule(tmp_path):
-    launch(guard_schedule_worker, str(tmp_path), nproc=2, backend="gloo", timeout=60)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+@pytest.mark.timeout(180)
+def test_guard_ranks_agree_on_an_adaptive_schedule(launched):
+    ranks = [json.loads((launched / "guard" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["checked"] == ranks[1]["checked"]
     checked = ranks[0]["checked"]
     assert checked[0] == 1 and 60 in checked and checked[-1] == 120, checked  # after the first step, epoch ends

@@ -22,7 +22,7 @@ import torch
 from tests.faults.harness import Harness, Result
 from tests.faults.test_faults import BASE, assert_last_good, checkpoints, wait_until
 
-pytestmark = [pytest.mark.distributed]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 # 10 iterations per epoch, a check every iteration, a checkpoint every 4 iterations and at each epoch's end;
 # deterministic, with a constant learning rate so that a 1-epoch run equals the first epoch of a 2-epoch one.

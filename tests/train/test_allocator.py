@@ -44,6 +44,7 @@ def faults_per_step(mode):
 
 
 @glibc
+@pytest.mark.slow  # two fresh interpreters importing torch
 def test_freed_memory_is_reused_instead_of_faulted_in_again():
     default, kept = faults_per_step("default"), faults_per_step("keep")
     # glibc mmaps each 64 MiB block and unmaps it on free: 16,384 faults a block with 4 KiB pages (32 with
