@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 FAULTS_DIR = Path(__file__).resolve().parent
+REPO = FAULTS_DIR.parents[1]  # the checkout these tests belong to
 CLI = [sys.executable, "-m", "ignite_mgpu"]
 # Variables that would make the launcher think torchrun/SLURM started it.
 _DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -218,7 +219,8 @@ class Harness:
         tmp = self.root / f"tmp-{tag}"
         tmp.mkdir(exist_ok=True)
         env.update(
-            PYTHONPATH=os.pathsep.join(filter(None, [str(FAULTS_DIR), os.environ.get("PYTHONPATH")])),
+            # the checkout under test first, as run_cli does: not whichever one the package was installed from
+            PYTHONPATH=os.pathsep.join(filter(None, [str(FAULTS_DIR), str(REPO), os.environ.get("PYTHONPATH")])),
             PIDS_DIR=str(self.root / f"pids-{tag}"),
             FAULT=fault or "",
             TMPDIR=str(tmp),  # the launcher's private folder (error files, file rendezvous) lands here

@@ -65,7 +65,8 @@ def assert_goodput_adds_up(out: Path) -> dict:
     assert sum(totals[FIELDS[p]] for p in MEASURED) >= 0.97 * wall, totals
     assert sum(r["time_wall_s"] for r in epochs) == pytest.approx(epochs[-1]["run_time_s"], abs=0.01)
     assert epochs[-1]["run_time_s"] <= wall
-    assert totals["goodput"] == pytest.approx(totals["time_train_s"] / wall, rel=0.01)
+    # goodput is rounded to 4 decimals, the seconds to 3: a short run's train time alone can be 1 % off then
+    assert totals["goodput"] == pytest.approx(totals["time_train_s"] / wall, abs=0.0005 / wall + 0.00005)
     for r in epochs:
         assert sum(r[FIELDS[p]] for p in FIELDS) == pytest.approx(r["time_wall_s"], abs=0.01)
     return totals
