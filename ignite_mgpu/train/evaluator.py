@@ -13,11 +13,13 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.metrics import Accuracy, Loss, Metric
 from torch import nn
+from torch.utils.data import DataLoader
 
 from ignite_mgpu.train import batches
 from ignite_mgpu.train.batches import Batch
 from ignite_mgpu.train.engine import under_autocast
 from ignite_mgpu.train.fsdp import find_fsdp
+from ignite_mgpu.train.loaders import UnpaddedDistributedSampler
 from ignite_mgpu.train.metrics import create_metrics
 from ignite_mgpu.train.micro_batch import MicroBatching, in_parts
 from ignite_mgpu.train.strategy import find_ddp, reduce_replica_losses
@@ -123,8 +125,9 @@ def attach_even_forwards(evaluator: Engine, step: Callable[[Engine, Any], Any]) 
     """Make every rank run as many forwards as the rank with the most validation batches.
 
     Each FSDP forward all-gathers parameters, a collective, and the validation shards are uneven (every sample is
-    counted once), so a rank with fewer batches would leave the others waiting forever. The ranks agree on the
-    most batches when the evaluation starts (a collective then, while every rank is there); after its own batches
+    counted once), so a rank with fewer batches would leave the others waiting forever. Every rank knows the most
+    batches when the evaluation starts: computed for the validation sampler (``most_batches``), else agreed in a
+    collective then, while every rank is there; after its own batches
     a rank repeats ``step`` on its last batch as often as it is short. The outputs are dropped, so the metrics
     never see them. Attach it before the metrics: their EPOCH_COMPLETED handlers all-reduce, after these forwards.
     """
@@ -132,8 +135,11 @@ def attach_even_forwards(evaluator: Engine, step: Callable[[Engine, Any], Any]) 
 
     def started(engine: Engine) -> None:
         start[0] = engine.state.iteration
-        mine = torch.tensor(engine.state.epoch_length or 0, device=idist.device())
-        most[0] = int(idist.all_reduce(mine, op="MAX"))
+        known = most_batches(engine.state.dataloader, engine.state.epoch_length)
+        if known is None:  # a loader of the user's: ask every rank
+            mine = torch.tensor(engine.state.epoch_length or 0, device=idist.device())
+            known = int(idist.all_reduce(mine, op="MAX"))
+        most[0] = known
 
     def pad(engine: Engine) -> None:
         for _ in range(most[0] - (engine.state.iteration - start[0])):
@@ -141,6 +147,19 @@ def attach_even_forwards(evaluator: Engine, step: Callable[[Engine, Any], Any]) 
 
     evaluator.add_event_handler(Events.EPOCH_STARTED, started)
     evaluator.add_event_handler(Events.EPOCH_COMPLETED, pad)
+
+
+def most_batches(loader: Any, epoch_length: int | None) -> int | None:
+    """The most batches any rank holds, where this rank can tell without a collective: a whole pass of a
+    ``DataLoader`` over the validation sampler (``UnpaddedDistributedSampler``), where rank 0 holds the most
+    samples; None for any other loader."""
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(loader, DataLoader) or not isinstance(sampler, UnpaddedDistributedSampler):
+        return None
+    if loader.batch_size is None or epoch_length != len(loader):
+        return None
+    first = len(range(0, len(sampler.dataset), sampler.num_replicas))  # type: ignore[arg-type]  # sized
+    return first // loader.batch_size if loader.drop_last else -(-first // loader.batch_size)
 
 
 def validation_metrics(

@@ -43,3 +43,22 @@ def test_auto_num_workers_reaches_the_loaders(monkeypatch, caplog):
     )
     fixed = loaders.create_dataloaders(DataConfig(name="fake", image_size=8, train_size=16, batch_size=8), 2, 0)[0]
     assert fixed.num_workers == 0 and not fixed.persistent_workers
+
+
+@pytest.mark.parametrize("n, world, batch, drop_last", [(101, 2, 10, False), (101, 4, 8, False), (100, 3, 7, True)])
+def test_every_rank_knows_the_most_validation_batches_without_asking(n, world, batch, drop_last):
+    """FSDP's evaluation runs as many forwards on every rank: for the validation sampler each rank computes the most
+    batches any rank holds (the count a MAX all-reduce would give); a loader of the user's falls back to asking."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ignite_mgpu.train.evaluator import most_batches
+
+    ds = TensorDataset(torch.arange(n))
+    loaders_ = [
+        DataLoader(ds, batch, sampler=UnpaddedDistributedSampler(ds, world, r, shuffle=False), drop_last=drop_last)
+        for r in range(world)
+    ]
+    most = max(len(loader) for loader in loaders_)
+    assert [most_batches(loader, len(loader)) for loader in loaders_] == [most] * world
+    assert most_batches(loaders_[-1], 2) is None  # an epoch_length of its own: not a whole pass
+    assert most_batches(DataLoader(ds, batch), len(ds)) is None and most_batches([1, 2], 2) is None
