@@ -13,13 +13,12 @@ import torch
 from ignite.engine import Engine, Events
 from ignite.metrics import Accuracy, Loss, Metric
 from torch import nn
-from torch.utils.data import DataLoader
 
 from ignite_mgpu.train import batches
 from ignite_mgpu.train.batches import Batch
 from ignite_mgpu.train.engine import under_autocast
 from ignite_mgpu.train.fsdp import find_fsdp
-from ignite_mgpu.train.loaders import UnpaddedDistributedSampler
+from ignite_mgpu.train.loaders import most_batches
 from ignite_mgpu.train.metrics import create_metrics
 from ignite_mgpu.train.micro_batch import MicroBatching, in_parts
 from ignite_mgpu.train.strategy import find_ddp, reduce_replica_losses
@@ -147,19 +146,6 @@ def attach_even_forwards(evaluator: Engine, step: Callable[[Engine, Any], Any]) 
 
     evaluator.add_event_handler(Events.EPOCH_STARTED, started)
     evaluator.add_event_handler(Events.EPOCH_COMPLETED, pad)
-
-
-def most_batches(loader: Any, epoch_length: int | None) -> int | None:
-    """The most batches any rank holds, where this rank can tell without a collective: a whole pass of a
-    ``DataLoader`` over the validation sampler (``UnpaddedDistributedSampler``), where rank 0 holds the most
-    samples; None for any other loader."""
-    sampler = getattr(loader, "sampler", None)
-    if not isinstance(loader, DataLoader) or not isinstance(sampler, UnpaddedDistributedSampler):
-        return None
-    if loader.batch_size is None or epoch_length != len(loader):
-        return None
-    first = len(range(0, len(sampler.dataset), sampler.num_replicas))  # type: ignore[arg-type]  # sized
-    return first // loader.batch_size if loader.drop_last else -(-first // loader.batch_size)
 
 
 def validation_metrics(

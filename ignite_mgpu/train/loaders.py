@@ -74,6 +74,19 @@ class UnpaddedDistributedSampler(DistributedSampler):
         return len(range(self.rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]  # sized
 
 
+def most_batches(loader: Any, epoch_length: int | None) -> int | None:
+    """The most batches any rank holds, where this rank can tell without a collective: a whole pass of a
+    ``DataLoader`` over the validation sampler (``UnpaddedDistributedSampler``), where rank 0 holds the most
+    samples; None for any other loader."""
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(loader, DataLoader) or not isinstance(sampler, UnpaddedDistributedSampler):
+        return None
+    if loader.batch_size is None or epoch_length != len(loader):
+        return None
+    first = len(range(0, len(sampler.dataset), sampler.num_replicas))  # type: ignore[arg-type]  # sized
+    return first // loader.batch_size if loader.drop_last else -(-first // loader.batch_size)
+
+
 def auto_num_workers(name: str, share: int, threads: int, cuda: bool) -> int:
     """``data.num_workers=auto`` for one process: the CPUs of its share that its training leaves to loader workers.
 

@@ -51,7 +51,7 @@ def test_every_rank_knows_the_most_validation_batches_without_asking(n, world, b
     batches any rank holds (the count a MAX all-reduce would give); a loader of the user's falls back to asking."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    from ignite_mgpu.train.evaluator import most_batches
+    from ignite_mgpu.train.loaders import most_batches
 
     ds = TensorDataset(torch.arange(n))
     loaders_ = [
