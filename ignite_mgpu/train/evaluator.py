@@ -125,10 +125,10 @@ def attach_even_forwards(evaluator: Engine, step: Callable[[Engine, Any], Any]) 
 
     Each FSDP forward all-gathers parameters, a collective, and the validation shards are uneven (every sample is
     counted once), so a rank with fewer batches would leave the others waiting forever. Every rank knows the most
-    batches when the evaluation starts: computed for the validation sampler (``most_batches``), else agreed in a
-    collective then, while every rank is there; after its own batches
-    a rank repeats ``step`` on its last batch as often as it is short. The outputs are dropped, so the metrics
-    never see them. Attach it before the metrics: their EPOCH_COMPLETED handlers all-reduce, after these forwards.
+    batches when the evaluation starts: computed for the validation sampler (``loaders.most_batches``), else agreed
+    in a collective then, while every rank is there. After its own batches a rank repeats ``step`` on its last
+    batch as often as it is short. The outputs are dropped, so the metrics never see them. Attach it before the
+    metrics: their EPOCH_COMPLETED handlers all-reduce, after these forwards.
     """
     start, most = [0], [0]
 
