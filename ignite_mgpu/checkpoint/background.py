@@ -31,13 +31,23 @@ class BackgroundWriter:
     """Runs one write at a time in a background thread; ``wait()`` joins it and raises its error as a
     ``CheckpointError``. The thread is not a daemon: an interpreter that exits normally finishes the write first.
     While a write runs, the worker's status says it is saving (``stop.saving``): a supervisor stopping the job after
-    another rank's failure lets it land."""
+    another rank's failure lets it land. It also keeps the snapshot's buffers (``stager``), which the write in
+    flight reads: ``finish()`` awaits the write and frees them."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, device_type: str = "cpu") -> None:
         self.name = name
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._device_type = device_type
+        self._stager: DefaultStager | None = None
         self.write_seconds = 0.0  # how long the last finished write took, in the background
+
+    def stager(self) -> DefaultStager:
+        """The stager for the next snapshot (created at the first save); call it after ``wait()``: its buffers
+        hold the previous snapshot until that write is done."""
+        if self._stager is None:
+            self._stager = create_stager(self._device_type)
+        return self._stager
 
     @property
     def in_flight(self) -> bool:
@@ -70,6 +80,15 @@ class BackgroundWriter:
             raise error
         if error is not None:
             raise CheckpointError(f"a background checkpoint write failed ({error!r})") from error
+
+    def finish(self) -> None:
+        """Wait for the write in flight (raising its error) and free the snapshot's buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
 
 
 def stager_available() -> bool:
@@ -114,9 +133,7 @@ class AsyncDiskSaver(SafeDiskSaver):
 
     def __init__(self, dirname: str | Path, device_type: str = "cpu") -> None:
         super().__init__(dirname)
-        self.writer = BackgroundWriter("ignite-mgpu checkpoint writer")
-        self._device_type = device_type
-        self._stager: Any = None
+        self.writer = BackgroundWriter("ignite-mgpu checkpoint writer", device_type)
         self.stall_seconds = 0.0
 
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
@@ -124,9 +141,7 @@ class AsyncDiskSaver(SafeDiskSaver):
             return
         start = time.perf_counter()
         self.writer.wait()  # at most one in flight: the snapshot's buffers are the previous write's
-        if self._stager is None:
-            self._stager = create_stager(self._device_type)
-        staged = stage(self._stager, checkpoint)
+        staged = stage(self.writer.stager(), checkpoint)
         path, pending = Path(self.dirname) / filename, self._pending
         self._pending = []  # what ignite removes from now on goes after the next write
 
@@ -142,9 +157,4 @@ class AsyncDiskSaver(SafeDiskSaver):
 
     def finish(self) -> None:
         """Wait for the write in flight (raising its error) and free the snapshot's buffers."""
-        try:
-            self.writer.wait()
-        finally:
-            if self._stager is not None:
-                self._stager.close()
-                self._stager = None
+        self.writer.finish()

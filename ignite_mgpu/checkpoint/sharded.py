@@ -54,11 +54,9 @@ class ShardedCheckpoint:
 
             from ignite_mgpu.checkpoint.background import BackgroundWriter
 
-            self.writer = BackgroundWriter("ignite-mgpu sharded checkpoint writer")
-            self._stager: Any = None
+            self.writer = BackgroundWriter("ignite-mgpu sharded checkpoint writer", idist.device().type)
             # the background collectives must not interleave with training's: a group of their own (every rank)
             self._group = None if _alone() else torch.distributed.new_group(backend="gloo")
-            self._device_type = idist.device().type
 
     def __call__(self, engine: Engine) -> None:
         folder = self.dirname / f"checkpoint_{engine.state.iteration}"
@@ -67,11 +65,7 @@ class ShardedCheckpoint:
             self._rotate()
             return
         self.writer.wait()  # at most one in flight: the stager's buffers hold the previous snapshot
-        if self._stager is None:
-            from ignite_mgpu.checkpoint.background import create_stager
-
-            self._stager = create_stager(self._device_type)
-        upload = save_sharded_async(self.to_save, folder, self._stager, self._group)
+        upload = save_sharded_async(self.to_save, folder, self.writer.stager(), self._group)
 
         def write() -> None:
             with _saving_error(folder):
@@ -90,14 +84,8 @@ class ShardedCheckpoint:
 
     def finish(self) -> None:
         """Wait for the write in flight (raising its error as a CheckpointError), free the snapshot's buffers."""
-        if self.writer is None:
-            return
-        try:
-            self.writer.wait()
-        finally:
-            if self._stager is not None:
-                self._stager.close()
-                self._stager = None
+        if self.writer is not None:
+            self.writer.finish()
 
 
 def save_sharded(to_save: Mapping[str, Any], folder: Path) -> None:
