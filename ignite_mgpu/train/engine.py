@@ -22,7 +22,7 @@ from ignite_mgpu.train.fsdp import find_fsdp, no_sync_of
 from ignite_mgpu.train.guard import TrainingGuard, accumulation_window
 from ignite_mgpu.train.losses import create_loss as create_loss  # its home before losses.py: still importable here
 from ignite_mgpu.train.micro_batch import MicroBatching
-from ignite_mgpu.train.micro_step import micro_batch_step
+from ignite_mgpu.train.micro_step import micro_batch_step, optimizer_step
 from ignite_mgpu.train.strategy import find_ddp, reduce_replica_losses, unwrap
 
 FP16_DEVICE_TYPES = ("cuda",)  # fp16 needs a GradScaler, which PyTorch ships for CUDA; bf16 is the CPU's choice
@@ -174,16 +174,12 @@ def _train_step(
 ) -> Callable[[Engine, Batch], torch.Tensor]:
     """The Engine's process function: one micro-batch forward and backward, and on a window's last one the step."""
     fp16 = scaler.is_enabled()
-    # GradScaler skips the optimizer step when the scaled gradients overflowed (normal in the first steps of fp16):
-    # the schedule must then not advance either. A post-step hook tells, without a host-device sync.
-    stepped = [True]
-    if fp16 and lr_scheduler is not None:
-        optimizer.register_step_post_hook(lambda *_: stepped.__setitem__(0, True))
     # DDP all-reduces (FSDP reduce-scatters) gradients in every backward; on accumulation steps that traffic is
     # wasted, so skip it.
     ddp, fsdp = find_ddp(model), find_fsdp(model)
     no_sync = ddp.no_sync if ddp is not None else no_sync_of(fsdp) if fsdp is not None else contextlib.nullcontext
     parameters = [p for p in model.parameters() if p.requires_grad]
+    finish = optimizer_step(optimizer, scaler, parameters, clip_grad_norm, lr_scheduler)
     inner = unwrap(model)  # the evaluator switches the unwrapped module to eval mode
     move = device.type != "cpu"  # a CPU job's batches are in CPU memory already: no per-step walk to find that out
 
@@ -210,19 +206,7 @@ def _train_step(
                 with no_sync():  # an accumulation step: gradients stay local until the last micro-batch
                     return forward_backward(batch, window).detach()
             loss = forward_backward(batch, window)
-        if clip_grad_norm is not None:
-            if fp16:
-                scaler.unscale_(optimizer)  # clip the true gradients, not the loss-scaled ones
-            torch.nn.utils.clip_grad_norm_(parameters, clip_grad_norm)
-        if fp16:
-            stepped[0] = False
-            scaler.step(optimizer)  # skips optimizer.step() when the scaled gradients overflowed
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if lr_scheduler is not None and stepped[0]:
-            lr_scheduler.step()
+        finish()
         return loss.detach()
 
     return train_step

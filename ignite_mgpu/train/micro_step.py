@@ -54,8 +54,10 @@ def optimizer_step(
     clip_grad_norm: float | None,
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
 ) -> Callable[[], None]:
-    """The end of an accumulation window, as in ``engine.py``: unscale, clip, step (skipped by the scaler on an
-    overflow, and the schedule with it), zero the gradients."""
+    """The end of an accumulation window, for both steps (``engine.py``'s and this one): unscale, clip the true
+    gradients (the global norm), step, zero the gradients, advance the schedule. GradScaler skips the optimizer step
+    when the scaled gradients overflowed (normal in fp16's first steps): the schedule then does not advance either,
+    which a post-step hook tells without a host-device sync."""
     fp16, stepped = scaler.is_enabled(), [True]
     if fp16 and lr_scheduler is not None:
         optimizer.register_step_post_hook(lambda *_: stepped.__setitem__(0, True))
