@@ -46,6 +46,13 @@ class WaitTimedOut(ConfigError):
     exit_code = WAIT_TIMEOUT
 
 
+class WaitInterrupted(ConfigError):
+    """Ctrl-C while ``--wait`` waited for GPUs: nothing started and nothing is claimed; one paragraph, exit 130 as
+    for any Ctrl-C (not click's "Aborted!" and 1)."""
+
+    exit_code = signal_exit_code(signal.SIGINT)
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: missing, corrupt, unsafe, or from a different model (exit code 2 before
     the job starts; inside a running job the rank fails with it, exit code 1)."""

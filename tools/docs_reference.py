@@ -134,7 +134,20 @@ def exit_codes_page() -> str:
     return "\n".join(out) + "\n"
 
 
-ERROR_TYPES = {"ConfigError", "CheckpointError", "CorruptCheckpointError", "_fail"}
+ERROR_TYPES = {"ConfigError", "CheckpointError", "_fail"}  # and every subclass (error_types)
+
+
+def error_types(package: Path) -> set[str]:
+    """ERROR_TYPES and the package's classes that derive from one of them (GpusTaken, WaitTimedOut, ...), by name."""
+    bases: dict[str, set[str]] = {}
+    for file in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+    types = set(ERROR_TYPES)
+    while more := {name for name, of in bases.items() if of & types} - types:
+        types |= more
+    return types
 
 
 def _render(node: ast.expr | None, assigned: dict[str, ast.expr], helpers: dict[str, ast.expr]) -> str | None:
@@ -160,6 +173,7 @@ def error_messages(package: Path) -> dict[str, list[str]]:
     """Module path -> every message a ConfigError / CheckpointError / the CLI's _fail is raised with in it (the text
     as written, computed parts as `…`); a message built elsewhere shows the function that builds it."""
     found: dict[str, list[str]] = {}
+    types = error_types(package)
     for file in sorted(package.rglob("*.py")):
         tree = ast.parse(file.read_text())
         helpers = {  # module functions that build a message: def f(...) -> str: ... return f"..."
@@ -179,7 +193,7 @@ def error_messages(package: Path) -> dict[str, list[str]]:
             }
             body = func.body if isinstance(func, ast.Module) else [func]
             for node in (n for stmt in body for n in ast.walk(stmt)):
-                if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ERROR_TYPES and node.args):
+                if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) in types and node.args):
                     continue
                 if ast.unparse(node.args[0]).startswith("str("):
                     continue  # an error caught and printed again: its message is listed where it is raised
@@ -204,7 +218,8 @@ def errors_page(package: Path) -> str:
         "",
         "Generated from the code: every message a configuration or checkpoint error is raised with, as written "
         "(`…` stands for the values filled in: the key, the value you gave, the file). Each is printed as "
-        "`ignite-mgpu: error: <message>` with exit code 2 before anything starts (a corrupt `--resume` file: 1), "
+        "`ignite-mgpu: error: <message>` with exit code 2 before anything starts (a corrupt `--resume` file: 1; "
+        "`--wait` running out: 4; Ctrl-C while waiting: 130), "
         "and says how to fix it. [Troubleshooting](../how-to/troubleshooting.md) covers the failures of a running "
         "job.",
         "",

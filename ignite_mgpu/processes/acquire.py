@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 
 from ignite_mgpu.config.schema import DistConfig
-from ignite_mgpu.errors import ConfigError, WaitTimedOut
+from ignite_mgpu.errors import ConfigError, WaitInterrupted, WaitTimedOut
 from ignite_mgpu.processes import claims, gpus
 from ignite_mgpu.processes.claims import GpuClaims
 from ignite_mgpu.processes.gpu_selection import GpuPlan, GpusTaken, parse_gpus, plan_gpus, used_ids
@@ -34,6 +34,7 @@ def acquire(cfg: DistConfig, environ: Mapping[str, str], claim: bool = True) -> 
     Raises:
         GpusTaken: without ``dist.wait``, a GPU asked for is claimed by another job (auto: too few are left).
         WaitTimedOut: ``dist.wait`` ran out.
+        WaitInterrupted: Ctrl-C (SIGINT) while waiting; the place in line is given up.
         ConfigError: whatever ``plan_gpus`` refuses; a claims folder that cannot be used.
     """
     snapshot = gpus.query_gpus()
@@ -106,6 +107,8 @@ def _wait_and_claim(
     ticket = claims.Ticket(dir_fd, None if auto else _names(snapshot, wanted))
     start = time.monotonic()
     deadline, next_status, waited = start + (cfg.wait or 0.0), start, False
+    what = f"--gpus {cfg.gpus}" if cfg.gpus is not None else "the GPUs this job sees (no --gpus)"
+    free_gpus = plural(len(wanted), "free GPU")
     try:
         while True:
             plan, unavailable, ahead = _look(cfg, snapshot, environ, dir_fd, ticket)
@@ -116,11 +119,9 @@ def _wait_and_claim(
                     _say(f"waited {_duration(time.monotonic() - start)}; claimed GPU {format_ids(ids)}.")
                 return plan, held
             now = time.monotonic()
-            what = f"--gpus {cfg.gpus}" if cfg.gpus is not None else "the GPUs this job sees (no --gpus)"
             reasons = _reasons(unavailable, None if auto else wanted)
             if ahead:
                 reasons += f"; in line before it: {', '.join(who.describe() for who in ahead)}"
-            free_gpus = plural(len(wanted), "free GPU")
             if now >= deadline:
                 raise WaitTimedOut(
                     f"--wait {cfg.wait:g}: {what} did not find {free_gpus} within {_duration(cfg.wait or 0)}: "
@@ -133,6 +134,11 @@ def _wait_and_claim(
                 next_status = now + STATUS_EVERY
             time.sleep(max(0.0, min(POLL, deadline - now, next_status - now)))
             snapshot, waited = gpus.query_gpus(), True
+    except KeyboardInterrupt:
+        raise WaitInterrupted(
+            f"Ctrl-C after {_duration(time.monotonic() - start)} of waiting for {free_gpus} ({what}): nothing was "
+            "started, no GPU is claimed, and this job's place in line is given up."
+        ) from None
     finally:
         ticket.close()
 

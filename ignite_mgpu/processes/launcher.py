@@ -169,8 +169,8 @@ def launch(
 
     Raises:
         ConfigError: an impossible request (bad nproc, nccl without GPUs, busy master_port, GPUs claimed by another
-            job, from a notebook CUDA already used in the kernel; ``errors.WaitTimedOut`` when ``wait`` ran out),
-            before spawning.
+            job, from a notebook CUDA already used in the kernel; ``errors.WaitTimedOut`` when ``wait`` ran out,
+            ``errors.WaitInterrupted`` on Ctrl-C while waiting), before spawning.
         SystemExit: from a script, with the job's exit code when a rank failed (1), the loss diverged (3) or on
             SIGINT/SIGTERM (130/143); the failing rank's error has been printed once.
         JobFailed: the same, from a notebook or an interactive session: the failing rank's error is its message.

@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from ignite_mgpu.cli import main
 from ignite_mgpu.config.checks import validate
 from ignite_mgpu.config.schema import Config, DistConfig
-from ignite_mgpu.errors import WAIT_TIMEOUT, ConfigError, WaitTimedOut
+from ignite_mgpu.errors import WAIT_TIMEOUT, ConfigError, WaitInterrupted, WaitTimedOut
 from ignite_mgpu.processes import acquire, claims, gpus, launcher
 from ignite_mgpu.processes.gpu_selection import GpusTaken
 from ignite_mgpu.processes.outcome import Outcome
@@ -237,6 +237,94 @@ def test_the_real_command_waits_then_ends_with_exit_code_4(fake_gpus, jobs, tmp_
         "ignite-mgpu: error: --wait 0.5: --gpus 2 did not find 1 free GPU within 0.5 s: GPU 2 is claimed"
         in result.stderr
     )
+
+
+def _group_ends(pgid: int, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    os.killpg(pgid, signal.SIGKILL)
+    return False
+
+
+class _CtrlCWhileWaiting:
+    """acquire's ``time`` with a Ctrl-C in the first sleep between two looks."""
+
+    monotonic = staticmethod(time.monotonic)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_while_waiting_ends_with_130_and_one_paragraph_and_gives_up_the_place_in_line(
+    fake_gpus, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(acquire, "time", _CtrlCWhileWaiting)
+    with hold_here(2):
+        result = CliRunner().invoke(main, ["train", "--gpus", "2", "--output-dir", str(tmp_path / "run"), "--wait"])
+        with pytest.raises(WaitInterrupted, match=r"^Ctrl-C after 0 s of waiting for 2 free GPUs \(--gpus auto:2\)"):
+            acquire.acquire(DistConfig(gpus="auto:2", wait=60.0), os.environ)
+    assert result.exit_code == WaitInterrupted.exit_code == 130, result.output
+    assert result.output.endswith(
+        "ignite-mgpu: error: Ctrl-C after 0 s of waiting for 1 free GPU (--gpus 2): nothing was started, no GPU is "
+        "claimed, and this job's place in line is given up.\n"
+    ), result.output
+    assert "Aborted!" not in result.output
+    assert not list(claims_dir().glob("wait-*")), "the ticket in line is removed"
+    assert claimed() == {}
+
+
+@pytest.mark.timeout(120)
+def test_the_real_command_interrupted_while_waiting_exits_130_without_a_traceback(fake_gpus, jobs, tmp_path):
+    """Ctrl-C in a terminal: SIGINT to the whole foreground group (the command and its fork server), at once and
+    after the fork server's imports."""
+    holder = jobs("--gpus", "2", "--hold")
+    assert holder.line()["gpus"] == [2]
+    for settle in (0.0, 8.0):
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ignite_mgpu",
+                "train",
+                "--gpus",
+                "2",
+                "--output-dir",
+                str(tmp_path / "run"),
+                "--wait",
+            ],
+            cwd=tmp_path,
+            env=os.environ | {"PYTHONPATH": str(REPO)},
+            text=True,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        stderr: list[str] = []
+        reader = threading.Thread(target=stderr.extend, args=(proc.stderr,), daemon=True)
+        reader.start()
+        end = time.monotonic() + 60
+        while not any("waiting for" in line for line in stderr):
+            assert time.monotonic() < end and proc.poll() is None, "".join(stderr)[-3000:]
+            time.sleep(0.02)
+        time.sleep(settle)
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(30)
+        reader.join(10)
+        text = "".join(stderr)
+        assert code == 130, text[-3000:]
+        assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+        assert re.search(
+            r"^ignite-mgpu: error: Ctrl-C after [\d.]+ s of waiting for 1 free GPU \(--gpus 2\): "
+            r"nothing was started",
+            text,
+            re.M,
+        ), text[-3000:]
+        assert _group_ends(proc.pid, 10), "a process of the command (its fork server?) outlived it"
 
 
 def test_a_gpu_claimed_by_another_job_is_refused_naming_the_holder_and_the_fixes(fake_gpus, tmp_path):
