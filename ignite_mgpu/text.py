@@ -13,6 +13,14 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 'es' if noun.endswith('s') else 's'}"
 
 
+def size(n: float) -> str:
+    """Bytes as people read them: 812 B, 39.9 KiB, 12.3 MiB, 1.50 GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def format_ids(ids: Iterable[int]) -> str:
     """Ids (GPUs, CPUs) as one list, sorted, runs of three or more as ranges: [0, 1, 2, 3, 8] -> "0-3,8",
     [2, 3] -> "2,3". The kernel's cpulist format and ``taskset -c`` read both forms."""

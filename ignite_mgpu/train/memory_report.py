@@ -5,17 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from ignite_mgpu.text import size
 from ignite_mgpu.train.memory_plan import CUDA_CONTEXT, MemoryPlan, Row
 
 COLUMNS = ("strategy", "procs", "batch", "params", "grads", "optimizer", "act/sample", "peak", "fits", "micro-batch")
-
-
-def size(n: float) -> str:
-    """Bytes as people read them: 812 B, 39.9 KiB, 12.3 MiB, 1.50 GiB."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def _cells(r: Row) -> list[str]:
@@ -51,6 +44,10 @@ def format_plan(plan: MemoryPlan) -> str:
     if kept := ", ".join(f"{r.strategy}: {size(r.snapshot)}" for r in plan.rows if r.snapshot):
         notes.append(f"  checkpoint.async_save: the background checkpoint's snapshot stays in RAM ({kept}), counted in "
                      "the fit")  # fmt: skip
+    if plan.host_snapshot:
+        of = f" (of {size(cap.host_ram)} available)" if cap.host_ram else ""
+        notes.append(f"  checkpoint.async_save: the background checkpoint's snapshot takes {size(plan.host_snapshot)} "
+                     f"of pinned host RAM{of}, not GPU memory")  # fmt: skip
     footer = (
         "Per process (dp: GPU 0), one training step measured on fake tensors on the CPU: nothing allocated.\n"
         f"The peak is within 15 % of a measured step (benchmarks/memory); a fit leaves {cap.margin * 100:.0f} % of it "

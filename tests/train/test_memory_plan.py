@@ -18,7 +18,7 @@ from ignite_mgpu.processes.gpus import GpuInfo
 from ignite_mgpu.train import memory_plan
 from ignite_mgpu.train.memory_estimate import example_batch, measure
 from ignite_mgpu.train.memory_plan import MIB, Capacity, capacity, largest_fit, make_memory_plan
-from ignite_mgpu.train.memory_report import format_plan, size
+from ignite_mgpu.train.memory_report import format_plan, size, to_json
 
 IN, HIDDEN, OUT = 3 * 8 * 8, 64, 10  # 8x8 synthetic images, flattened
 PARAMS = (IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT) * 4  # fp32 bytes
@@ -128,6 +128,35 @@ def test_on_the_cpu_the_background_checkpoints_snapshot_is_counted(stack_cfg):
     assert "the background checkpoint's snapshot stays in RAM (ddp: " in format_plan(
         make_memory_plan(cfg, Capacity("cpu", [room] * 2, "the CPU", 0))
     )
+
+
+def test_on_gpus_the_snapshot_is_checked_against_the_host_ram(stack_cfg):
+    """On GPUs the background checkpoint's snapshot is pinned host RAM (rank 0's whole state for format=full, the
+    processes' shards for sharded: the whole state either way): the plan says how much, and its advice says when the
+    RAM available now cannot hold it (with the margin), naming the fix."""
+    cfg = load_config(None, [*STACK, "optim.name=adamw"])
+    state = PARAMS + 2 * PARAMS + 4 * 4
+    roomy = make_memory_plan(cfg, Capacity("cuda", [2**30] * 2, "GPU 0,1", 0, host_ram=2**30))
+    assert roomy.host_snapshot == state and roomy.advice.startswith("fits: --strategy ddp")
+    assert "But" not in roomy.advice
+    assert f"snapshot takes {size(state)} of pinned host RAM (of 1.00 GiB available), not GPU memory" in format_plan(
+        roomy
+    )
+    tight = make_memory_plan(cfg, Capacity("cuda", [2**30] * 2, "GPU 0,1", 0, host_ram=int(state * 1.1)))
+    assert tight.advice.startswith("fits: --strategy ddp with the whole batch")
+    assert tight.advice.endswith(
+        f"But the background checkpoint's snapshot, {size(state)} of pinned host RAM from the first save on, does "
+        f"not fit in the {size(int(state * 1.1))} this machine has available: set checkpoint.async_save=false (the "
+        "step writes the checkpoint itself), or free RAM."
+    ), tight.advice
+    assert json.loads(to_json(tight))["host_snapshot"] == state
+    sharded = load_config(None, [*STACK, "optim.name=adamw", "checkpoint.format=sharded"])
+    assert make_memory_plan(sharded, Capacity("cuda", [2**30] * 2, "GPU 0,1", 0, host_ram=2**30)).host_snapshot == state
+    off = load_config(None, [*STACK, "optim.name=adamw", "checkpoint.async_save=false"])
+    quiet = make_memory_plan(off, Capacity("cuda", [2**30] * 2, "GPU 0,1", 0, host_ram=16))
+    assert quiet.host_snapshot == 0 and "But" not in quiet.advice and "pinned" not in format_plan(quiet)
+    cpu = make_memory_plan(cfg, Capacity("cpu", [2**30] * 2, "the CPU", 0, host_ram=16))
+    assert cpu.host_snapshot == 0 and "But" not in cpu.advice  # on the CPU the fit counts it (above)
 
 
 def test_size_reads_as_people_read_it():
