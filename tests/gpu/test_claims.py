@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import REPO, cuda_device_count, needs_gpus, run_cli
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # they start processes: not in the fast tier
 CLAIMER = REPO / "tests" / "processes" / "claimer.py"
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import REPO, TINY, needs_gpus, run_cli
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # they start processes: not in the fast tier
 FAULTS = REPO / "tests" / "faults"
 
 

@@ -13,7 +13,7 @@ import pytest
 from ignite_mgpu.processes import forkserver, launcher
 from tests.conftest import needs_gpus
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # they start processes: not in the fast tier
 
 
 def cuda_job(local_rank: int, folder: str) -> dict:

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import TINY, needs_gpus, run_cli
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # they start processes: not in the fast tier
 FSDP = ["--strategy", "fsdp", "--gpus", "0,1", "model.name=resnet18", "data.image_size=32"]
 
 

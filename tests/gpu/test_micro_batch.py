@@ -17,7 +17,7 @@ from ignite_mgpu import launch
 from ignite_mgpu.train.engine import create_trainer
 from tests.conftest import needs_gpus
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # they start processes: not in the fast tier
 
 
 class Hungry(nn.Module):
