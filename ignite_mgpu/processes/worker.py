@@ -143,6 +143,26 @@ def _from_the_server(environ: dict[str, str], threads: int | None) -> None:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
 
 
+def _blas_threads_as_torch(threads: int | None) -> None:
+    """numpy's BLAS (OpenBLAS, MKL) read their thread count from the environment once, when numpy loads: in the
+    fork server, or in this worker while the job function's module was imported, before the binding. Without this,
+    every worker's (and every loader worker's) matrix products would start a thread per core of the machine. Set
+    them to torch's count (the binding's, else OMP_NUM_THREADS), as a process that loaded numpy now would; an
+    OPENBLAS_NUM_THREADS of the user's keeps OpenBLAS's own. numpy not loaded yet: it will read the environment."""
+    if "numpy" not in sys.modules:
+        return
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    count = threads if threads is not None else int(omp) if omp.isdigit() else None
+    if count is None:
+        return
+    from threadpoolctl import ThreadpoolController
+
+    libraries = ThreadpoolController().select(user_api="blas")
+    if "OPENBLAS_NUM_THREADS" in os.environ:
+        libraries = libraries.select(internal_api=["mkl", "blis"])
+    libraries.limit(limits=max(1, count))
+
+
 def _check_served_fork() -> None:
     """The server must never start CUDA (nor ask it anything): every worker it forks would then fail to use it."""
     torch = sys.modules.get("torch")
@@ -212,6 +232,7 @@ def worker_main(
     os.environ.update(plan.env)
     # Before anything imports torch here (unless unpickling the job function already did: then it resizes the pool).
     apply_binding(binding)
+    _blas_threads_as_torch(binding.threads)
     address = plan.master_addr, plan.master_port or 29500
     restarts = cluster.outer_restarts() + attempt  # a requeued SLURM job's restarts count too (SLURM_RESTART_COUNT)
     os.environ.update(

@@ -19,6 +19,13 @@ from ignite_mgpu.processes import forkserver, launcher
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
+def blas_threads(_: int = 0) -> list[int]:
+    """The thread count of every BLAS library loaded here (numpy's OpenBLAS, loaded by the server's torch)."""
+    from threadpoolctl import threadpool_info
+
+    return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+
 def job(local_rank: int, folder: str) -> dict:
     """Each rank notes its parent and what it found; rank 1 SIGKILLs itself once, in the first attempt."""
     import torch
@@ -35,6 +42,8 @@ def job(local_rank: int, folder: str) -> dict:
         "bad_fork": torch.cuda._is_in_bad_fork(),
         "preloaded": "torch._dynamo" in sys.modules,  # imported by the server, not by this process
         "batches": [b.tolist() for b in DataLoader(torch.arange(4), batch_size=2, num_workers=1)],
+        "blas": blas_threads(),
+        "loader_blas": list(DataLoader(_BlasThreads(), batch_size=None, num_workers=1)),
     }
     with Path(folder, f"rank{rank}.jsonl").open("a") as f:
         f.write(json.dumps(seen) + "\n")
@@ -44,6 +53,16 @@ def job(local_rank: int, folder: str) -> dict:
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
     return seen
+
+
+class _BlasThreads:
+    """A one-item dataset: the BLAS thread counts in the DataLoader's worker process."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> list[int]:
+        return blas_threads()
 
 
 @pytest.mark.timeout(180)
@@ -72,6 +91,9 @@ def test_workers_fork_from_one_server_with_the_supervisors_environment(tmp_path,
         assert seen["late_variable"] == "yes"
         assert seen["omp"] == str(max(1, (os.cpu_count() or 1) // 2))  # the plan's, and torch follows it
         assert seen["threads"] == int(seen["omp"])
+        # numpy's BLAS, loaded in the server with one thread per core, follows torch in the worker and its loader
+        assert seen["blas"] and set(seen["blas"]) == {seen["threads"]}, seen
+        assert seen["loader_blas"] == [seen["blas"]], seen
         assert not seen["cuda_initialized"] and not seen["bad_fork"]
         assert seen["preloaded"] and seen["batches"] == [[0, 1], [2, 3]]
     assert result == lines[0][1]
