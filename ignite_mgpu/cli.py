@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -12,7 +13,7 @@ from typing import Any, NoReturn
 import click
 
 from ignite_mgpu.config.schema import BACKENDS, CPU_BINDINGS, STRATEGIES
-from ignite_mgpu.errors import exit_codes_text
+from ignite_mgpu.errors import exit_codes_text, signal_exit_code
 
 # CLI flag -> config key; flags are applied after --config and the positional key=value overrides.
 FLAGS = {
@@ -145,7 +146,23 @@ def _errors_to_exit() -> Iterator[None]:
         _fail(str(err), err.exit_code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]}, epilog=f"Exit codes: {exit_codes_text()}.")
+class _Commands(click.Group):
+    """The command group; a Ctrl-C that reaches it (before a job's supervisor, which handles its own, or in a
+    command without one) ends the command with 130 and one line, not click's "Aborted!" and 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("\nignite-mgpu: stopped by Ctrl-C (SIGINT).", err=True)
+            sys.exit(signal_exit_code(signal.SIGINT))
+
+
+@click.group(
+    cls=_Commands,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog=f"Exit codes: {exit_codes_text()}.",
+)
 @click.version_option(package_name="ignite-mgpu")
 def main() -> None:
     """Multi-GPU (and multi-process CPU) training with PyTorch-Ignite, without the classic traps.

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
 METHOD = "forkserver"
@@ -46,20 +46,30 @@ def preload_for(fn: Callable[..., Any], args: tuple) -> list[str]:
 def start(preload: list[str], preempt_signal: int | None = None) -> int:
     """Start the fork server with ``preload`` imported (or find the one already running); returns its pid.
 
-    The server ignores SIGTERM and ``preempt_signal``: sent to every process of a job (a process group, a SLURM
-    step), they are the supervisor's to handle, and the server's death would kill every worker (their death
-    signal) before they could stop and checkpoint. It imports with this process's ``sys.path`` (Python before
+    The server ignores SIGINT, SIGTERM and ``preempt_signal``: sent to every process of a job (a terminal's
+    process group, a SLURM step), they are the supervisor's to handle, and the server's death would kill every
+    worker (their death signal) before they could stop and checkpoint; a Ctrl-C while it imports would print its
+    traceback. (multiprocessing ignores SIGINT in the server itself, but only once the imports are done; a worker
+    ignores it too, as its own process group.) It imports with this process's ``sys.path`` (Python before
     3.12 ignores the one multiprocessing passes it): else an installed copy could shadow a checkout.
     """
     server: Any = forkserver._forkserver  # the module's one server (private API)
     ours = server._forkserver_pid is None
     if ours:
         mp.get_context(METHOD).set_forkserver_preload(preload)
-        ignores = [int(signal.SIGTERM), *([preempt_signal] if preempt_signal else [])]
+        ignores = [int(signal.SIGINT), int(signal.SIGTERM), *([preempt_signal] if preempt_signal else [])]
         paths = os.pathsep.join(p or os.getcwd() for p in sys.path if isinstance(p, str))
         told = f"{os.getpid()}:{','.join(map(str, ignores))}"
-        with _environment_for_the_server({"PYTHONPATH": paths, _IGNORES: told}):
-            forkserver.ensure_running()
+        # The server inherits a mask that blocks them until it ignores them (the module's end, its first import),
+        # as multiprocessing's resource tracker is started (started first here: it unblocks them after its own
+        # start); in this process they wait for the unblock, none is lost.
+        resource_tracker.ensure_running()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, ignores)
+        try:
+            with _environment_for_the_server({"PYTHONPATH": paths, _IGNORES: told}):
+                forkserver.ensure_running()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     else:
         forkserver.ensure_running()  # started again if it died
     pid = int(server._forkserver_pid)
@@ -142,5 +152,7 @@ if _IGNORES in os.environ and _in_the_server():  # preloaded first, in the serve
     # the end of its alive pipe would first take seconds to unload torch.
     _launcher, _numbers = os.environ.pop(_IGNORES).split(":")
     die_with(int(_launcher))
-    for _number in _numbers.split(","):
-        signal.signal(int(_number), signal.SIG_IGN)  # a forked worker sets its own handlers for these
+    _ignored = [int(n) for n in _numbers.split(",")]
+    for _number in _ignored:
+        signal.signal(_number, signal.SIG_IGN)  # a forked worker sets its own handlers for these
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _ignored)  # blocked since the server started (``start``)

@@ -60,6 +60,7 @@ class Supervisor:
         self.outcome, self.value, self.note = Outcome(SUCCESS), None, ""
         self.error_dir = tempfile.mkdtemp(prefix="ignite-mgpu-")  # 0700: private to this user
         self.signal_received = 0
+        self.starting = False  # while the attempt's workers are being started
         self.procs: list[Any] = []
         self.first_failure: tuple[int, int] | None = None  # (local rank, exit code) of the first rank that failed
         self.died: list[int] = []  # local ranks killed by a signal before this process signalled any
@@ -94,11 +95,15 @@ class Supervisor:
             if preempt
             else ("stops at the next check" if self.plan.join_group else "is sent SIGTERM")  # a script: as torchrun
         )
-        print(
-            f"ignite-mgpu: {signal.Signals(signum).name} received{' (pre-emption)' if preempt else ''}: every rank "
-            f"{what} (up to {self.plan.stop_grace:.0f} s); press Ctrl-C again to stop at once.",
-            file=sys.stderr,
-        )
+        name = f"{signal.Signals(signum).name} received{' (pre-emption)' if preempt else ''}"
+        if self.starting:  # _attempt kills what it started: nothing has begun
+            print(f"ignite-mgpu: {name} while the workers start: the job stops before it begins.", file=sys.stderr)
+        else:
+            print(
+                f"ignite-mgpu: {name}: every rank {what} (up to {self.plan.stop_grace:.0f} s); press Ctrl-C again "
+                "to stop at once.",
+                file=sys.stderr,
+            )
         # The pre-emption signal is passed on as it is: every rank must stop for the same reason (its exit code).
         self._signal_all(signum if preempt else signal.SIGTERM)
         self.deadline = time.monotonic() + self.plan.stop_grace
@@ -154,14 +159,19 @@ class Supervisor:
         self.deadline = self.failure_deadline = self.failure_time = float("inf")
         self.failed_at = None
         try:
+            self.starting = True
             for local_rank in range(plan.nproc):
                 if self.signal_received:
                     break  # stopped while starting: start no more workers
                 self.procs.append(self._start(plan, local_rank, args, str(folder), attempt))
+            self.starting = False
+            if self.signal_received:  # stopped while they started (the first waits for the fork server's imports):
+                self._signal_all(signal.SIGKILL)  # none has begun, and one started after the signal never got it
             self._watch(folder)
         except KeyboardInterrupt:
             pass
         finally:
+            self.starting = False
             self._signal_all(signal.SIGKILL)
             for p in self.procs:
                 p.join(5)

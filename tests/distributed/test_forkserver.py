@@ -8,13 +8,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
+import time
 from multiprocessing import forkserver as mp_forkserver
 from pathlib import Path
 
 import pytest
 
 from ignite_mgpu.processes import forkserver, launcher
+from tests.conftest import REPO, TINY
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -103,3 +106,70 @@ def test_workers_fork_from_one_server_with_the_supervisors_environment(tmp_path,
     assert mp_forkserver._forkserver._forkserver_pid is None
     with pytest.raises(ProcessLookupError):
         os.kill(server, 0)
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes whose parent is ``pid``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                found.append((int(entry.name), cmdline))
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_the_server_imports_stops_the_job_at_once_with_130_and_no_traceback(tmp_path):
+    """A terminal's Ctrl-C reaches the whole foreground group: the command and its fork server, which is still
+    importing torch. The server ignores it (blocked from its start until it ignores it), the supervisor kills the
+    worker it was starting, and the command ends with 130 at once, without a traceback."""
+    cmd = [sys.executable, "-m", "ignite_mgpu", "train", *TINY, "--nproc", "2", "--output-dir", str(tmp_path / "run")]
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, text=True, stderr=subprocess.PIPE, start_new_session=True)
+    end = time.monotonic() + 60
+    while not any("multiprocessing.forkserver" in line for _, line in _children(proc.pid)):
+        assert proc.poll() is None and time.monotonic() < end, proc.stderr.read() if proc.poll() is not None else ""
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGINT)
+    signalled = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "Aborted" not in err, err
+    # The supervisor's two lines; or, when the signal came before the supervisor took over (the server starts
+    # just before it), the command's one line.
+    supervisor = "ignite-mgpu: SIGINT received while the workers start: the job stops before it begins.\n"
+    assert err.endswith(f"{supervisor}ignite-mgpu: stopped by SIGINT.\n") or err.endswith(
+        "\nignite-mgpu: stopped by Ctrl-C (SIGINT).\n"
+    ), err
+    assert time.monotonic() - signalled < 20, "it waited for the workers' stop grace"
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no epoch ran
+    for _ in range(40):  # the server dies with the command
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.25)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("a process of the command outlived it")
+
+
+def test_ctrl_c_before_the_supervisor_ends_the_command_with_130_and_one_line(monkeypatch):
+    """A Ctrl-C in the checks before anything starts: 130 and one line, not click's "Aborted!" and 1."""
+    from click.testing import CliRunner
+
+    from ignite_mgpu import jobs
+    from ignite_mgpu.cli import main
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jobs, "fit", interrupted)
+    result = CliRunner().invoke(main, ["train", "--nproc", "2"])
+    assert result.exit_code == 130, result.output
+    assert result.output == "\nignite-mgpu: stopped by Ctrl-C (SIGINT).\n"

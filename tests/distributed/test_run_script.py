@@ -87,8 +87,14 @@ def test_the_ddp_tutorials_script_trains_to_the_weights_torchrun_gives(h: Harnes
     ours = h.run(["run", "--nproc", "2", tutorial, "--epochs", "1", "--out", "ours.pt"], 150, tag="ours")
     assert ours.rc == 0, str(ours)
     assert "[GPU0] Epoch 0 | Steps: 16" in ours.stdout and "[GPU1] Epoch 0 | Steps: 16" in ours.stdout
-    torchrun = [*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port())]
-    theirs = h.run([tutorial, "--epochs", "1", "--out", "theirs.pt"], 150, tag="torchrun", command=torchrun)
+    for attempt in range(2):
+        torchrun = [*TORCHRUN, "--nproc_per_node", "2", "--master_port", str(free_port())]
+        args = [tutorial, "--epochs", "1", "--out", "theirs.pt"]
+        theirs = h.run(args, 150, tag=f"torchrun{attempt}", command=torchrun)
+        # Once more when a torchrun rank aborted as its interpreter ended ("terminate called without an active
+        # exception", exit code -6: gloo's threads at finalization, pytorch/pytorch#179291), twice in ten runs here.
+        if theirs.rc == 0 or "terminate called without an active exception" not in theirs.stderr:
+            break
     assert theirs.rc == 0, str(theirs)
     assert state_dicts_equal(h.root / "ours.pt", h.root / "theirs.pt")  # bit for bit
     h.assert_no_leftovers()
