@@ -135,6 +135,7 @@ def exit_codes_page() -> str:
 
 
 ERROR_TYPES = {"ConfigError", "CheckpointError", "_fail"}  # and every subclass (error_types)
+RUNNING_JOB_ERRORS = {"ScriptArgumentsError"}  # raised in a worker, reported as its rank's failure: not listed here
 
 
 def error_types(package: Path) -> set[str]:
@@ -147,7 +148,7 @@ def error_types(package: Path) -> set[str]:
     types = set(ERROR_TYPES)
     while more := {name for name, of in bases.items() if of & types} - types:
         types |= more
-    return types
+    return types - RUNNING_JOB_ERRORS
 
 
 def _render(node: ast.expr | None, assigned: dict[str, ast.expr], helpers: dict[str, ast.expr]) -> str | None:

@@ -109,6 +109,7 @@ def _wait_and_claim(
     deadline, next_status, waited = start + (cfg.wait or 0.0), start, False
     what = f"--gpus {cfg.gpus}" if cfg.gpus is not None else "the GPUs this job sees (no --gpus)"
     free_gpus = plural(len(wanted), "free GPU")
+    held: GpuClaims | None = None
     try:
         while True:
             plan, unavailable, ahead = _look(cfg, snapshot, environ, dir_fd, ticket)
@@ -135,6 +136,8 @@ def _wait_and_claim(
             time.sleep(max(0.0, min(POLL, deadline - now, next_status - now)))
             snapshot, waited = gpus.query_gpus(), True
     except KeyboardInterrupt:
+        if held is not None:  # claimed a moment before the Ctrl-C: let them go, as the message says
+            held.close()
         raise WaitInterrupted(
             f"Ctrl-C after {_duration(time.monotonic() - start)} of waiting for {free_gpus} ({what}): nothing was "
             "started, no GPU is claimed, and this job's place in line is given up."

@@ -68,14 +68,12 @@ def start(preload: list[str], preempt_signal: int | None = None) -> int:
         try:
             with _environment_for_the_server({"PYTHONPATH": paths, _IGNORES: told}):
                 forkserver.ensure_running()
+            _started[:] = [int(server._forkserver_pid)]  # before the unblock, whose pending Ctrl-C raises here
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     else:
         forkserver.ensure_running()  # started again if it died
-    pid = int(server._forkserver_pid)
-    if ours:
-        _started[:] = [pid]
-    return pid
+    return int(server._forkserver_pid)
 
 
 @contextlib.contextmanager

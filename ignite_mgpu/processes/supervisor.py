@@ -61,6 +61,7 @@ class Supervisor:
         self.error_dir = tempfile.mkdtemp(prefix="ignite-mgpu-")  # 0700: private to this user
         self.signal_received = 0
         self.starting = False  # while the attempt's workers are being started
+        self.stopped_while_starting = False  # the stop signal came then: _attempt kills what it started
         self.procs: list[Any] = []
         self.first_failure: tuple[int, int] | None = None  # (local rank, exit code) of the first rank that failed
         self.died: list[int] = []  # local ranks killed by a signal before this process signalled any
@@ -96,8 +97,9 @@ class Supervisor:
             else ("stops at the next check" if self.plan.join_group else "is sent SIGTERM")  # a script: as torchrun
         )
         name = f"{signal.Signals(signum).name} received{' (pre-emption)' if preempt else ''}"
-        if self.starting:  # _attempt kills what it started: nothing has begun
-            print(f"ignite-mgpu: {name} while the workers start: the job stops before it begins.", file=sys.stderr)
+        self.stopped_while_starting = self.starting
+        if self.starting:  # _attempt kills what it started: no worker of this attempt has begun
+            print(f"ignite-mgpu: {name} while the workers start: they are stopped at once.", file=sys.stderr)
         else:
             print(
                 f"ignite-mgpu: {name}: every rank {what} (up to {self.plan.stop_grace:.0f} s); press Ctrl-C again "
@@ -165,8 +167,8 @@ class Supervisor:
                     break  # stopped while starting: start no more workers
                 self.procs.append(self._start(plan, local_rank, args, str(folder), attempt))
             self.starting = False
-            if self.signal_received:  # stopped while they started (the first waits for the fork server's imports):
-                self._signal_all(signal.SIGKILL)  # none has begun, and one started after the signal never got it
+            if self.stopped_while_starting:  # (the first waits for the fork server's imports): none has begun,
+                self._signal_all(signal.SIGKILL)  # and one started after the signal never got it
             self._watch(folder)
         except KeyboardInterrupt:
             pass

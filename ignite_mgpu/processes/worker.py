@@ -143,12 +143,16 @@ def _from_the_server(environ: dict[str, str], threads: int | None) -> None:
         torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
 
 
+# A BLAS library's own thread-count variable, which it reads before OMP_NUM_THREADS.
+BLAS_THREAD_VARS = {"openblas": "OPENBLAS_NUM_THREADS", "mkl": "MKL_NUM_THREADS", "blis": "BLIS_NUM_THREADS"}
+
+
 def _blas_threads_as_torch(threads: int | None) -> None:
-    """numpy's BLAS (OpenBLAS, MKL) read their thread count from the environment once, when numpy loads: in the
-    fork server, or in this worker while the job function's module was imported, before the binding. Without this,
-    every worker's (and every loader worker's) matrix products would start a thread per core of the machine. Set
-    them to torch's count (the binding's, else OMP_NUM_THREADS), as a process that loaded numpy now would; an
-    OPENBLAS_NUM_THREADS of the user's keeps OpenBLAS's own. numpy not loaded yet: it will read the environment."""
+    """numpy's BLAS (OpenBLAS, MKL, BLIS) read their thread count from the environment once, when numpy loads: in
+    the fork server, or in this worker while the job function's module was imported, before the binding. Without
+    this, every worker's (and every loader worker's) matrix products would start a thread per core of the machine.
+    Set each as a process that loaded numpy now would: its own variable (OPENBLAS_NUM_THREADS, ...) when set, else
+    torch's count (the binding's, else OMP_NUM_THREADS). numpy not loaded yet: it will read the environment."""
     if "numpy" not in sys.modules:
         return
     omp = os.environ.get("OMP_NUM_THREADS", "")
@@ -157,10 +161,10 @@ def _blas_threads_as_torch(threads: int | None) -> None:
         return
     from threadpoolctl import ThreadpoolController
 
-    libraries = ThreadpoolController().select(user_api="blas")
-    if "OPENBLAS_NUM_THREADS" in os.environ:
-        libraries = libraries.select(internal_api=["mkl", "blis"])
-    libraries.limit(limits=max(1, count))
+    controller = ThreadpoolController()
+    for api, var in BLAS_THREAD_VARS.items():
+        own = os.environ.get(var, "")
+        controller.select(internal_api=api).limit(limits=max(1, int(own) if own.isdigit() else count))
 
 
 def _check_served_fork() -> None:
@@ -241,6 +245,8 @@ def worker_main(
         )
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The fork server starts with these blocked until it ignores them: a worker never keeps them blocked.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM, *filter(None, [plan.preempt_signal])])
     # A script knows nothing of our stop requests: SIGTERM ends it, as torchrun's SIGTERM does.
     signal.signal(signal.SIGTERM, _on_signal if plan.join_group else signal.SIG_DFL)
     if plan.preempt_signal:  # SLURM signals every process of the step, the workers too: the same stop

@@ -33,7 +33,7 @@ class Capacity:
     where: str  # "GPU 2,3" or "the CPU (RAM)", for the message
     reserve: int  # subtracted from each before it was given here (CUDA's context, or a process's runtime)
     margin: float = MARGIN  # the share of the peak a fit keeps free
-    host_ram: int = 0  # this machine's available RAM, where a GPU job's background checkpoint keeps its snapshot
+    host_ram: int = 0  # the available RAM less the processes' own runtime: room for a GPU job's snapshot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +77,9 @@ def capacity(cfg: Config, environ: Mapping[str, str] = os.environ, gpus: list[Gp
     if chosen:
         by_id = {g.index: g for g in snapshot}
         free = [max(0, (by_id[i].memory_total_mb - by_id[i].memory_used_mb) * MIB - CUDA_CONTEXT) for i in chosen]
-        return Capacity("cuda", free, f"GPU {','.join(map(str, chosen))}", CUDA_CONTEXT, host_ram=_available_ram())
+        # Each process holds what this one holds (torch imported) besides the snapshot; CUDA's runtime comes on top.
+        host = max(0, _available_ram() - len(chosen) * _resident_bytes())
+        return Capacity("cuda", free, f"GPU {','.join(map(str, chosen))}", CUDA_CONTEXT, host_ram=host)
     nproc = cfg.dist.nproc or 1
     runtime = _resident_bytes()  # each CPU process imports torch and the job's code, as this one has
     per_process = max(0, _available_ram() // nproc - runtime)
@@ -144,20 +146,22 @@ def make_memory_plan(cfg: Config, cap: Capacity) -> MemoryPlan:
     else:
         rows.append(dataclasses.replace(rows[0], strategy="fsdp", note="one process: nothing to shard (as ddp)"))
     rows.append(_dataparallel(full, per_sample, cap, batch))
-    # On GPUs the snapshot is host memory: rank 0's whole state (full), or every process's shards (sharded).
-    host = full.params + full.optimizer if cap.device == "cuda" and cfg.checkpoint.async_save else 0
+    # On GPUs the snapshot is host memory: rank 0's whole state (full: on its machine), or every process's shards
+    # (sharded: this machine's share of the nodes).
+    whole, nodes = full.params + full.optimizer, cfg.dist.nnodes if cfg.checkpoint.format == "sharded" else 1
+    host = -(-whole // nodes) if cap.device == "cuda" and cfg.checkpoint.async_save else 0
     told = advice(rows, cap) + host_ram_advice(host, cap.host_ram)
     return MemoryPlan(cfg.model.name, cfg.optim.name, cfg.train.precision, batch, nproc, cap, rows, told, host)
 
 
 def host_ram_advice(snapshot: int, available: int) -> str:
     """A sentence for the advice when a GPU job's background checkpoint snapshot (pinned: never swapped out) would
-    not fit, with MARGIN, in the host RAM available now; else nothing."""
+    not fit, with MARGIN, in the host RAM available now beside the processes themselves; else nothing."""
     if not snapshot or not available or snapshot * (1 + MARGIN) <= available:
         return ""
     return (
         f" But the background checkpoint's snapshot, {size(snapshot)} of pinned host RAM from the first save on, "
-        f"does not fit in the {size(available)} this machine has available: set "
+        f"does not fit in the {size(available)} this machine has available beside the job's processes: set "
         "checkpoint.async_save=false (the step writes the checkpoint itself), or free RAM."
     )
 

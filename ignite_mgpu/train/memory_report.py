@@ -45,7 +45,7 @@ def format_plan(plan: MemoryPlan) -> str:
         notes.append(f"  checkpoint.async_save: the background checkpoint's snapshot stays in RAM ({kept}), counted in "
                      "the fit")  # fmt: skip
     if plan.host_snapshot:
-        of = f" (of {size(cap.host_ram)} available)" if cap.host_ram else ""
+        of = f" (of {size(cap.host_ram)} available beside the processes)" if cap.host_ram else ""
         notes.append(f"  checkpoint.async_save: the background checkpoint's snapshot takes {size(plan.host_snapshot)} "
                      f"of pinned host RAM{of}, not GPU memory")  # fmt: skip
     footer = (

@@ -142,7 +142,7 @@ def test_ctrl_c_while_the_server_imports_stops_the_job_at_once_with_130_and_no_t
     assert "Traceback" not in err and "KeyboardInterrupt" not in err and "Aborted" not in err, err
     # The supervisor's two lines; or, when the signal came before the supervisor took over (the server starts
     # just before it), the command's one line.
-    supervisor = "ignite-mgpu: SIGINT received while the workers start: the job stops before it begins.\n"
+    supervisor = "ignite-mgpu: SIGINT received while the workers start: they are stopped at once.\n"
     assert err.endswith(f"{supervisor}ignite-mgpu: stopped by SIGINT.\n") or err.endswith(
         "\nignite-mgpu: stopped by Ctrl-C (SIGINT).\n"
     ), err

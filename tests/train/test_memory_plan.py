@@ -74,10 +74,13 @@ def gpu(index, used_mb, total_mb=10240):
     return GpuInfo(index, f"00000000:0{index}:00.0", "NVIDIA A100", used_mb, total_mb, 0, 0)
 
 
-def test_capacity_reads_the_selected_gpus_free_memory():
+def test_capacity_reads_the_selected_gpus_free_memory(monkeypatch):
+    monkeypatch.setattr(memory_plan, "_available_ram", lambda: 10 * 2**30)
+    monkeypatch.setattr(memory_plan, "_resident_bytes", lambda: 2**30)
     cfg = load_config(None, ["dist.gpus=1,2"])
     cap = capacity(cfg, {}, [gpu(0, 0), gpu(1, 2048), gpu(2, 9216)])
     assert cap.device == "cuda" and cap.where == "GPU 1,2"
+    assert cap.host_ram == 8 * 2**30  # the available RAM less each process's own (as this one holds)
     assert cap.free == [8192 * MIB - memory_plan.CUDA_CONTEXT, 1024 * MIB - memory_plan.CUDA_CONTEXT]
     assert capacity(load_config(None, ["dist.gpus=auto:1"]), {}, [gpu(0, 5000), gpu(1, 10)]).where == "GPU 1"
     cpu = capacity(load_config(None, ["dist.nproc=2"]), {}, [])
@@ -139,19 +142,23 @@ def test_on_gpus_the_snapshot_is_checked_against_the_host_ram(stack_cfg):
     roomy = make_memory_plan(cfg, Capacity("cuda", [2**30] * 2, "GPU 0,1", 0, host_ram=2**30))
     assert roomy.host_snapshot == state and roomy.advice.startswith("fits: --strategy ddp")
     assert "But" not in roomy.advice
-    assert f"snapshot takes {size(state)} of pinned host RAM (of 1.00 GiB available), not GPU memory" in format_plan(
-        roomy
-    )
+    note = f"snapshot takes {size(state)} of pinned host RAM (of 1.00 GiB available beside the processes), not GPU"
+    assert note in format_plan(roomy)
     tight = make_memory_plan(cfg, Capacity("cuda", [2**30] * 2, "GPU 0,1", 0, host_ram=int(state * 1.1)))
     assert tight.advice.startswith("fits: --strategy ddp with the whole batch")
     assert tight.advice.endswith(
         f"But the background checkpoint's snapshot, {size(state)} of pinned host RAM from the first save on, does "
-        f"not fit in the {size(int(state * 1.1))} this machine has available: set checkpoint.async_save=false (the "
-        "step writes the checkpoint itself), or free RAM."
+        f"not fit in the {size(int(state * 1.1))} this machine has available beside the job's processes: set "
+        "checkpoint.async_save=false (the step writes the checkpoint itself), or free RAM."
     ), tight.advice
     assert json.loads(to_json(tight))["host_snapshot"] == state
     sharded = load_config(None, [*STACK, "optim.name=adamw", "checkpoint.format=sharded"])
     assert make_memory_plan(sharded, Capacity("cuda", [2**30] * 2, "GPU 0,1", 0, host_ram=2**30)).host_snapshot == state
+    two_nodes = load_config(
+        None, [*STACK, "optim.name=adamw", "checkpoint.format=sharded", "dist.nnodes=2", "dist.master_port=29500"]
+    )
+    on_each = make_memory_plan(two_nodes, Capacity("cuda", [2**30] * 2, "GPU 0,1", 0, host_ram=2**30))
+    assert on_each.host_snapshot == -(-state // 2)  # each machine snapshots its own processes' shards
     off = load_config(None, [*STACK, "optim.name=adamw", "checkpoint.async_save=false"])
     quiet = make_memory_plan(off, Capacity("cuda", [2**30] * 2, "GPU 0,1", 0, host_ram=16))
     assert quiet.host_snapshot == 0 and "But" not in quiet.advice and "pinned" not in format_plan(quiet)
