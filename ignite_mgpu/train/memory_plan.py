@@ -74,16 +74,17 @@ def capacity(cfg: Config, environ: Mapping[str, str] = os.environ, gpus: list[Gp
     snapshot = query_gpus() if gpus is None else gpus
     spec = cfg.dist.gpus
     chosen = gpu_selection.plan_gpus(spec, snapshot, environ, cfg.dist.nproc).physical_ids if snapshot else None
+    # Each process holds what this one holds (torch and the job's code imported); on GPUs CUDA's runtime on top.
+    available, runtime = _available_ram(), _resident_bytes()
     if chosen:
         by_id = {g.index: g for g in snapshot}
         free = [max(0, (by_id[i].memory_total_mb - by_id[i].memory_used_mb) * MIB - CUDA_CONTEXT) for i in chosen]
-        # Each process holds what this one holds (torch imported) besides the snapshot; CUDA's runtime comes on top.
-        host = max(0, _available_ram() - len(chosen) * _resident_bytes())
+        host = max(0, available - len(chosen) * runtime)
         return Capacity("cuda", free, f"GPU {','.join(map(str, chosen))}", CUDA_CONTEXT, host_ram=host)
     nproc = cfg.dist.nproc or 1
-    runtime = _resident_bytes()  # each CPU process imports torch and the job's code, as this one has
-    per_process = max(0, _available_ram() // nproc - runtime)
-    return Capacity("cpu", [per_process] * nproc, "the CPU (RAM)", runtime, CPU_MARGIN, _available_ram())
+    per_process = max(0, available // nproc - runtime)
+    host = max(0, available - nproc * runtime)
+    return Capacity("cpu", [per_process] * nproc, "the CPU (RAM)", runtime, CPU_MARGIN, host)
 
 
 def _available_ram() -> int:
@@ -129,6 +130,15 @@ def snapshot_bytes(ckpt: CheckpointConfig, whole: Footprint, own: Footprint, dev
     return saved.params + saved.optimizer
 
 
+def host_snapshot_bytes(ckpt: CheckpointConfig, whole: Footprint, nnodes: int, device: str) -> int:
+    """On GPUs, what ``checkpoint.async_save``'s snapshot takes of this machine's pinned host RAM: rank 0's whole
+    state for ``full`` (on its machine), every local process's shards for ``sharded`` (this machine's share)."""
+    if device != "cuda" or not ckpt.async_save:
+        return 0
+    nodes = nnodes if ckpt.format == "sharded" else 1
+    return -(-(whole.params + whole.optimizer) // nodes)
+
+
 def make_memory_plan(cfg: Config, cap: Capacity) -> MemoryPlan:
     """Measure the step (two batch sizes give the activations per sample) and fit it into ``cap``."""
     nproc, batch = len(cap.free), cfg.data.batch_size
@@ -146,10 +156,7 @@ def make_memory_plan(cfg: Config, cap: Capacity) -> MemoryPlan:
     else:
         rows.append(dataclasses.replace(rows[0], strategy="fsdp", note="one process: nothing to shard (as ddp)"))
     rows.append(_dataparallel(full, per_sample, cap, batch))
-    # On GPUs the snapshot is host memory: rank 0's whole state (full: on its machine), or every process's shards
-    # (sharded: this machine's share of the nodes).
-    whole, nodes = full.params + full.optimizer, cfg.dist.nnodes if cfg.checkpoint.format == "sharded" else 1
-    host = -(-whole // nodes) if cap.device == "cuda" and cfg.checkpoint.async_save else 0
+    host = host_snapshot_bytes(cfg.checkpoint, full, cfg.dist.nnodes, cap.device)
     told = advice(rows, cap) + host_ram_advice(host, cap.host_ram)
     return MemoryPlan(cfg.model.name, cfg.optim.name, cfg.train.precision, batch, nproc, cap, rows, told, host)
 
