@@ -61,7 +61,7 @@ def test_flags_and_overrides_reach_the_config(captured, tmp_path):
     assert (plan.nproc, plan.backend, plan.world_size) == (2, "gloo", 2)
     assert cfg.optim.lr == 0.01 and cfg.train.epochs == 3 and cfg.seed == 7
     assert cfg.dist.nproc == 2 and cfg.dist.timeout == 20 and cfg.output_dir == "out"
-    assert plan.init_method is None and plan.master_port is None  # the supervisor picks a private file store
+    assert plan.rendezvous_file is None and plan.master_port is None  # the supervisor picks a private file store
 
 
 def test_yaml_as_first_argument_then_overrides_then_flags(captured, tmp_path):

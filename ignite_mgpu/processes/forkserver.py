@@ -54,6 +54,8 @@ def start(preload: list[str], preempt_signal: int | None = None) -> int:
     3.12 ignores the one multiprocessing passes it): else an installed copy could shadow a checkout.
     """
     server: Any = forkserver._forkserver  # the module's one server (private API)
+    if _started and server._forkserver_pid == _started[0]:
+        _forget_if_dead(server)  # then started again as below, not plainly by multiprocessing
     ours = server._forkserver_pid is None
     if ours:
         mp.get_context(METHOD).set_forkserver_preload(preload)
@@ -72,8 +74,23 @@ def start(preload: list[str], preempt_signal: int | None = None) -> int:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     else:
-        forkserver.ensure_running()  # started again if it died
+        forkserver.ensure_running()  # ours, alive; or another part's, which multiprocessing restarts if it died
     return int(server._forkserver_pid)
+
+
+def _forget_if_dead(server: Any) -> None:
+    """The server this process started died (the OOM killer, a kill by hand): forget it, as
+    ``forkserver.ensure_running`` would before starting a plain one that neither ignores the stop signals nor dies
+    with this process."""
+    with server._lock:
+        try:
+            ended = os.waitpid(server._forkserver_pid, os.WNOHANG)[0] != 0
+        except ChildProcessError:
+            ended = True
+        if ended:
+            os.close(server._forkserver_alive_fd)
+            server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
+            _started.clear()
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ class LaunchPlan:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
-    init_method: str | None = None  # "file://..." (private rendezvous on one node) or None (env://)
+    rendezvous_file: str | None = None  # a file store's path (private rendezvous on one node) or None (env://)
     env: dict[str, str] = field(default_factory=dict)  # set in every worker before torch starts
     timeout: float = 300.0
     stop_grace: float = 60.0

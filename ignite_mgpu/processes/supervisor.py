@@ -151,9 +151,7 @@ class Supervisor:
         folder = Path(self.error_dir, f"attempt{attempt}")
         folder.mkdir()
         if plan.nnodes == 1 and plan.master_port is None:  # no TCP port at all; a fresh store for every attempt
-            plan.init_method = "file://" + os.path.join(
-                self.error_dir, "rendezvous" + (str(attempt) if attempt else "")
-            )
+            plan.rendezvous_file = os.path.join(self.error_dir, "rendezvous" + (str(attempt) if attempt else ""))
             if not plan.join_group:
                 # A script rendezvous through MASTER_PORT (env://): a port free now, a fresh one for every attempt.
                 plan = dataclasses.replace(plan, master_port=free_port(plan.master_addr))

@@ -40,7 +40,7 @@ def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> Any:
     for name in ("launcher.Parallel", "auto.auto_dataloader", "auto.auto_model", "auto.auto_optim"):
         logging.getLogger(f"ignite.distributed.{name}").setLevel(logging.WARNING)  # ignite keeps existing loggers
     before_group = thread_ids()
-    own_group = plan.external and plan.backend is not None and _join_torchrun_attempt(plan.backend)
+    own_group = _create_group(plan)
     returned = []  # Parallel.run drops what the function returns
     _raised_at.clear()  # one job's (a forked worker starts with its parent's memory)
 
@@ -54,7 +54,7 @@ def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> Any:
             raise
 
     try:
-        with idist.Parallel(backend=None if own_group else plan.backend, init_method=plan.init_method) as parallel:
+        with idist.Parallel(backend=None if own_group else plan.backend) as parallel:
             free_group_threads(before_group)  # cores: gloo's threads communicate on the job's CPUs
             _say_where(plan)
             parallel.run(run, *args)
@@ -73,6 +73,40 @@ def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> Any:
     return returned[0] if returned else None
 
 
+def _create_group(plan: LaunchPlan) -> bool:
+    """Create the job's process group here where ignite's creation would go wrong; False leaves it to ignite
+    (env://, or no group for one process)."""
+    if plan.backend is None:
+        return False
+    if plan.rendezvous_file is not None:
+        _join_file_store(plan.backend, plan.rendezvous_file)
+        return True
+    return plan.external and _join_torchrun_attempt(plan.backend)
+
+
+def _join_file_store(backend: str, path: str) -> None:
+    """Spawned on one node: join through the supervisor's private file store.
+
+    Given ``init_method="file://..."``, ignite adds the rank and world size only to a URL without "env" in it (its
+    test for env://): under a TMPDIR such as /scratch/venv-tmp, or in a temporary folder whose random name holds
+    those letters, every rank failed with "rank parameter missing"; a "?" or "#" in the path would break the URL
+    too. The store is made from the path itself.
+    """
+    import torch.distributed as dist
+
+    world_size, _ = cluster.job_size()
+    _set_device(backend)
+    store = dist.FileStore(path, world_size)
+    dist.init_process_group(backend, store=store, rank=cluster.global_rank(), world_size=world_size)
+
+
+def _set_device(backend: str) -> None:
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(cluster.local_rank())  # as ignite does when it creates the group
+
+
 def _join_torchrun_attempt(backend: str) -> bool:
     """Under torchrun, join the process group through this restart's own namespace of the agent's store.
 
@@ -83,11 +117,9 @@ def _join_torchrun_attempt(backend: str) -> bool:
     agent_store = cluster.torchrun_store()
     if agent_store is None:
         return False
-    import torch
     import torch.distributed as dist
 
-    if backend == "nccl":
-        torch.cuda.set_device(cluster.local_rank())  # as ignite does when it creates the group
+    _set_device(backend)
     host, port, restart = agent_store
     store = dist.PrefixStore(f"ignite_mgpu/restart{restart}/", dist.TCPStore(host, port, is_master=False))
     world_size, _ = cluster.job_size()

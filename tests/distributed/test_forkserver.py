@@ -1,18 +1,23 @@
 """The fork server (processes/forkserver.py), in one 2-process gloo job run by launch() in this process: workers
 forked from a server that imported torch, the supervisor's environment (set after the server started) in the
 workers, CUDA untouched there, a DataLoader with a worker process, and a rank's SIGKILL restarted at once by the same
-server, stopped when the job ends. `python -m pytest tests/distributed/test_forkserver.py`."""
+server, stopped when the job ends; the rendezvous file in a temporary folder whose path no file:// URL carries.
+`python -m pytest tests/distributed/test_forkserver.py`."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing import forkserver as mp_forkserver
+from multiprocessing import util as mp_util
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -81,7 +86,15 @@ def test_workers_fork_from_one_server_with_the_supervisors_environment(tmp_path,
         return pid
 
     monkeypatch.setattr(forkserver, "start", start_then_change_the_environment)
-    result = launcher.launch(job, str(tmp_path), nproc=2, backend="gloo", max_restarts=1)
+    # The rendezvous file lies in the temporary folder: "env" in its path (ignite took such a URL for env://),
+    # and a URL's "?" and "#".
+    mp_util.get_temp_dir()  # multiprocessing's own (its fork server's socket) stays where it is
+    temporary = tempfile.mkdtemp(prefix="venv?#")
+    try:
+        with mock.patch.object(tempfile, "tempdir", temporary):
+            result = launcher.launch(job, str(tmp_path), nproc=2, backend="gloo", max_restarts=1)
+    finally:
+        shutil.rmtree(temporary)
 
     lines = {
         rank: [json.loads(x) for x in (tmp_path / f"rank{rank}.jsonl").read_text().splitlines()] for rank in (0, 1)
@@ -173,3 +186,41 @@ def test_ctrl_c_before_the_supervisor_ends_the_command_with_130_and_one_line(mon
     result = CliRunner().invoke(main, ["train", "--nproc", "2"])
     assert result.exit_code == 130, result.output
     assert result.output == "\nignite-mgpu: stopped by Ctrl-C (SIGINT).\n"
+
+
+def _ignores_sigint(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), 16)
+    return bool(mask & (1 << (signal.SIGINT - 1)))
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_server_is_started_again_as_the_first_one_was():
+    """The OOM killer or a kill by hand ends the server between attempts: the next start gives a server that again
+    ignores the stop signals (set up by the same code as its death signal), not multiprocessing's plain one."""
+
+    def start_and_wait() -> int:
+        pid = forkserver.start([forkserver.__name__])
+        end = time.monotonic() + 20
+        while not _ignores_sigint(pid):  # set once the server imported its preload
+            assert time.monotonic() < end, "the server never ignored SIGINT"
+            time.sleep(0.01)
+        return pid
+
+    try:
+        first = start_and_wait()
+        os.kill(first, signal.SIGKILL)
+        while _state(first) not in ("Z", "gone"):
+            time.sleep(0.01)
+        second = start_and_wait()
+        assert second != first and forkserver._started == [second]
+    finally:
+        forkserver.stop()
+    assert mp_forkserver._forkserver._forkserver_pid is None
