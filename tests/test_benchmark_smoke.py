@@ -301,3 +301,25 @@ def test_checkpoint_stall_quick_run_prints_both_formats(tmp_path):
     for name in ("full", "sharded"):
         assert f"{name}: async / sync stall ratio" in proc.stdout, proc.stdout
     assert list(tmp_path.iterdir()) == []  # the checkpoints were deleted
+
+
+def test_not_training_takes_each_figure_from_the_run_that_measured_it(monkeypatch):
+    """bench_not_training runs the FSDP benchmark twice (the step and the CNN's evaluation, then the tiny GPT-2's
+    evaluation with more passes): one table gets the step from the first, each evaluation from its own run."""
+    bench = importlib.import_module("benchmarks.not_training.bench_not_training")
+    outputs = [
+        {"step": {"ratio": 0.998, "met": "met"}, "eval": {"cnn": {"ratio": 1.007, "met": "met"}}},
+        {"step": None, "eval": {"gpt2": {"ratio": 1.019, "met": "undecided"}}},
+    ]
+    calls = []
+
+    def fake_run(name, argv, log):
+        calls.append(argv[1:-2])
+        Path(argv[argv.index("--json") + 1]).write_text(json.dumps(outputs[len(calls) - 1]))
+        return ""
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    rows = bench.fsdp(False, [])
+    assert calls == bench.LONG_FSDP
+    assert [(row.value, row.verdict) for row in rows] == [(0.998, "met"), (1.007, "met"), (1.019, "undecided")]
+    assert "(tiny GPT-2)" in rows[0].what and "(cnn)" in rows[1].what and "(gpt2)" in rows[2].what
