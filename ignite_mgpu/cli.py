@@ -57,6 +57,18 @@ def _seconds(ctx: click.Context, param: click.Parameter, value: str | None) -> f
     return seconds
 
 
+def _preempt_signal(ctx: click.Context, param: click.Parameter, value: str) -> str | None:
+    """--preempt-signal's value: a signal's name (USR1 or SIGUSR1), or None for none."""
+    from ignite_mgpu.config.checks import PREEMPT_SIGNAL_RULE, usable_preempt_signal
+
+    if value.lower() in ("none", "null", "off"):
+        return None
+    name = value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"
+    if not usable_preempt_signal(name):
+        raise click.BadParameter(f"{value!r}: {PREEMPT_SIGNAL_RULE}, or none.")
+    return name
+
+
 def dist_options(fn: Any) -> Any:
     """The process/GPU flags shared by ``train`` and ``evaluate``."""
     options = [
@@ -249,6 +261,13 @@ def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | Non
     help="Bind each process to its CPUs: cores (its own share), numa (its GPU's node), auto [none].",
 )
 @click.option("--max-restarts", type=int, default=0, help="Start every process again after a rank crashed [0].")
+@click.option(
+    "--preempt-signal",
+    default="SIGUSR1",
+    callback=_preempt_signal,
+    help="SLURM's warning before the time limit (sbatch --signal=USR1@90): passed to every process, then the SLURM "
+    "job is requeued; none: off [SIGUSR1].",
+)
 def run(script: str, script_args: tuple[str, ...], module: bool, **flags: Any) -> None:
     """Run your own training SCRIPT (or -m MODULE) in N processes, as torchrun starts them.
 
@@ -262,14 +281,15 @@ def run(script: str, script_args: tuple[str, ...], module: bool, **flags: Any) -
     idist.Parallel and ignite_mgpu.launch() in the script join the group unchanged; the script chooses the
     backend and its collective timeout. Options go before SCRIPT; what follows it is the script's. A rank that
     fails stops every process, and its error is shown once; a script that exits with 2 (argparse, click)
-    rejected its arguments, and nothing restarts it. Refused under torchrun or srun: one launcher at a time.
+    rejected its arguments, and nothing restarts it. SLURM's warning before the time limit (--preempt-signal) is
+    passed to every process, then the SLURM job is requeued. Refused under torchrun or srun: one launcher at a time.
     """
     from ignite_mgpu.config.schema import DistConfig
 
     with _errors_to_exit():
         from ignite_mgpu.processes.script import run_script_job
 
-        cfg = DistConfig(**flags, preempt_signal=None)
+        cfg = DistConfig(**flags)
         code = run_script_job(cfg, script, list(script_args), module)
     sys.exit(code)
 

@@ -13,7 +13,8 @@ EXIT_CODES = {
     3: "training diverged (non-finite loss)",
     4: "--wait ran out before the GPUs were free (nothing started)",
     130: "SIGINT (Ctrl-C)",
-    138: "SIGUSR1, pre-emption (dist.preempt_signal; 128 + its number): checkpointed, SLURM job requeued",
+    138: "SIGUSR1, pre-emption (dist.preempt_signal, run --preempt-signal; 128 + its number): stopped (train: "
+    "checkpointed), SLURM job requeued",
     143: "SIGTERM",
 }
 SUCCESS, FAILED, USAGE, DIVERGED, WAIT_TIMEOUT = 0, 1, 2, 3, 4

@@ -198,19 +198,22 @@ def _check_strategy_options(cfg: Config) -> None:
         )
 
 
-def _check_preempt_signal(name: str | None) -> None:
+PREEMPT_SIGNAL_RULE = (
+    "name a signal that a process can catch and that does not already mean stop, such as SIGUSR1 or SIGUSR2 (what "
+    "sbatch --signal=USR1@90 sends)"
+)
+
+
+def usable_preempt_signal(name: str | None) -> bool:
     import signal
 
-    usable = name is None or (
+    return name is None or (
         name in signal.Signals.__members__ and name not in ("SIGKILL", "SIGSTOP", "SIGINT", "SIGTERM", "SIGCHLD")
     )
-    _check(
-        usable,
-        "dist.preempt_signal",
-        name,
-        "name a signal that a process can catch and that does not already mean stop, such as SIGUSR1 or SIGUSR2 "
-        "(what sbatch --signal=USR1@90 sends), or null",
-    )
+
+
+def _check_preempt_signal(name: str | None) -> None:
+    _check(usable_preempt_signal(name), "dist.preempt_signal", name, f"{PREEMPT_SIGNAL_RULE}, or null")
 
 
 def check_loss_args(name: str, loss_args: Mapping[str, Any]) -> None:

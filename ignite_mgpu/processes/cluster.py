@@ -109,23 +109,33 @@ def signal_number(name: str | None) -> int | None:
     return int(signal.Signals[name]) if name else None
 
 
-def requeue(environ: Mapping[str, str] = os.environ, run: Callable[..., Any] = subprocess.run) -> str:
+def requeue(
+    environ: Mapping[str, str] = os.environ, run: Callable[..., Any] = subprocess.run, script: bool = False
+) -> str:
     """Requeue the SLURM job this process runs in (``scontrol requeue $SLURM_JOB_ID``); the line to print.
 
-    Called once per job, by the launcher of global rank 0, after every rank stopped at the same iteration and the
-    checkpoint was written: the requeued job continues from it through ``--resume auto``.
+    Called once per job, by the launcher of global rank 0, after every rank stopped: the default job stopped at
+    the same iteration and wrote a checkpoint, and the requeued job continues from it through ``--resume auto``;
+    a ``script`` (``ignite-mgpu run``) starts again and continues from its own snapshot.
     """
+    resume = "" if script else " with --resume auto"
     job = environ.get("SLURM_JOB_ID")
     if not job:
-        return "not requeued: this is not a SLURM job (no SLURM_JOB_ID); continue it with --resume auto."
+        again = "start it again" if script else "continue it with --resume auto"
+        return f"not requeued: this is not a SLURM job (no SLURM_JOB_ID); {again}."
     try:
         done = run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as err:
-        return f"could not requeue SLURM job {job} (scontrol requeue {job}: {err}); resubmit it with --resume auto."
+        return f"could not requeue SLURM job {job} (scontrol requeue {job}: {err}); resubmit it{resume}."
     if done.returncode != 0:
         why = (done.stderr or done.stdout or "").strip().splitlines()
         return (
             f"could not requeue SLURM job {job} (scontrol requeue {job} exited {done.returncode}"
-            f"{': ' + why[-1] if why else ''}); submit it with sbatch --requeue, or resubmit it with --resume auto."
+            f"{': ' + why[-1] if why else ''}); submit it with sbatch --requeue, or resubmit it{resume}."
         )
-    return f"requeued SLURM job {job} (scontrol requeue {job}); it continues from the checkpoint with --resume auto."
+    then = (
+        "the script starts again (TORCHELASTIC_RESTART_COUNT counts the requeue)"
+        if script
+        else "it continues from the checkpoint with --resume auto"
+    )
+    return f"requeued SLURM job {job} (scontrol requeue {job}); {then}."

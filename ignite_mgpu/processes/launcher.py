@@ -85,7 +85,7 @@ def _run_job(
     else:
         ended, value = _run_here(plan, fn, args, report)
     if plan.preempt_signal and ended.code == signal_exit_code(plan.preempt_signal) and first:
-        print(f"ignite-mgpu: {cluster.requeue()}", file=sys.stderr, flush=True)
+        print(f"ignite-mgpu: {cluster.requeue(script=not plan.join_group)}", file=sys.stderr, flush=True)
     return ended, value
 
 

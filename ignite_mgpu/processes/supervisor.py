@@ -91,12 +91,13 @@ class Supervisor:
             raise KeyboardInterrupt
         self.signal_received = signum
         preempt = signum not in _STOP_SIGNALS
-        what = (
-            "stops and writes a checkpoint at the next check; the job then requeues itself"
-            if preempt
-            else ("stops at the next check" if self.plan.join_group else "is sent SIGTERM")  # a script: as torchrun
-        )
-        name = f"{signal.Signals(signum).name} received{' (pre-emption)' if preempt else ''}"
+        name_of = signal.Signals(signum).name
+        if preempt:  # a script's own handler decides what the signal does (by default, it ends the process)
+            what = "stops and writes a checkpoint at the next check" if self.plan.join_group else f"is sent {name_of}"
+            what += "; the job then requeues itself"
+        else:
+            what = "stops at the next check" if self.plan.join_group else "is sent SIGTERM"  # a script: as torchrun
+        name = f"{name_of} received{' (pre-emption)' if preempt else ''}"
         self.stopped_while_starting = self.starting
         if self.starting:  # _attempt kills what it started: no worker of this attempt has begun
             print(f"ignite-mgpu: {name} while the workers start: they are stopped at once.", file=sys.stderr)

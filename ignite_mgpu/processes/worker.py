@@ -282,7 +282,8 @@ def worker_main(
     # A script knows nothing of our stop requests: SIGTERM ends it, as torchrun's SIGTERM does.
     signal.signal(signal.SIGTERM, _on_signal if plan.join_group else signal.SIG_DFL)
     if plan.preempt_signal:  # SLURM signals every process of the step, the workers too: the same stop
-        signal.signal(plan.preempt_signal, _on_signal)
+        # (a script's own handler, installed when it starts, or the default action: the script ends)
+        signal.signal(plan.preempt_signal, _on_signal if plan.join_group else signal.SIG_DFL)
     stop.set_status_file(Path(error_dir, f"status{rank}"))  # how far it got, and whether it is saving
     clock.set_clock(plan.clock)  # when the command started, when the previous attempt failed: goodput's anchors
     code = 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -174,6 +175,60 @@ def test_under_an_outer_torchrun_it_refuses_to_nest_launchers(h: Harness) -> Non
     assert "ignite-mgpu: error: ignite-mgpu run was started by torchrun or srun" in r.stderr, r
     assert "exitcode  : 2" in r.stderr, r  # torchrun's report of our exit code
     assert "Epoch" not in r.stdout
+    h.assert_no_leftovers()
+
+
+# Rank 0 handles the pre-emption signal (its snapshot names how many it got); rank 1 has no handler: the default
+# action ends it. A requeued job (TORCHELASTIC_RESTART_COUNT 1) only notes that it started again.
+PREEMPTED = """
+import os, signal, sys, time
+
+import torch.distributed as dist
+
+got = []
+if os.environ["RANK"] == "0":
+    signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
+dist.init_process_group("gloo")
+start = os.environ["TORCHELASTIC_RESTART_COUNT"]
+open(f"started.{dist.get_rank()}.{start}", "w").close()
+if start == "0":
+    while not got:  # the training loop, until the warning
+        time.sleep(0.01)
+    with open("snapshot", "w") as f:
+        f.write(str(len(got)))
+    sys.exit(0)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_slurm_preemption_reaches_every_rank_and_requeues_the_job(h: Harness) -> None:
+    """sbatch --signal=B:USR1@90 warns the batch shell, which passes it on (trap) to ignite-mgpu run: every rank
+    gets the signal (the script's handler, or its default action), the job exits 138 and requeues itself once;
+    the requeued job starts the script again, which the restart count tells."""
+    from tests.faults.test_faults import wait_until
+
+    (h.root / "preempted.py").write_text(PREEMPTED)
+    bin_dir, log = h.root / "bin", h.root / "scontrol.log"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SCONTROL_LOG": str(log)}
+    slurm["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    job = h.start(["run", "--nproc", "2", "preempted.py"], extra=slurm)
+    wait_until(lambda: all((h.root / f"started.{r}.0").exists() for r in (0, 1)), job, 120, "both ranks")
+    os.kill(job.pid, signal.SIGUSR1)
+    r = job.wait(150)
+    assert r.rc == 138, str(r)
+    assert "ignite-mgpu: SIGUSR1 received (pre-emption): every rank is sent SIGUSR1; the job then requeues" in (
+        r.stderr
+    ), r
+    assert (h.root / "snapshot").read_text() == "1"  # rank 0's handler ran, once
+    assert "ignite-mgpu: requeued SLURM job 4242 (scontrol requeue 4242); the script starts again" in r.stderr, r
+    assert log.read_text() == "requeue 4242\n"
+    r = h.run(["run", "--nproc", "2", "preempted.py"], 150, tag="b", extra={**slurm, "SLURM_RESTART_COUNT": "1"})
+    assert r.rc == 0, str(r)
+    assert all((h.root / f"started.{rank}.1").exists() for rank in (0, 1))
+    assert log.read_text() == "requeue 4242\n"
     h.assert_no_leftovers()
 
 

@@ -44,6 +44,19 @@ def test_requeue_failures_say_what_to_do():
     assert cluster.requeue({"SLURM_JOB_ID": "5"}, missing).startswith("could not requeue SLURM job 5 (scontrol")
 
 
+def test_a_scripts_requeue_says_it_starts_again_without_resume_auto():
+    ok = cluster.requeue({"SLURM_JOB_ID": "7"}, lambda argv, **k: subprocess.CompletedProcess(argv, 0, "", ""), True)
+    assert ok == (
+        "requeued SLURM job 7 (scontrol requeue 7); the script starts again (TORCHELASTIC_RESTART_COUNT counts the "
+        "requeue)."
+    )
+    refused = cluster.requeue(
+        {"SLURM_JOB_ID": "7"}, lambda argv, **k: subprocess.CompletedProcess(argv, 1, "", ""), True
+    )
+    assert refused.endswith("); submit it with sbatch --requeue, or resubmit it.")
+    assert cluster.requeue({}, script=True).endswith("(no SLURM_JOB_ID); start it again.")
+
+
 def test_who_started_the_process_and_where_it_stands():
     torchrun = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "x"}
     assert cluster.started_externally(torchrun) and not cluster.started_externally({"RANK": "0"})

@@ -12,18 +12,18 @@ from ignite_mgpu.processes.plan import LaunchPlan
 
 def test_a_preempted_job_requeues_once_from_global_rank_0(monkeypatch, capsys):
     calls = []
-    monkeypatch.setattr(cluster, "requeue", lambda: calls.append(1) or "requeued SLURM job 7")
+    monkeypatch.setattr(cluster, "requeue", lambda script: calls.append(script) or "requeued SLURM job 7")
     monkeypatch.setattr(launcher, "_run_here", lambda plan, fn, args, report: (Outcome(138), None))
     plan = LaunchPlan(backend="gloo", nproc=1, external=True, preempt_signal=10)
     monkeypatch.setenv("RANK", "1")
     assert launcher.run_plan(plan, print) == 138 and not calls  # not rank 0
     monkeypatch.setenv("RANK", "0")
-    assert launcher.run_plan(plan, print) == 138 and calls == [1]
+    assert launcher.run_plan(plan, print) == 138 and calls == [False]  # the default job's wording
     assert "ignite-mgpu: requeued SLURM job 7" in capsys.readouterr().err
     monkeypatch.setattr(
         launcher, "_run_here", lambda plan, fn, args, report: (Outcome(143), None)
     )  # SIGTERM: the user stopped it
-    assert launcher.run_plan(plan, print) == 143 and calls == [1]
+    assert launcher.run_plan(plan, print) == 143 and calls == [False]
 
 
 def answer(local_rank, base):

@@ -6,6 +6,7 @@ import argparse
 import atexit
 import os
 import re
+import signal
 import sys
 import traceback
 
@@ -53,8 +54,17 @@ def test_the_flags_reach_the_plan_and_everything_after_the_script_is_its_own(cap
     plan, fn, job_args, kwargs = captured[0]
     assert fn is script.run_script and job_args == ("train.py", ["--epochs", "1", "--nproc", "3", "-m"], False)
     assert (plan.nproc, plan.max_restarts, plan.join_group, plan.spawn_one) == (2, 1, False, True)
-    assert plan.preempt_signal is None  # a script handles its own signals
+    assert plan.preempt_signal == signal.SIGUSR1  # SLURM's warning, passed on to the script
     assert kwargs["restart"](1).name == "train.py" and not kwargs["restart"](1).resumes
+
+
+@pytest.mark.parametrize("value, number", [("usr2", signal.SIGUSR2), ("SIGUSR2", signal.SIGUSR2), ("none", None)])
+def test_the_preemption_signal_is_named_either_way_or_turned_off(captured, tmp_path, monkeypatch, value, number):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    result = CliRunner().invoke(main, ["run", "--preempt-signal", value, "train.py"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert captured[0][0].preempt_signal == number
 
 
 def test_a_module_is_found_where_python_m_looks(captured, tmp_path, monkeypatch):
@@ -72,6 +82,8 @@ def test_a_module_is_found_where_python_m_looks(captured, tmp_path, monkeypatch)
         (["run", "-m", "no_such_module_here"], r"-m no_such_module_here: no module named 'no_such_module_here'"),
         (["run", "--nproc", "0", "x.py"], r"dist.nproc"),
         (["run", "--cpu-binding", "tight", "x.py"], r"Invalid value for '--cpu-binding'"),
+        (["run", "--preempt-signal", "TERM", "x.py"], r"'--preempt-signal': 'TERM': name a signal that a process"),
+        (["run", "--preempt-signal", "SIGNOPE", "x.py"], r"'--preempt-signal': 'SIGNOPE': name a signal"),
     ],
 )
 def test_mistakes_exit_2_before_anything_starts(captured, tmp_path, monkeypatch, args, message):
@@ -102,7 +114,8 @@ def test_under_torchrun_or_srun_it_refuses_to_nest_launchers(captured, tmp_path,
 
 def test_help_documents_the_environment_the_flags_and_the_refusal():
     text = CliRunner().invoke(main, ["run", "--help"]).output
-    for word in ("--nproc", "--gpus", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--cpu-binding"):
+    flags = ("--nproc", "--gpus", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--cpu-binding")
+    for word in (*flags, "--preempt-signal"):
         assert word in text
     assert "--max-restarts" in text and "-m, --module" in text and "SCRIPT [SCRIPT ARGS]..." in text
     assert "TORCHELASTIC_RESTART_COUNT" in " ".join(text.split()) and "init_process_group()" in text
