@@ -265,8 +265,8 @@ def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | Non
     "--preempt-signal",
     default="SIGUSR1",
     callback=_preempt_signal,
-    help="SLURM's warning before the time limit (sbatch --signal=USR1@90): passed to every process, then the SLURM "
-    "job is requeued; none: off [SIGUSR1].",
+    help="SLURM's warning before the time limit (sbatch --signal=B:USR1@90, passed on by the batch script): sent "
+    "to every process, then the SLURM job is requeued; none: off [SIGUSR1].",
 )
 def run(script: str, script_args: tuple[str, ...], module: bool, **flags: Any) -> None:
     """Run your own training SCRIPT (or -m MODULE) in N processes, as torchrun starts them.

@@ -4,10 +4,13 @@ reference covers every config key. `python -m pytest -q tests/test_docs.py`."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -96,6 +99,42 @@ def test_slurm_script_is_valid_bash():
     script = REPO / "examples" / "slurm" / "train.sbatch"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     assert "--resume auto" in script.read_text() and "#SBATCH --signal=USR1@" in script.read_text()
+
+
+STUB_RUN = """#!/bin/bash
+trap 'echo "got USR1" >> "$STUB_LOG"; sleep 0.3; echo ended >> "$STUB_LOG"; exit 138' USR1
+echo started > "$STUB_LOG"
+if [ -n "${STUB_EXIT:-}" ]; then exit "$STUB_EXIT"; fi
+while :; do sleep 0.05; done
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ending", ["signal", 0, 3])
+@pytest.mark.parametrize("options", [["-euo", "pipefail"], []])
+def test_the_batch_scripts_trap_passes_the_warning_on_and_keeps_the_exit_code(tmp_path, ending, options):
+    """The batch script's end in your-own-script.md, run by bash (with and without -e) with a stand-in ignite-mgpu:
+    SLURM's B:USR1 reaches the command, the script waits for its end and exits with its code (138); without a
+    signal, the command's code."""
+    block = doc_block("sbatch-preemption-trap")
+    stub = tmp_path / "bin" / "ignite-mgpu"
+    stub.parent.mkdir()
+    stub.write_text(STUB_RUN)
+    stub.chmod(0o755)
+    log = tmp_path / "stub.log"
+    env = {**os.environ, "PATH": f"{stub.parent}{os.pathsep}{os.environ['PATH']}", "STUB_LOG": str(log)}
+    if ending != "signal":
+        env["STUB_EXIT"] = str(ending)
+    shell = subprocess.Popen(["bash", *options, "-c", block.text], cwd=tmp_path, env=env)
+    try:
+        if ending == "signal":
+            while not log.exists():  # the command runs
+                time.sleep(0.01)
+            shell.send_signal(signal.SIGUSR1)  # to the batch shell only, as B: sends it
+        assert shell.wait(timeout=30) == (138 if ending == "signal" else ending)
+    finally:
+        shell.kill()
+    assert log.read_text().splitlines()[1:] == (["got USR1", "ended"] if ending == "signal" else [])
 
 
 def documented_names(page: str) -> list[str]:

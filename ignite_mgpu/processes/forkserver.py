@@ -54,8 +54,13 @@ def start(preload: list[str], preempt_signal: int | None = None) -> int:
     3.12 ignores the one multiprocessing passes it): else an installed copy could shadow a checkout.
     """
     server: Any = forkserver._forkserver  # the module's one server (private API)
-    if _started and server._forkserver_pid == _started[0]:
-        _forget_if_dead(server)  # then started again as below, not plainly by multiprocessing
+    if _started:
+        # Ours died (the OOM killer, a kill by hand), or multiprocessing already replaced it, as a worker started,
+        # by a plain server that neither ignores the stop signals nor dies with this process: ours again, below.
+        if server._forkserver_pid != _started[0]:
+            _end(server)
+        elif _reaped(server._forkserver_pid):
+            _end(server, reaped=True)
     ours = server._forkserver_pid is None
     if ours:
         mp.get_context(METHOD).set_forkserver_preload(preload)
@@ -78,19 +83,32 @@ def start(preload: list[str], preempt_signal: int | None = None) -> int:
     return int(server._forkserver_pid)
 
 
-def _forget_if_dead(server: Any) -> None:
-    """The server this process started died (the OOM killer, a kill by hand): forget it, as
-    ``forkserver.ensure_running`` would before starting a plain one that neither ignores the stop signals nor dies
-    with this process."""
+def _reaped(pid: int) -> bool:
+    """Whether the server ``pid`` has ended (then waited for here)."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:
+        return True
+
+
+def _end(server: Any, reaped: bool = False) -> None:
+    """Forget the server multiprocessing runs (as its ``ensure_running`` does with a dead one), SIGKILLed and waited
+    for first unless it was ``reaped`` already; its socket file is removed."""
     with server._lock:
-        try:
-            ended = os.waitpid(server._forkserver_pid, os.WNOHANG)[0] != 0
-        except ChildProcessError:
-            ended = True
-        if ended:
+        pid, server._forkserver_pid = server._forkserver_pid, None
+        if server._forkserver_alive_fd is not None:
             os.close(server._forkserver_alive_fd)
-            server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
-            _started.clear()
+            server._forkserver_alive_fd = None
+        if pid is not None and not reaped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        address, server._forkserver_address = server._forkserver_address, None
+        if isinstance(address, str) and not address.startswith("\0"):
+            with contextlib.suppress(OSError):
+                os.unlink(address)
+    _started.clear()
 
 
 @contextlib.contextmanager
@@ -113,21 +131,8 @@ def stop() -> None:
     with torch loaded takes seconds), which also ends, through their death signal, any worker it forked that
     still runs."""
     server: Any = forkserver._forkserver  # the module's one server (private API)
-    if not _started or server._forkserver_pid != _started[0]:
-        _started.clear()
-        return  # none, or not ours: another part of the program uses it
-    with server._lock:
-        pid, server._forkserver_pid = server._forkserver_pid, None
-        os.close(server._forkserver_alive_fd)
-        server._forkserver_alive_fd = None
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        address, server._forkserver_address = server._forkserver_address, None
-        if isinstance(address, str) and not address.startswith("\0"):
-            with contextlib.suppress(OSError):
-                os.unlink(address)
-    _started.clear()
+    if _started:  # (else none, or another part of the program's)
+        _end(server)  # ours, or the plain one multiprocessing replaced it with
 
 
 def die_with(parent: int | None) -> None:

@@ -92,19 +92,20 @@ class Supervisor:
         self.signal_received = signum
         preempt = signum not in _STOP_SIGNALS
         name_of = signal.Signals(signum).name
+        within = f" (up to {self.plan.stop_grace:.0f} s)"
         if preempt:  # a script's own handler decides what the signal does (by default, it ends the process)
             what = "stops and writes a checkpoint at the next check" if self.plan.join_group else f"is sent {name_of}"
-            what += "; the job then requeues itself"
+            what += f"{within}; the job then requeues itself"
         else:
             what = "stops at the next check" if self.plan.join_group else "is sent SIGTERM"  # a script: as torchrun
+            what += within
         name = f"{name_of} received{' (pre-emption)' if preempt else ''}"
         self.stopped_while_starting = self.starting
         if self.starting:  # _attempt kills what it started: no worker of this attempt has begun
             print(f"ignite-mgpu: {name} while the workers start: they are stopped at once.", file=sys.stderr)
         else:
             print(
-                f"ignite-mgpu: {name}: every rank {what} (up to {self.plan.stop_grace:.0f} s); press Ctrl-C again "
-                "to stop at once.",
+                f"ignite-mgpu: {name}: every rank {what}; press Ctrl-C again to stop at once.",
                 file=sys.stderr,
             )
         # The pre-emption signal is passed on as it is: every rank must stop for the same reason (its exit code).

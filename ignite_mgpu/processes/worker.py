@@ -101,10 +101,12 @@ def _join_file_store(backend: str, path: str) -> None:
 
 
 def _set_device(backend: str) -> None:
-    if backend == "nccl":
-        import torch
+    """Each rank's current CUDA device is its local rank's, as ignite sets it when it creates the group (gloo
+    included: ``idist.device()`` is the current device)."""
+    import torch
 
-        torch.cuda.set_device(cluster.local_rank())  # as ignite does when it creates the group
+    if backend == "nccl" or torch.cuda.is_available():
+        torch.cuda.set_device(cluster.local_rank())
 
 
 def _join_torchrun_attempt(backend: str) -> bool:

@@ -204,7 +204,8 @@ def _state(pid: int) -> str:
 @pytest.mark.timeout(60)
 def test_a_killed_server_is_started_again_as_the_first_one_was():
     """The OOM killer or a kill by hand ends the server between attempts: the next start gives a server that again
-    ignores the stop signals (set up by the same code as its death signal), not multiprocessing's plain one."""
+    ignores the stop signals (set up by the same code as its death signal), not multiprocessing's plain one, and
+    replaces a plain one that multiprocessing started in its place."""
 
     def start_and_wait() -> int:
         pid = forkserver.start([forkserver.__name__])
@@ -221,6 +222,16 @@ def test_a_killed_server_is_started_again_as_the_first_one_was():
             time.sleep(0.01)
         second = start_and_wait()
         assert second != first and forkserver._started == [second]
+        # Ours dies as a worker starts: multiprocessing itself starts a plain one, which the next start replaces.
+        os.kill(second, signal.SIGKILL)
+        while _state(second) not in ("Z", "gone"):
+            time.sleep(0.01)
+        mp_forkserver.ensure_running()
+        plain = mp_forkserver._forkserver._forkserver_pid
+        assert plain not in (None, second)
+        third = start_and_wait()
+        assert third not in (plain, second) and forkserver._started == [third]
+        assert _state(plain) == "gone"  # killed and waited for
     finally:
         forkserver.stop()
     assert mp_forkserver._forkserver._forkserver_pid is None

@@ -199,6 +199,19 @@ def test_nccl_on_two_gpus_maps_ranks_to_physical_gpus(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_gloo_on_two_gpus_puts_each_rank_on_its_own_gpu(tmp_path):
+    """The worker creates the group itself (a FileStore): each rank's current device is still its own, as ignite
+    sets it, with gloo too."""
+    needs_gpus(2)
+    out = tmp_path / "run"
+    args = ["train", *TINY, "--gpus", "1,0", "--backend", "gloo", "--output-dir", str(out)]
+    result = run_cli(args, tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "backend gloo" in result.stderr
+    assert "cuda:0 is physical GPU 1" in result.stderr and "cuda:1 is physical GPU 0" in result.stderr
+
+
+@pytest.mark.timeout(300)
 def test_dataparallel_reports_every_gpu_and_syncbatchnorm_trains(tmp_path):
     needs_gpus(2)
     dp = run_cli(["train", *TINY, "--strategy", "dp", "--gpus", "0,1", "--output-dir", str(tmp_path / "dp")],
