@@ -219,9 +219,10 @@ def test_slurm_preemption_reaches_every_rank_and_requeues_the_job(h: Harness) ->
     os.kill(job.pid, signal.SIGUSR1)
     r = job.wait(150)
     assert r.rc == 138, str(r)
-    assert "ignite-mgpu: SIGUSR1 received (pre-emption): every rank is sent SIGUSR1; the job then requeues" in (
-        r.stderr
-    ), r
+    assert (
+        "ignite-mgpu: SIGUSR1 received (pre-emption): every rank is sent SIGUSR1 (up to 60 s); the job then requeues "
+        "itself; press Ctrl-C again to stop at once."
+    ) in r.stderr, r
     assert (h.root / "snapshot").read_text() == "1"  # rank 0's handler ran, once
     assert "ignite-mgpu: requeued SLURM job 4242 (scontrol requeue 4242); the script starts again" in r.stderr, r
     assert log.read_text() == "requeue 4242\n"
