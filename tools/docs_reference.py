@@ -134,7 +134,7 @@ def exit_codes_page() -> str:
     return "\n".join(out) + "\n"
 
 
-ERROR_TYPES = {"ConfigError", "CheckpointError", "_fail"}  # and every subclass (error_types)
+ERROR_TYPES = {"ConfigError", "CheckpointError", "fail"}  # and every subclass (error_types)
 RUNNING_JOB_ERRORS = {"ScriptArgumentsError"}  # raised in a worker, reported as its rank's failure: not listed here
 
 
@@ -171,7 +171,7 @@ def _render(node: ast.expr | None, assigned: dict[str, ast.expr], helpers: dict[
 
 
 def error_messages(package: Path) -> dict[str, list[str]]:
-    """Module path -> every message a ConfigError / CheckpointError / the CLI's _fail is raised with in it (the text
+    """Module path -> every message a ConfigError / CheckpointError / the CLI's fail is raised with in it (the text
     as written, computed parts as `…`); a message built elsewhere shows the function that builds it."""
     found: dict[str, list[str]] = {}
     types = error_types(package)

@@ -1,0 +1,131 @@
+"""The ``ignite-mgpu`` command's shared flags and their parsing: the flag -> config key table, the process and GPU
+flags of ``train`` and ``evaluate``, ``--wait``'s and ``--preempt-signal``'s values, the one-line error and the
+hint for a flag a command lacks. Torch-free, as cli.py."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, NoReturn
+
+import click
+
+from ignite_mgpu.config.schema import BACKENDS, CPU_BINDINGS, STRATEGIES
+
+# CLI flag -> config key; flags are applied after --config and the positional key=value overrides.
+FLAGS = {
+    "nproc": "dist.nproc",
+    "backend": "dist.backend",
+    "gpus": "dist.gpus",
+    "strategy": "dist.strategy",
+    "nnodes": "dist.nnodes",
+    "node_rank": "dist.node_rank",
+    "master_addr": "dist.master_addr",
+    "master_port": "dist.master_port",
+    "timeout": "dist.timeout",
+    "cpu_binding": "dist.cpu_binding",
+    "max_restarts": "dist.max_restarts",
+    "share": "dist.share",
+    "wait": "dist.wait",
+    "output_dir": "output_dir",
+    "resume": "resume",
+    "seed": "seed",
+}
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    click.echo(f"ignite-mgpu: error: {message}", err=True)
+    sys.exit(code)
+
+
+def _seconds(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    """--wait's value: seconds, or inf for no limit (the flag alone)."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise click.BadParameter(
+            f"{value!r} is not a number of seconds > 0. Give --wait alone (no limit) or --wait SECONDS, and put it "
+            "after the key=value overrides or before another flag."
+        )
+    return seconds
+
+
+def preempt_signal(ctx: click.Context, param: click.Parameter, value: str) -> str | None:
+    """--preempt-signal's value: a signal's name (USR1 or SIGUSR1), or None for none."""
+    from ignite_mgpu.config.checks import PREEMPT_SIGNAL_RULE, usable_preempt_signal
+
+    if value.lower() in ("none", "null", "off"):
+        return None
+    name = value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"
+    if not usable_preempt_signal(name):
+        raise click.BadParameter(f"{value!r}: {PREEMPT_SIGNAL_RULE}, or none.")
+    return name
+
+
+def dist_options(fn: Any) -> Any:
+    """The process/GPU flags shared by ``train`` and ``evaluate``."""
+    options = [
+        click.option("--nproc", type=int, help="Processes on this node [default: selected GPUs, or 1 on CPU]."),
+        click.option("--backend", type=click.Choice(BACKENDS), help="auto = nccl with CUDA, else gloo."),
+        click.option("--gpus", help="Physical GPU ids as nvidia-smi shows them (2,3), all, none, auto or auto:N."),
+        click.option(
+            "--strategy",
+            type=click.Choice(STRATEGIES),
+            help="ddp: a process per GPU (default); dp: one process with nn.DataParallel; fsdp: a process per GPU, "
+            "parameters, gradients and optimizer state sharded over them (FSDP2).",
+        ),
+        click.option("--nnodes", type=int, help="Machines in the job (multi-node: also --node-rank, --master-*)."),
+        click.option("--node-rank", type=int, help="This machine's index, 0..nnodes-1."),
+        click.option("--master-addr", help="Address of node 0 [default: 127.0.0.1]."),
+        click.option(
+            "--master-port", type=int, help="TCP port on node 0 (one node without it: private file rendezvous)."
+        ),
+        click.option("--timeout", type=float, help="Seconds a collective may wait after the first iteration [300]."),
+        click.option(
+            "--cpu-binding",
+            type=click.Choice(CPU_BINDINGS),
+            help="Bind each process to its CPUs: cores (its own share), numa (its GPU's node), auto [none].",
+        ),
+        click.option(
+            "--wait",
+            is_flag=False,
+            flag_value="inf",
+            callback=_seconds,
+            metavar="[SECONDS]",
+            help="Wait (up to SECONDS; alone: no limit) until the GPUs are free, in line with other waiting jobs.",
+        ),
+        click.option("--share", is_flag=True, default=None, help="Run on GPUs that other jobs claim, and claim none."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def refuse_unknown_options(args: tuple[str, ...]) -> None:
+    """A flag the command lacks, with the one it meant (``--gpu``: ``--gpus``) or the dotted override that sets
+    the config key of that name (``--epochs 3``: ``train.epochs=3``)."""
+    import difflib
+
+    from ignite_mgpu.config.loading import dotted_keys
+
+    command = click.get_current_context().command
+    options = sorted({o for p in command.params for o in p.opts if o.startswith("--")})
+    for i, arg in enumerate(args):
+        if not arg.startswith("-"):
+            continue
+        flag, _, inline = arg.partition("=")
+        meant = difflib.get_close_matches(flag, options, n=1, cutoff=0.8)
+        name = flag.lstrip("-").replace("-", "_")
+        keys = [k for k in dotted_keys() if k.rpartition(".")[2] == name]
+        if meant:
+            fail(f"no such option: {flag}; did you mean {meant[0]}? (see ignite-mgpu {command.name} --help)")
+        if keys:
+            given = args[i + 1] if i + 1 < len(args) and "=" not in args[i + 1] else "VALUE"
+            fail(
+                f"no such option: {flag}. Config keys are set as key=value after the command: did you mean "
+                f"{keys[0]}={inline or given}? (see ignite-mgpu {command.name} --help and configs/default.yaml)"
+            )
+        fail(f"no such option: {flag} (see ignite-mgpu {command.name} --help).")
