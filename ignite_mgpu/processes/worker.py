@@ -74,18 +74,29 @@ def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> Any:
 
 
 def _create_group(plan: LaunchPlan) -> bool:
-    """Create the job's process group here where ignite's creation would go wrong; False leaves it to ignite
-    (env://, or no group for one process)."""
+    """Create the job's process group here where ignite's creation would go wrong (a spawned job's file store, a
+    torchrun restart); False leaves it to ignite (env://, or no group for one process)."""
     if plan.backend is None:
         return False
     if plan.rendezvous_file is not None:
-        _join_file_store(plan.backend, plan.rendezvous_file)
-        return True
-    return plan.external and _join_torchrun_attempt(plan.backend)
+        store = _file_store(plan.rendezvous_file)
+    else:
+        store = _torchrun_attempt_store() if plan.external else None
+    if store is None:
+        return False
+    import torch
+    import torch.distributed as dist
+
+    if plan.backend == "nccl" or torch.cuda.is_available():
+        # Each rank's current device is its local rank's, as ignite sets it (gloo too: idist.device() reads it).
+        torch.cuda.set_device(cluster.local_rank())
+    world_size, _ = cluster.job_size()
+    dist.init_process_group(plan.backend, store=store, rank=cluster.global_rank(), world_size=world_size)
+    return True
 
 
-def _join_file_store(backend: str, path: str) -> None:
-    """Spawned on one node: join through the supervisor's private file store.
+def _file_store(path: str) -> Any:
+    """Spawned on one node: the supervisor's private file store.
 
     Given ``init_method="file://..."``, ignite adds the rank and world size only to a URL without "env" in it (its
     test for env://): under a TMPDIR such as /scratch/venv-tmp, or in a temporary folder whose random name holds
@@ -94,39 +105,24 @@ def _join_file_store(backend: str, path: str) -> None:
     """
     import torch.distributed as dist
 
-    world_size, _ = cluster.job_size()
-    _set_device(backend)
-    store = dist.FileStore(path, world_size)
-    dist.init_process_group(backend, store=store, rank=cluster.global_rank(), world_size=world_size)
+    return dist.FileStore(path, cluster.job_size()[0])
 
 
-def _set_device(backend: str) -> None:
-    """Each rank's current CUDA device is its local rank's, as ignite sets it when it creates the group (gloo
-    included: ``idist.device()`` is the current device)."""
-    import torch
-
-    if backend == "nccl" or torch.cuda.is_available():
-        torch.cuda.set_device(cluster.local_rank())
-
-
-def _join_torchrun_attempt(backend: str) -> bool:
-    """Under torchrun, join the process group through this restart's own namespace of the agent's store.
+def _torchrun_attempt_store() -> Any:
+    """Under torchrun, this restart's own namespace of the agent's store; None when torchrun did not start this
+    process.
 
     torchrun keeps one store for the whole job, and the env:// rendezvous adds no per-restart prefix: processes
     it restarted would read the previous processes' addresses (gloo: "connectFullMesh failed ... Connection
-    refused"). ignite then takes the group as it finds it. False when torchrun did not start this process.
+    refused"). ignite then takes the group as it finds it.
     """
     agent_store = cluster.torchrun_store()
     if agent_store is None:
-        return False
+        return None
     import torch.distributed as dist
 
-    _set_device(backend)
     host, port, restart = agent_store
-    store = dist.PrefixStore(f"ignite_mgpu/restart{restart}/", dist.TCPStore(host, port, is_master=False))
-    world_size, _ = cluster.job_size()
-    dist.init_process_group(backend, store=store, rank=cluster.global_rank(), world_size=world_size)
-    return True
+    return dist.PrefixStore(f"ignite_mgpu/restart{restart}/", dist.TCPStore(host, port, is_master=False))
 
 
 def _say_where(plan: LaunchPlan) -> None:
