@@ -151,6 +151,7 @@ def _sharded_worker(rank: int, args: argparse.Namespace, root: Path, results: Pa
     handlers["async"].finish()
     if rank == 0:
         torch.save(found, results)
+    dist.barrier()  # neither rank exits while a gloo thread may still release its last all-reduce (SIGABRT)
     dist.destroy_process_group()
 
 

@@ -108,6 +108,8 @@ def _worker(
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
     try:
         Path(out, f"rank{rank}").write_text(str(measure_rank(cfg, strategy, local_batch)))
+        if world_size > 1:
+            dist.barrier()  # neither rank exits while a gloo thread may still release its last collective (SIGABRT)
     finally:
         if world_size > 1:
             dist.destroy_process_group()
