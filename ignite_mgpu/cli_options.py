@@ -55,14 +55,13 @@ def _seconds(ctx: click.Context, param: click.Parameter, value: str | None) -> f
 
 def preempt_signal(ctx: click.Context, param: click.Parameter, value: str) -> str | None:
     """--preempt-signal's value: a signal's name (USR1 or SIGUSR1), or None for none."""
-    from ignite_mgpu.config.checks import PREEMPT_SIGNAL_RULE, usable_preempt_signal
+    from ignite_mgpu.config.checks import PREEMPT_SIGNAL_RULE, signal_name, usable_preempt_signal
 
     if value.lower() in ("none", "null", "off"):
         return None
-    name = value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"
-    if not usable_preempt_signal(name):
+    if not usable_preempt_signal(value):
         raise click.BadParameter(f"{value!r}: {PREEMPT_SIGNAL_RULE}, or none.")
-    return name
+    return signal_name(value)
 
 
 def dist_options(fn: Any) -> Any:

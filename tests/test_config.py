@@ -78,7 +78,7 @@ def test_dump_round_trips(tmp_path):
             r"number of minutes > 0, e.g. 10\.$",
         ),
         ("checkpoint.every_minutes=nan", r"'checkpoint.every_minutes' = nan is invalid"),
-        ("dist.preempt_signal=USR1", r"'dist.preempt_signal' = 'USR1' is invalid: name a signal that a process can"),
+        ("dist.preempt_signal=USR3", r"'dist.preempt_signal' = 'USR3' is invalid: name a signal that a process can"),
         ("dist.preempt_signal=SIGTERM", r"'dist.preempt_signal' = 'SIGTERM' is invalid.*SIGUSR1 or SIGUSR2"),
         ("train.loggers=[mlfow]", r"'train.loggers\[0\]'.*'mlfow', expected one of \['tensorboard', 'mlflow', 'wandb'"),
         ("train.log_every=0", r"'train.log_every' = 0 is invalid: log the training loss every N >= 1 iterations"),

@@ -204,12 +204,19 @@ PREEMPT_SIGNAL_RULE = (
 )
 
 
+def signal_name(value: str) -> str:
+    """A signal's name as ``signal.Signals`` spells it: "USR1", "usr1" and "SIGUSR1" are all "SIGUSR1"."""
+    name = value.upper()
+    return name if name.startswith("SIG") else f"SIG{name}"
+
+
 def usable_preempt_signal(name: str | None) -> bool:
     import signal
 
-    return name is None or (
-        name in signal.Signals.__members__ and name not in ("SIGKILL", "SIGSTOP", "SIGINT", "SIGTERM", "SIGCHLD")
-    )
+    if name is None:
+        return True
+    name = signal_name(name)
+    return name in signal.Signals.__members__ and name not in ("SIGKILL", "SIGSTOP", "SIGINT", "SIGTERM", "SIGCHLD")
 
 
 def _check_preempt_signal(name: str | None) -> None:

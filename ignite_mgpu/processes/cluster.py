@@ -105,8 +105,10 @@ def outer_restarts(environ: Mapping[str, str] = os.environ) -> int:
 
 
 def signal_number(name: str | None) -> int | None:
-    """``dist.preempt_signal`` ("SIGUSR1") as a number; None when it is off."""
-    return int(signal.Signals[name]) if name else None
+    """``dist.preempt_signal`` ("SIGUSR1" or "USR1") as a number; None when it is off."""
+    from ignite_mgpu.config.checks import signal_name
+
+    return int(signal.Signals[signal_name(name)]) if name else None
 
 
 def requeue(

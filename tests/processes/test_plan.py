@@ -129,6 +129,9 @@ def test_restarts_and_preemption_in_the_plan(monkeypatch):
     alone = make_plan(DistConfig(max_restarts=1))  # a restart needs a process to restart: spawned even alone
     assert (alone.nproc, alone.backend, alone.spawn_one) == (1, None, True)
     assert make_plan(DistConfig(preempt_signal=None)).preempt_signal is None
+    for spelling in ("USR2", "usr2", "SIGUSR2"):  # as --preempt-signal and sbatch --signal spell it
+        assert load_config(overrides=[f"dist.preempt_signal={spelling}"]).dist.preempt_signal == spelling
+        assert make_plan(DistConfig(preempt_signal=spelling)).preempt_signal == signal.SIGUSR2
 
 
 def test_jobs_that_join_the_group_fork_from_the_server_and_scripts_spawn():
