@@ -210,10 +210,10 @@ def plan(args: tuple[str, ...], config_path: str | None, as_json: bool, **flags:
 def devices(as_json: bool) -> None:
     """List every GPU: physical id, PCI bus, memory, utilisation, processes and their users, the job that claims
     it, and its CUDA index here."""
-    from ignite_mgpu.processes import gpus
-    from ignite_mgpu.processes.devices import format_devices, who_has
+    from ignite_mgpu.gpus import inventory
+    from ignite_mgpu.gpus.devices import format_devices, who_has
 
-    snapshot = gpus.query_gpus()
+    snapshot = inventory.query_gpus()
     click.echo(format_devices(snapshot, os.environ, as_json=as_json, claims=who_has(snapshot, os.environ)))
 
 
@@ -238,7 +238,7 @@ def report(run_dirs: tuple[str, ...], out: str | None, as_json: bool) -> None:
     with _errors_to_exit():
         from ignite_mgpu.runs.figure import write_image
         from ignite_mgpu.runs.read import read_runs
-        from ignite_mgpu.runs.table import format_table, to_json
+        from ignite_mgpu.runs.report import format_table, to_json
 
         found = read_runs(run_dirs)
         image, note = write_image(found, out)

@@ -4,21 +4,39 @@ with the run's folder, its last epoch's metrics and its best model (``FitResult`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import os
 import sys
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from ignite_mgpu.config.checks import validate
-from ignite_mgpu.config.schema import Config, run_dir
+from ignite_mgpu.config.schema import Config
+from ignite_mgpu.env import cluster
 from ignite_mgpu.errors import CheckpointError, ConfigError
-from ignite_mgpu.preflight import check_job, checked_plan, prepared
-from ignite_mgpu.processes import cluster, forkserver, launcher
-from ignite_mgpu.processes.plan import Restart
+from ignite_mgpu.preflight import (
+    check_datasets,
+    check_job,
+    check_model_options,
+    check_no_foreign_checkpoints,
+    check_output_dir,
+    check_trackers,
+    warn_double_warmup,
+    warn_restarts_without_checkpoints,
+)
+from ignite_mgpu.processes import forkserver, launcher
+from ignite_mgpu.processes.launcher import in_workers
+from ignite_mgpu.processes.plan import LaunchPlan, Restart, make_plan
+from ignite_mgpu.runs import folder
+from ignite_mgpu.runs.folder import run_dir
+from ignite_mgpu.runs.lock import output_lock
 from ignite_mgpu.runs.read import best_model, last_epoch
 
-TRAINING = "ignite_mgpu.train.job:training"
+TRAINING = "ignite_mgpu.train.default_job:training"
 
 
 def _refused(err: ConfigError | CheckpointError) -> int:
@@ -83,7 +101,7 @@ def fit(cfg: Config | None = None) -> FitResult:
             code = launcher.run_plan(plan, launcher.run_named, TRAINING, cfg, restart=restart)
     except (ConfigError, CheckpointError) as err:
         return FitResult(_refused(err))
-    out = run_dir(cfg)  # resolved by the pre-flight: a new folder under runs/ for a run without output_dir
+    out = run_dir(cfg.output_dir)  # resolved by the pre-flight: a new folder under runs/ for a run without output_dir
     return FitResult(code, out, last_epoch(out), best_model(out))
 
 
@@ -93,7 +111,7 @@ def _resume_newest(cfg: Config, outer_restarts: int, attempt: int) -> Restart:
     here for the supervisor's log line."""
     from ignite_mgpu.checkpoint.files import CKPT_NAME, find_resumable, weights_only_resume
 
-    path = find_resumable(run_dir(cfg))
+    path = find_resumable(run_dir(cfg.output_dir))
     match = CKPT_NAME.match(path.name) if path is not None else None
     if path is None and weights_only_resume(cfg.resume):
         args = (TRAINING, cfg, outer_restarts + attempt)
@@ -102,13 +120,95 @@ def _resume_newest(cfg: Config, outer_restarts: int, attempt: int) -> Restart:
     return Restart(args, str(path) if path is not None else None, int(match.group(1)) if match else 0)
 
 
+def is_leader(cfg: Config, environ: Mapping[str, str] = os.environ) -> bool:
+    """The job's first process. Only it checks and locks output_dir: other nodes may share the folder (NFS), and
+    under torchrun/SLURM every process runs the same command."""
+    return cfg.dist.node_rank == 0 and cluster.is_first_process(environ)
+
+
+def resolve_output_dir(cfg: Config, environ: Mapping[str, str] = os.environ, now: float | None = None) -> None:
+    """Give a run without ``output_dir`` a folder of its own under runs/ (printed), so that the same command can run
+    twice; ``--resume auto`` without one continues the newest there. A folder the user names is left as it is.
+
+    Under torchrun/SLURM every process runs this: the folder is named by the job's id (SLURM_JOB_ID, torchrun's
+    --rdzv-id), which every process and every requeue of the job shares.
+    """
+    if cfg.output_dir is not None:
+        return
+    job_id = cluster.job_id(environ)
+    if cluster.started_externally(environ):
+        if job_id is None:
+            raise ConfigError(
+                "under torchrun without --rdzv-id every process would pick its own folder: pass --output-dir (or "
+                "output_dir=...), or give torchrun --rdzv-id."
+            )
+        cfg.output_dir = str(folder.RUNS / f"job-{job_id}")
+    elif cfg.resume == "auto" and (earlier := folder.earlier_runs()):
+        cfg.output_dir = str(earlier[-1])
+    else:  # a new run (--resume auto with no earlier run starts one too, as on a first start under a scheduler)
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(now))
+        new, n = folder.RUNS / stamp, 1
+        while new.exists():
+            n += 1
+            new = folder.RUNS / f"{stamp}-{n}"
+        cfg.output_dir = str(new)
+    print(f"ignite-mgpu: output_dir {cfg.output_dir} (pass --output-dir to choose one)", file=sys.stderr)
+
+
+def checked_plan(cfg: Config) -> LaunchPlan:
+    """The launch plan, and the checks that need it: the model options its device allows, the datasets over its
+    processes. ``train`` and ``evaluate`` both run them, after ``check_job``."""
+    plan = make_plan(cfg.dist)
+    try:
+        check_model_options(cfg, plan)
+        check_datasets(cfg, plan.world_size)
+    except BaseException:
+        plan.claims.close()  # the GPUs this plan claimed go back at once
+        raise
+    return plan
+
+
+@contextlib.contextmanager
+def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[LaunchPlan]:
+    """Run every check, decide the launch plan, and hold the output folder's lock while the caller runs the job.
+    ``preload``: the fork server's modules (``forkserver.preload_for``); when the job runs in workers, the server
+    starts once every check has passed (bad input never starts a process) and imports them while the output
+    folder is locked and the supervisor starts (stopped here if the job does not start; the supervisor stops it
+    when the job ends).
+
+    Raises:
+        ConfigError, CheckpointError: before anything was started or created.
+    """
+    check_job(cfg)
+    check_trackers(cfg.train)  # training's alone: evaluate logs to no tracker
+    resolve_output_dir(cfg)
+    leader = is_leader(cfg)
+    if leader:
+        check_output_dir(cfg)
+        warn_restarts_without_checkpoints(cfg)
+        warn_double_warmup(cfg)
+    try:
+        plan = checked_plan(cfg)
+        if preload is not None and in_workers(plan):  # every check passed: bad input never starts a process
+            forkserver.start(preload, cluster.signal_number(cfg.dist.preempt_signal))
+        with plan.claims:  # the GPUs' claims, held while the job runs
+            if not leader:
+                yield plan
+                return
+            with output_lock(run_dir(cfg.output_dir)):
+                check_no_foreign_checkpoints(cfg)  # again under the lock: a job may have run there since the check
+                yield plan
+    finally:
+        forkserver.stop()
+
+
 def evaluate(cfg: Config, checkpoint: str | Path, as_json: bool = False) -> int:
     """Score the weights in ``checkpoint`` on ``cfg``'s validation split, on the processes ``cfg.dist`` asks for;
     rank 0 prints the metrics. Before any worker starts: ``train``'s checks (but the output folder's, as nothing
     is written) and the checkpoint against the model."""
     from ignite_mgpu.checkpoint.load import load_checkpoint
-    from ignite_mgpu.train.datasets import build_datasets, example_inputs
-    from ignite_mgpu.train.job import scoring
+    from ignite_mgpu.train.data.datasets import build_datasets, example_inputs
+    from ignite_mgpu.train.default_job import scoring
     from ignite_mgpu.train.models import create_model
 
     try:
@@ -128,8 +228,8 @@ def plan_memory(cfg: Config, as_json: bool = False) -> int:
     activations per sample and the peak of a training step under ddp, dp and fsdp, measured on fake tensors (nothing
     allocated, no process started), and which strategy and micro-batch fit the selected GPUs' free memory (on a
     machine without GPUs: the available RAM). Returns 0, or 2 with the reason when a check fails."""
-    from ignite_mgpu.train.memory_plan import capacity, make_memory_plan
-    from ignite_mgpu.train.memory_report import format_plan, to_json
+    from ignite_mgpu.memory.budget import capacity, make_memory_plan
+    from ignite_mgpu.memory.table import format_plan, to_json
 
     try:
         validate(cfg)

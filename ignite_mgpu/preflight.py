@@ -9,12 +9,9 @@ imported here: the launching process stays light.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import sys
-import time
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from ignite_mgpu.config.checks import BUILTIN_LOSSES, check_sizes
@@ -26,21 +23,14 @@ from ignite_mgpu.config.schema import (
     SCHEDULES,
     Config,
     TrainConfig,
-    run_dir,
     trackers_of,
 )
+from ignite_mgpu.env import cluster
 from ignite_mgpu.errors import ConfigError, CorruptCheckpointError
-from ignite_mgpu.processes import cluster, forkserver
-from ignite_mgpu.processes.launcher import in_workers
-from ignite_mgpu.processes.plan import LaunchPlan, make_plan
-from ignite_mgpu.runs import folder, metric_names
-from ignite_mgpu.runs.lock import lock_owner, locked_message, output_lock
-
-
-def is_leader(cfg: Config, environ: Mapping[str, str] = os.environ) -> bool:
-    """The job's first process. Only it checks and locks output_dir: other nodes may share the folder (NFS), and
-    under torchrun/SLURM every process runs the same command."""
-    return cfg.dist.node_rank == 0 and cluster.is_first_process(environ)
+from ignite_mgpu.processes.plan import LaunchPlan
+from ignite_mgpu.runs import metric_names
+from ignite_mgpu.runs.folder import run_dir
+from ignite_mgpu.runs.lock import lock_owner, locked_message
 
 
 def check_data_root(cfg: Config) -> None:
@@ -84,21 +74,13 @@ def check_job(cfg: Config) -> None:
     check_metric_factories(cfg)
 
 
-# What each tracker needs installed: (modules, the extra that installs them, the packages named in the message).
-TRACKER_PACKAGES = {
-    "tensorboard": (("tensorboard",), "tensorboard", "tensorboard"),
-    "mlflow": (("mlflow",), "mlflow", "mlflow-skinny (or mlflow)"),
-    "wandb": (("wandb",), "wandb", "wandb"),
-}
-MLFLOW_DATABASES = ("sqlite", "postgresql", "mysql", "mssql")  # tracking URIs of a database: SQLAlchemy and Alembic
-TRACKER_ARGS = {"mlflow": ("tracking_uri", "experiment", "run_name", "tags"), "tensorboard": (), "csv": ()}
-
-
 def check_trackers(t: TrainConfig) -> None:
     """Every tracker of ``train.loggers`` (and ``train.tensorboard``) has its packages, and its
     ``train.logger_args`` entry only keys it takes; without importing any of them, except wandb to read
     ``wandb.init``'s keywords when ``logger_args.wandb`` names some."""
     import importlib.util
+
+    from ignite_mgpu.train.tracking.packages import MLFLOW_DATABASES, TRACKER_ARGS, TRACKER_PACKAGES
 
     for name in trackers_of(t):
         modules, extra, packages = TRACKER_PACKAGES.get(name, ((), "", ""))
@@ -175,7 +157,7 @@ def check_fsdp_blocks(cfg: Config) -> None:
     initialisation). A factory that cannot build there is checked by the workers instead, with the same message."""
     import torch
 
-    from ignite_mgpu.train.fsdp import check_blocks
+    from ignite_mgpu.parallel.fsdp import check_blocks
     from ignite_mgpu.train.models import create_model
 
     try:
@@ -193,8 +175,8 @@ def check_datasets(cfg: Config, world_size: int) -> None:
     if cfg.data.name in GENERATED:  # sizes known from the config: only the workers generate the data
         check_sizes(range(cfg.data.train_size), range(cfg.data.val_size), cfg.data.batch_size, world_size)
         return
-    from ignite_mgpu.train import batches
-    from ignite_mgpu.train.datasets import build_datasets, first_batch
+    from ignite_mgpu.train.data import batches
+    from ignite_mgpu.train.data.datasets import build_datasets, first_batch
 
     splits = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
     check_sizes(splits.train, splits.val, cfg.data.batch_size, world_size)
@@ -216,7 +198,7 @@ def check_output_dir(cfg: Config) -> None:
     resumable."""
     from ignite_mgpu.checkpoint.files import is_complete, is_safetensors
 
-    out = run_dir(cfg)
+    out = run_dir(cfg.output_dir)
     owner = lock_owner(out)
     if owner is not None:  # before anything else: the checkpoints there are the running job's
         raise ConfigError(locked_message(out, owner))
@@ -251,7 +233,7 @@ def check_no_foreign_checkpoints(cfg: Config) -> None:
     again once the lock is held."""
     from ignite_mgpu.checkpoint.files import list_checkpoints, weights_only_resume
 
-    out = run_dir(cfg)
+    out = run_dir(cfg.output_dir)
     existing = list_checkpoints(out) if out.is_dir() else []
     if weights_only_resume(cfg.resume) and existing and not cluster.outer_restarts():  # a requeue continues them
         raise ConfigError(
@@ -265,35 +247,6 @@ def check_no_foreign_checkpoints(cfg: Config) -> None:
             f"output_dir {out.resolve()} already holds checkpoints of an earlier run ({existing[0].name}, ...). "
             "Continue it with --resume auto, or choose a new --output-dir; nothing was deleted."
         )
-
-
-def resolve_output_dir(cfg: Config, environ: Mapping[str, str] = os.environ, now: float | None = None) -> None:
-    """Give a run without ``output_dir`` a folder of its own under runs/ (printed), so that the same command can run
-    twice; ``--resume auto`` without one continues the newest there. A folder the user names is left as it is.
-
-    Under torchrun/SLURM every process runs this: the folder is named by the job's id (SLURM_JOB_ID, torchrun's
-    --rdzv-id), which every process and every requeue of the job shares.
-    """
-    if cfg.output_dir is not None:
-        return
-    job_id = cluster.job_id(environ)
-    if cluster.started_externally(environ):
-        if job_id is None:
-            raise ConfigError(
-                "under torchrun without --rdzv-id every process would pick its own folder: pass --output-dir (or "
-                "output_dir=...), or give torchrun --rdzv-id."
-            )
-        cfg.output_dir = str(folder.RUNS / f"job-{job_id}")
-    elif cfg.resume == "auto" and (earlier := folder.earlier_runs()):
-        cfg.output_dir = str(earlier[-1])
-    else:  # a new run (--resume auto with no earlier run starts one too, as on a first start under a scheduler)
-        stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(now))
-        new, n = folder.RUNS / stamp, 1
-        while new.exists():
-            n += 1
-            new = folder.RUNS / f"{stamp}-{n}"
-        cfg.output_dir = str(new)
-    print(f"ignite-mgpu: output_dir {cfg.output_dir} (pass --output-dir to choose one)", file=sys.stderr)
 
 
 def warn_double_warmup(cfg: Config) -> None:
@@ -320,50 +273,3 @@ def warn_restarts_without_checkpoints(cfg: Config) -> None:
             "close to where the job failed.",
             file=sys.stderr,
         )
-
-
-def checked_plan(cfg: Config) -> LaunchPlan:
-    """The launch plan, and the checks that need it: the model options its device allows, the datasets over its
-    processes. ``train`` and ``evaluate`` both run them, after ``check_job``."""
-    plan = make_plan(cfg.dist)
-    try:
-        check_model_options(cfg, plan)
-        check_datasets(cfg, plan.world_size)
-    except BaseException:
-        plan.claims.close()  # the GPUs this plan claimed go back at once
-        raise
-    return plan
-
-
-@contextlib.contextmanager
-def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[LaunchPlan]:
-    """Run every check, decide the launch plan, and hold the output folder's lock while the caller runs the job.
-    ``preload``: the fork server's modules (``forkserver.preload_for``); when the job runs in workers, the server
-    starts once every check has passed (bad input never starts a process) and imports them while the output
-    folder is locked and the supervisor starts (stopped here if the job does not start; the supervisor stops it
-    when the job ends).
-
-    Raises:
-        ConfigError, CheckpointError: before anything was started or created.
-    """
-    check_job(cfg)
-    check_trackers(cfg.train)  # training's alone: evaluate logs to no tracker
-    resolve_output_dir(cfg)
-    leader = is_leader(cfg)
-    if leader:
-        check_output_dir(cfg)
-        warn_restarts_without_checkpoints(cfg)
-        warn_double_warmup(cfg)
-    try:
-        plan = checked_plan(cfg)
-        if preload is not None and in_workers(plan):  # every check passed: bad input never starts a process
-            forkserver.start(preload, cluster.signal_number(cfg.dist.preempt_signal))
-        with plan.claims:  # the GPUs' claims, held while the job runs
-            if not leader:
-                yield plan
-                return
-            with output_lock(run_dir(cfg)):
-                check_no_foreign_checkpoints(cfg)  # again under the lock: a job may have run there since the check
-                yield plan
-    finally:
-        forkserver.stop()

@@ -39,7 +39,7 @@ def _no_leaked_environment():
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    from ignite_mgpu.processes import stop
+    from ignite_mgpu.env import stop
 
     stop.reset()  # a stop requested in one test must not stop the next one's trainer
     if leaked:
@@ -48,7 +48,7 @@ def _no_leaked_environment():
 
 @pytest.fixture(autouse=True)
 def _private_claims_dir(_no_leaked_environment, tmp_path_factory, monkeypatch):
-    """GPU claims (processes/claims.py) in a folder of the test's own, never the machine's shared one; the test's
+    """GPU claims (gpus/claims.py) in a folder of the test's own, never the machine's shared one; the test's
     child processes inherit it."""
     monkeypatch.setenv("IGNITE_MGPU_CLAIMS_DIR", str(tmp_path_factory.mktemp("claims")))
 
@@ -61,7 +61,7 @@ def _dirs_without_nvidia_smi(path: str) -> str:
 def _cpu_only(request, _no_leaked_environment, monkeypatch):
     """Every test without the ``gpu`` marker runs as on a machine without GPUs, also on a GPU server: CUDA hidden
     in this process (torch.cuda may have counted the GPUs already) and in every process it starts, NVML and
-    nvidia-smi unreachable. Tests that need devices inject a recorded snapshot (tests/processes/test_gpus.py). It
+    nvidia-smi unreachable. Tests that need devices inject a recorded snapshot (tests/gpus/test_gpus.py). It
     depends on _no_leaked_environment so that monkeypatch is undone before the leak check runs."""
     if "gpu" in request.keywords:
         return
@@ -71,14 +71,15 @@ def _cpu_only(request, _no_leaked_environment, monkeypatch):
 def _hide_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from ignite_mgpu.processes import gpus, plan
+    from ignite_mgpu.gpus import inventory
+    from ignite_mgpu.processes import plan
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("PATH", _dirs_without_nvidia_smi(os.environ.get("PATH", "")))
     monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    monkeypatch.setattr(gpus, "_run_nvidia_smi", _no_nvidia_smi)
+    monkeypatch.setattr(inventory, "_run_nvidia_smi", _no_nvidia_smi)
     # The plan asks torch.cuda (which tests patch to show GPUs) only where a GPU driver is installed: pretend one is.
     # The jobs the tests launch run on this machine as it is (tests/test_preflight.py: no driver, no torch there).
     monkeypatch.setattr(plan, "GPU_DRIVER_FILES", ("/",))

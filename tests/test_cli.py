@@ -57,7 +57,9 @@ def test_flags_and_overrides_reach_the_config(captured, tmp_path):
     )
     assert result.exit_code == 0, result.output
     plan, fn, (target, cfg) = captured[0]
-    assert fn.__name__ == "run_named" and target == "ignite_mgpu.train.job:training"  # the parent never imports it
+    assert (
+        fn.__name__ == "run_named" and target == "ignite_mgpu.train.default_job:training"
+    )  # the parent never imports it
     assert (plan.nproc, plan.backend, plan.world_size) == (2, "gloo", 2)
     assert cfg.optim.lr == 0.01 and cfg.train.epochs == 3 and cfg.seed == 7
     assert cfg.dist.nproc == 2 and cfg.dist.timeout == 20 and cfg.output_dir == "out"
@@ -279,14 +281,16 @@ def test_evaluation_places_the_model_like_training(tmp_path, monkeypatch, capsys
     # One process: the model is only moved to the device, never wrapped by idist.auto_model (which would pick
     # DataParallel on a machine with several GPUs).
     from ignite_mgpu.config.loading import load_config
-    from ignite_mgpu.train import job
+    from ignite_mgpu.train import default_job
     from ignite_mgpu.train.models import create_model
 
     cfg = load_config(None, ["data.val_size=32", "train.keep_cpu_memory=false", f"output_dir={tmp_path}"])
     torch.save(create_model(cfg.model, torch.zeros(1, 3, 32, 32)).state_dict(), tmp_path / "weights.pt")
-    monkeypatch.setattr(job, "setup_logging", lambda rank: None)  # leave pytest's logging alone
-    monkeypatch.setattr(job.idist, "auto_model", lambda *a, **k: pytest.fail("evaluation used idist.auto_model"))
-    job.scoring(0, cfg, str(tmp_path / "weights.pt"), True)
+    monkeypatch.setattr(default_job, "setup_logging", lambda rank: None)  # leave pytest's logging alone
+    monkeypatch.setattr(
+        default_job.idist, "auto_model", lambda *a, **k: pytest.fail("evaluation used idist.auto_model")
+    )
+    default_job.scoring(0, cfg, str(tmp_path / "weights.pt"), True)
     assert '"samples": 32' in capsys.readouterr().out
 
 

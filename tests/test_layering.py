@@ -15,9 +15,59 @@ import ignite_mgpu
 
 PACKAGE = Path(ignite_mgpu.__file__).parent
 # Imported without torch or ignite: the CLI's --help, the launcher and supervisor, `ignite-mgpu report`.
-TORCH_FREE = ("ignite_mgpu.processes", "ignite_mgpu.runs", "ignite_mgpu.errors", "ignite_mgpu.config")
+TORCH_FREE = (
+    "ignite_mgpu.env",
+    "ignite_mgpu.gpus",
+    "ignite_mgpu.cpus",
+    "ignite_mgpu.processes",
+    "ignite_mgpu.runs",
+    "ignite_mgpu.errors",
+    "ignite_mgpu.config",
+)
 TORCH_FREE_ENTRIES = ("ignite_mgpu.cli", "ignite_mgpu.jobs", "ignite_mgpu.preflight", "ignite_mgpu.text")
-TRAINING_LAYER = ("ignite_mgpu.train", "ignite_mgpu.checkpoint")
+TRAINING_LAYER = ("ignite_mgpu.train", "ignite_mgpu.checkpoint", "ignite_mgpu.parallel", "ignite_mgpu.memory")
+# The packages' rank table, lowest first: a module imports only modules of its own unit or of a lower rank (at module
+# level, inside functions, under TYPE_CHECKING). A unit is one line: every module whose name starts with one of its
+# prefixes (the longest prefix decides). The launch layer (processes/) ranks above the training layer that it starts by
+# name: it never imports it (the torch-free test), and the training layer never imports the launcher.
+RANKS: list[tuple[str, ...]] = [
+    ("ignite_mgpu", "ignite_mgpu.errors", "ignite_mgpu.text"),  # the version, the errors, how messages write
+    ("ignite_mgpu.runs",),  # run folders' names and reading them back
+    ("ignite_mgpu.config",),
+    ("ignite_mgpu.env",),  # what torchrun/SLURM say, the stop request, the clock
+    ("ignite_mgpu.gpus",),
+    ("ignite_mgpu.cpus",),
+    ("ignite_mgpu.parallel",),  # wrapping a model: what the checkpoints and the training layer share
+    ("ignite_mgpu.checkpoint",),
+    ("ignite_mgpu.train.plugins",),  # the user's factories
+    ("ignite_mgpu.train.data",),
+    (
+        "ignite_mgpu.train.models",
+        "ignite_mgpu.train.losses",
+        "ignite_mgpu.train.optim",
+        "ignite_mgpu.train.param_groups",
+        "ignite_mgpu.train.metrics",
+        "ignite_mgpu.train.allocator",
+    ),
+    ("ignite_mgpu.train.step",),
+    (
+        "ignite_mgpu.train.evaluator",
+        "ignite_mgpu.train.goodput",
+        "ignite_mgpu.train.epoch_log",
+        "ignite_mgpu.train.checkpointing",
+    ),
+    ("ignite_mgpu.train.tracking",),
+    ("ignite_mgpu.train.default_job",),
+    ("ignite_mgpu.memory",),  # `ignite-mgpu plan`, in the launching process
+    ("ignite_mgpu.processes",),
+    ("ignite_mgpu.preflight",),
+    ("ignite_mgpu.jobs",),
+    ("ignite_mgpu.cli_options",),
+    ("ignite_mgpu.cli", "ignite_mgpu.__main__"),
+]
+# Imports against the table, each with its reason (none today).
+AGAINST_THE_RANKS: set[tuple[str, str]] = set()
+MAX_FOLDER_MODULES = 15
 LEAVES = (
     "ignite_mgpu.errors",
     "ignite_mgpu.text",
@@ -87,6 +137,56 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def in_layer(module: str, layers: tuple[str, ...]) -> bool:
     return any(module == layer or module.startswith(layer + ".") for layer in layers)
+
+
+def rank_of(module: str, ranks: list[tuple[str, ...]] = RANKS) -> int:
+    """The rank of ``module``'s unit: the line holding its longest matching prefix."""
+    matches = [(len(prefix), rank) for rank, unit in enumerate(ranks) for prefix in unit if in_layer(module, (prefix,))]
+    assert matches, f"{module} is in no unit of the rank table: add it to RANKS"
+    return max(matches)[1]
+
+
+def imports_against_ranks(graph: dict[str, set[str]], ranks: list[tuple[str, ...]] = RANKS) -> list[str]:
+    """Every import of a module of a higher rank, as 'importer -> imported' (one rank is one unit)."""
+    return sorted(
+        f"{module} -> {dep}"
+        for module, deps in graph.items()
+        for dep in deps
+        if rank_of(dep, ranks) > rank_of(module, ranks)
+    )
+
+
+def test_packages_import_in_one_direction():
+    found = [
+        line
+        for line in imports_against_ranks(import_graph(PACKAGE))
+        if tuple(line.split(" -> ")) not in AGAINST_THE_RANKS
+    ]
+    assert found == [], "imports against the rank table (tests/test_layering.py RANKS):\n" + "\n".join(found)
+
+
+def test_the_rank_check_fails_on_a_planted_import():
+    graph = {module: set(deps) for module, deps in import_graph(PACKAGE).items()}
+    assert imports_against_ranks(graph) == sorted(f"{a} -> {b}" for a, b in AGAINST_THE_RANKS)
+    graph["ignite_mgpu.checkpoint.save"].add("ignite_mgpu.train.step.guard")  # checkpoint reaching up into train
+    graph["ignite_mgpu.train.step.trainer"].add("ignite_mgpu.processes.worker")  # the training layer into the launcher
+    graph["ignite_mgpu.env.stop"].add("ignite_mgpu.runs.folder")  # down: allowed
+    found = imports_against_ranks(graph)
+    assert "ignite_mgpu.checkpoint.save -> ignite_mgpu.train.step.guard" in found
+    assert "ignite_mgpu.train.step.trainer -> ignite_mgpu.processes.worker" in found
+    assert not [line for line in found if line.startswith("ignite_mgpu.env.stop")]
+
+
+def test_folders_are_concepts_with_unique_module_names():
+    modules = [p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" and "__pycache__" not in p.parts]
+    for folder in {p.parent for p in modules} - {PACKAGE}:
+        inside = sorted(p.stem for p in modules if p.parent == folder)
+        assert len(inside) <= MAX_FOLDER_MODULES, (folder, inside)
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+        unnamed = [m for m in inside if f"``{m}``" not in doc]
+        assert not unnamed, f"{folder}/__init__.py's docstring names no ``{unnamed[0]}``: one line per module"
+    names = sorted(p.name for p in modules if p.parent != PACKAGE or p.name != "__main__.py")
+    assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
 
 
 def test_no_import_cycle():

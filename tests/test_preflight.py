@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ignite_mgpu import fit, preflight
+from ignite_mgpu import fit, jobs, preflight
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.processes import launcher
@@ -33,7 +33,7 @@ def config(tmp_path, *overrides):
 def test_fit_runs_the_default_job_under_the_lock(launched, tmp_path):
     assert fit(config(tmp_path, "dist.nproc=2")) == 0
     plan, (target, cfg), locked, _ = launched[0]
-    assert target == "ignite_mgpu.train.job:training" and plan.world_size == 2 and locked
+    assert target == "ignite_mgpu.train.default_job:training" and plan.world_size == 2 and locked
     assert not (tmp_path / "out" / ".lock").exists()  # released when the job ended
 
 
@@ -92,7 +92,7 @@ def test_only_the_jobs_first_process_checks_and_locks(launched, tmp_path, monkey
     torch.save({"model": {}}, out / "checkpoint_10.pt")  # would be refused on the leader
     for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)  # as torchrun starts the second process
-    assert not preflight.is_leader(config(tmp_path))
+    assert not jobs.is_leader(config(tmp_path))
     assert fit(config(tmp_path)) == 0 and launched[0][0].external
     assert not (out / ".lock").exists()
 
@@ -117,21 +117,21 @@ def test_a_run_without_output_dir_under_torchrun_or_slurm_is_named_by_the_job(mo
     monkeypatch.chdir(tmp_path)
     torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
     cfg = Config()
-    preflight.resolve_output_dir(cfg, {**torchrun, "TORCHELASTIC_RUN_ID": "exp7"})
+    jobs.resolve_output_dir(cfg, {**torchrun, "TORCHELASTIC_RUN_ID": "exp7"})
     assert cfg.output_dir == "runs/job-exp7"  # every process and every restart of the job agree
     with pytest.raises(preflight.ConfigError, match="under torchrun without --rdzv-id"):
-        preflight.resolve_output_dir(Config(), {**torchrun, "TORCHELASTIC_RUN_ID": "none"})
+        jobs.resolve_output_dir(Config(), {**torchrun, "TORCHELASTIC_RUN_ID": "none"})
     slurm = Config()
-    preflight.resolve_output_dir(slurm, {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_PROCID": "2"})
+    jobs.resolve_output_dir(slurm, {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_PROCID": "2"})
     assert slurm.output_dir == "runs/job-4242"
     named = Config(output_dir="mine")
-    preflight.resolve_output_dir(named, {})
+    jobs.resolve_output_dir(named, {})
     assert named.output_dir == "mine"  # a folder the user names is kept as it is
     first_start = Config(resume="auto")  # no earlier run under runs/: a new one, as on a first start
-    preflight.resolve_output_dir(first_start, {})
+    jobs.resolve_output_dir(first_start, {})
     assert folder.RUN_NAME.fullmatch(first_start.output_dir.removeprefix("runs/"))
     stamped = Config()
-    preflight.resolve_output_dir(stamped, {}, now=0.0)
+    jobs.resolve_output_dir(stamped, {}, now=0.0)
     assert folder.RUN_NAME.fullmatch(stamped.output_dir.removeprefix("runs/"))
 
 
@@ -163,7 +163,7 @@ def test_a_restart_of_the_default_job_resumes_the_newest_complete_checkpoint(lau
     first = restart(1)
     assert first.checkpoint is None and first.iteration == 0  # none written yet: from the beginning
     target, cfg, restarts = first.args
-    assert target == "ignite_mgpu.train.job:training" and cfg.resume == "auto" and restarts == 3
+    assert target == "ignite_mgpu.train.default_job:training" and cfg.resume == "auto" and restarts == 3
     out = tmp_path / "out"
     torch.save({"model": {}}, out / "checkpoint_8.pt")
     (out / "checkpoint_12.pt").write_bytes(b"PK\x03\x04 truncated")  # the newest is incomplete: skipped
@@ -217,7 +217,7 @@ def test_tracker_arguments_are_checked_before_anything_starts(tmp_path):
 
 CHECKS_IN_A_FRESH_PROCESS = """
 import sys
-from ignite_mgpu import preflight
+from ignite_mgpu import jobs, preflight
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.processes import plan
 
@@ -225,9 +225,9 @@ plan.GPU_DRIVER_FILES = ()  # this machine as one without a GPU driver, whatever
 cfg = load_config(overrides=sys.argv[1:])
 preflight.check_job(cfg)
 preflight.check_trackers(cfg.train)
-preflight.resolve_output_dir(cfg)
+jobs.resolve_output_dir(cfg)
 preflight.check_output_dir(cfg)
-preflight.checked_plan(cfg)
+jobs.checked_plan(cfg)
 print("torch" in sys.modules)
 """
 

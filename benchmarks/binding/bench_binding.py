@@ -57,7 +57,7 @@ def thread_counts() -> dict[str, list[int]]:
     """Intra-op threads of each process of ``ignite-mgpu train --nproc 2`` with auto and with none, as the launcher
     plans them on this machine (none: OMP_NUM_THREADS = online CPUs // processes)."""
     from benchmarks.binding.runs import job_env
-    from ignite_mgpu.processes.binding import plan_for_job
+    from ignite_mgpu.cpus.binding import plan_for_job
 
     none = max(1, (os.cpu_count() or 1) // 2)
     auto = [r.threads or none for r in plan_for_job("auto", 2, None, False, "ddp", job_env()).ranks]

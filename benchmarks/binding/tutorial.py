@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from ignite_mgpu.train.datasets import SyntheticImages
+from ignite_mgpu.train.data.datasets import SyntheticImages
 from ignite_mgpu.train.models import SimpleCNN
 
 

@@ -43,12 +43,12 @@ def built(cfg: Any) -> dict[str, Any]:
     import ignite.distributed as idist
     from torch.utils.data import DataLoader, Subset
 
-    import ignite_mgpu.train.job as job
+    import ignite_mgpu.train.default_job as job
+    from ignite_mgpu.parallel.strategy import find_ddp
     from ignite_mgpu.train.allocator import setup_cpu_memory
+    from ignite_mgpu.train.data.loaders import create_dataloaders
     from ignite_mgpu.train.evaluator import create_evaluator, validation_metrics
-    from ignite_mgpu.train.loaders import create_dataloaders
     from ignite_mgpu.train.losses import create_loss
-    from ignite_mgpu.train.strategy import find_ddp
 
     world, rank = idist.get_world_size(), idist.get_rank()
     setup_cpu_memory(cfg.train.keep_cpu_memory, idist.device().type, sharded=job.sharding(cfg, world))

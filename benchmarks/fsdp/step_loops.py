@@ -94,7 +94,7 @@ def hand_built(cfg: Any) -> tuple[Any, ...]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from ignite_mgpu.train.datasets import build_datasets, example_inputs
+    from ignite_mgpu.train.data.datasets import build_datasets, example_inputs
     from ignite_mgpu.train.models import create_model
     from ignite_mgpu.train.optim import create_lr_scheduler, create_optimizer
 

@@ -99,26 +99,27 @@ def engine_loop(cfg: Any, at: Any) -> dict[str, Any]:
 
 
 def ignite_mgpu_loop(cfg: Any, at: Any) -> dict[str, Any] | None:
-    """``ignite_mgpu.train.job.training`` with every default handler, and the same toggle handler on its trainer; the
+    """``ignite_mgpu.train.default_job.training`` with every default handler, and the same toggle handler on its
+    trainer; the
     final weights, from the checkpoint written after the epoch (``checkpoint.every``: the last epoch)."""
     import ignite.distributed as idist
     from ignite.engine import Events
 
-    import ignite_mgpu.train.job
+    import ignite_mgpu.train.default_job
     from ignite_mgpu.checkpoint.files import read_checkpoint
 
-    create_trainer = ignite_mgpu.train.job.create_trainer
+    create_trainer = ignite_mgpu.train.default_job.create_trainer
 
     def with_toggle(*args: Any, **kwargs: Any) -> Any:
         trainer = create_trainer(*args, **kwargs)
         trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: at(e.state.iteration))
         return trainer
 
-    ignite_mgpu.train.job.create_trainer = with_toggle  # type: ignore[assignment]  # same signature
+    ignite_mgpu.train.default_job.create_trainer = with_toggle  # type: ignore[assignment]  # same signature
     try:
-        ignite_mgpu.train.job.training(0, cfg)
+        ignite_mgpu.train.default_job.training(0, cfg)
     finally:
-        ignite_mgpu.train.job.create_trainer = create_trainer
+        ignite_mgpu.train.default_job.create_trainer = create_trainer
     if idist.get_rank() != 0:
         return None  # rank 0 writes the checkpoint and compares the weights
     (final,) = Path(cfg.output_dir).glob("checkpoint_*.pt")

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.memory import real_peak  # noqa: E402  # after the repository root is on sys.path
 from ignite_mgpu.config.loading import load_config  # noqa: E402
-from ignite_mgpu.train.memory_estimate import example_batch, measure  # noqa: E402
+from ignite_mgpu.memory.estimate import example_batch, measure  # noqa: E402
 
 TARGET = 0.15
 # (name, config file, overrides, global batch)

@@ -41,7 +41,7 @@ def reset_high_water_mark() -> int:
 
 
 def _step(cfg: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> None:
-    from ignite_mgpu.train import batches
+    from ignite_mgpu.train.data import batches
     from ignite_mgpu.train.losses import create_loss
 
     loss_fn = create_loss(cfg.train.loss, cfg.train.loss_args, device="cpu")
@@ -62,10 +62,10 @@ def _step(cfg: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ba
 
 def measure_rank(cfg: Any, strategy: str, local_batch: int, steps: int = 2) -> int:
     """This process's high-water mark over building the model and ``steps`` real steps, minus what it held before."""
-    from ignite_mgpu.train.datasets import build_datasets, example_inputs, first_batch
+    from ignite_mgpu.parallel.strategy import prepare_model
+    from ignite_mgpu.train.data.datasets import build_datasets, example_inputs, first_batch
     from ignite_mgpu.train.models import create_model
     from ignite_mgpu.train.optim import create_optimizer
-    from ignite_mgpu.train.strategy import prepare_model
 
     torch.manual_seed(cfg.seed)
     splits = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)

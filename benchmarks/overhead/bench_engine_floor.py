@@ -31,9 +31,9 @@ from ignite.engine import Engine
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ignite_mgpu.train.engine import create_trainer
+from ignite_mgpu.train.data.loaders import timed
 from ignite_mgpu.train.epoch_log import EpochLog
-from ignite_mgpu.train.loaders import timed
+from ignite_mgpu.train.step.trainer import create_trainer
 
 BATCH, FEATURES, CLASSES = 16, 192, 10  # the benchmark's tiny MLP input: 3 x 8 x 8 images, 16 per process
 

@@ -1,10 +1,10 @@
 """What ignite-mgpu costs over a hand-written PyTorch DDP loop, on 2 gloo processes with one thread each.
 
-Measures, with (a) a hand-written loop and (b) ``ignite_mgpu.train.job.training`` as ``ignite-mgpu train`` runs it:
-time per iteration on a tiny MLP and on the default small CNN, 2-vs-1 process scaling, launch to the first
-finished iteration, ``ignite-mgpu --help``, and the extra Python calls per iteration (cProfile, rank 0).
-(a) and (b) take turns inside one run of (b), in the same worker processes; a ratio is printed only when their final
-weights are bit-identical, which proves that both did the same work.
+Measures, with (a) a hand-written loop and (b) ``ignite_mgpu.train.default_job.training`` as ``ignite-mgpu train`` runs
+it: time per iteration on a tiny MLP and on the default small CNN, 2-vs-1 process scaling, launch to the first finished
+iteration, ``ignite-mgpu --help``, and the extra Python calls per iteration (cProfile, rank 0). (a) and (b) take turns
+inside one run of (b), in the same worker processes; a ratio is printed only when their final weights are bit-identical,
+which proves that both did the same work.
 
 Measured by the modules beside this script: loops (the loops), session (the worker sessions, call counts),
 startup (start-up, --help) and report (statistics, tables).

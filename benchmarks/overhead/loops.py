@@ -60,7 +60,7 @@ def hand_built(cfg: Any) -> tuple[Any, ...]:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from ignite_mgpu.train.datasets import build_datasets
+    from ignite_mgpu.train.data.datasets import build_datasets
     from ignite_mgpu.train.models import create_model
     from ignite_mgpu.train.optim import create_lr_scheduler, create_optimizer
 
@@ -211,13 +211,14 @@ class Turns:
 
 def ignite_run(local_rank: int, cfg: Any, turns: Turns | None = None) -> dict[str, Any] | None:
     """(b): ``training`` itself, with ``turns`` attached to its trainer (by wrapping
-    ``ignite_mgpu.train.job.create_trainer``). Rank 0 returns the final weights, read from the last checkpoint."""
+    ``ignite_mgpu.train.default_job.create_trainer``). Rank 0 returns the final weights, read from the last
+    checkpoint."""
     import torch.distributed as dist
 
-    import ignite_mgpu.train.job
+    import ignite_mgpu.train.default_job
     from ignite_mgpu.checkpoint.files import read_checkpoint
 
-    create_trainer = ignite_mgpu.train.job.create_trainer
+    create_trainer = ignite_mgpu.train.default_job.create_trainer
 
     def create_taking_turns(*args: Any, **kwargs: Any) -> Any:
         trainer = create_trainer(*args, **kwargs)
@@ -225,11 +226,11 @@ def ignite_run(local_rank: int, cfg: Any, turns: Turns | None = None) -> dict[st
             turns.attach(trainer)
         return trainer
 
-    ignite_mgpu.train.job.create_trainer = create_taking_turns  # type: ignore[assignment]  # same signature
+    ignite_mgpu.train.default_job.create_trainer = create_taking_turns  # type: ignore[assignment]  # same signature
     try:
-        ignite_mgpu.train.job.training(local_rank, cfg)
+        ignite_mgpu.train.default_job.training(local_rank, cfg)
     finally:
-        ignite_mgpu.train.job.create_trainer = create_trainer
+        ignite_mgpu.train.default_job.create_trainer = create_trainer
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     (final,) = Path(cfg.output_dir).glob("checkpoint_*.pt")  # checkpoint.every=epochs: one, after the last epoch

@@ -2,7 +2,9 @@
 
 - ``files``: names on disk, completeness, safe reading (``weights_only=True``; safetensors files, ties restored),
   prefixes: the leaf (torch only: the launching process reads it before anything starts);
-- ``save``: the atomic saver and ignite's ``Checkpoint`` handlers (rotation, best model, save on stop);
+- ``disk``: ``SafeDiskSaver``, the atomic file saver (temp file, fsync, rename, then removals);
+- ``background``: ``checkpoint.async_save``: the snapshot and the background writer (``AsyncDiskSaver``);
+- ``save``: ignite's ``Checkpoint`` handlers (rotation, the best model, the run info), awaiting the last write;
 - ``load``: ``load_checkpoint`` into live objects, every key and shape checked first;
 - ``resume``: the run signature and restoring a run from its newest complete checkpoint;
 - ``sharded``: ``checkpoint_<iteration>/`` folders written by every rank (``checkpoint.format=sharded``);

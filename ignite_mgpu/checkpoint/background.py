@@ -20,8 +20,8 @@ import ignite.distributed as idist
 import torch
 
 from ignite_mgpu.checkpoint.disk import SafeDiskSaver
+from ignite_mgpu.env import stop
 from ignite_mgpu.errors import CheckpointError, ConfigError
-from ignite_mgpu.processes import stop
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.staging import DefaultStager

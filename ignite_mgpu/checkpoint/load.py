@@ -13,7 +13,7 @@ from torch import nn
 from ignite_mgpu.checkpoint.files import is_safetensors, is_state_dict, read_checkpoint, strip_prefixes
 from ignite_mgpu.checkpoint.weights import tie_groups
 from ignite_mgpu.errors import CheckpointError
-from ignite_mgpu.train.strategy import unwrap
+from ignite_mgpu.parallel.strategy import unwrap
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,10 @@ from ignite_mgpu.checkpoint.files import find_resumable, is_safetensors, weights
 from ignite_mgpu.checkpoint.load import load_checkpoint
 from ignite_mgpu.checkpoint.sharded import load_sharded
 from ignite_mgpu.checkpoint.state import FullModelState
-from ignite_mgpu.config.schema import Config, run_dir
+from ignite_mgpu.config.schema import Config
+from ignite_mgpu.env.cluster import outer_restarts
 from ignite_mgpu.errors import CheckpointError
-from ignite_mgpu.processes.cluster import outer_restarts
+from ignite_mgpu.runs.folder import run_dir
 
 logger = logging.getLogger("ignite_mgpu")
 
@@ -62,10 +63,10 @@ def resume_target(cfg: Config) -> Path | None:
     file its weights, unless torchrun or SLURM started the job again after it wrote checkpoints of its own, which
     it then continues (the same command line serves the first start and the requeued ones)."""
     if cfg.resume == "auto":
-        return find_resumable(run_dir(cfg))
+        return find_resumable(run_dir(cfg.output_dir))
     path = Path(str(cfg.resume))
     if weights_only_resume(cfg.resume) and outer_restarts():
-        return find_resumable(run_dir(cfg)) or path
+        return find_resumable(run_dir(cfg.output_dir)) or path
     return path
 
 
@@ -85,7 +86,7 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
 
         if idist.get_rank() == 0:
             logger.warning(
-                "--resume auto: no complete checkpoint in %s yet: starting a new run", run_dir(cfg).resolve()
+                "--resume auto: no complete checkpoint in %s yet: starting a new run", run_dir(cfg.output_dir).resolve()
             )
         return True
     same_run = _same_run_check(cfg, path)

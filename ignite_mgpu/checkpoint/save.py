@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
 import ignite.distributed as idist
-import torch
-from ignite.engine import Engine, Events
-from ignite.handlers import Checkpoint, global_step_from_engine
+from ignite.handlers import Checkpoint
 from torch import nn
 
-from ignite_mgpu.checkpoint.background import AsyncDiskSaver, stager_available
+from ignite_mgpu.checkpoint.background import AsyncDiskSaver
 from ignite_mgpu.checkpoint.disk import SafeDiskSaver as SafeDiskSaver  # where it was
 from ignite_mgpu.checkpoint.files import (
     BEST_NAME,
@@ -28,12 +25,9 @@ from ignite_mgpu.checkpoint.files import (
 from ignite_mgpu.checkpoint.sharded import ShardedCheckpoint
 from ignite_mgpu.checkpoint.state import FullModelState, module_and_optimizer
 from ignite_mgpu.checkpoint.weights import SOURCE, TiedWeights, model_metadata
-from ignite_mgpu.config.schema import CheckpointConfig
 from ignite_mgpu.errors import CheckpointError
-from ignite_mgpu.processes import stop
+from ignite_mgpu.parallel.strategy import unwrap
 from ignite_mgpu.runs import metric_names
-from ignite_mgpu.train.guard import GuardEvents
-from ignite_mgpu.train.strategy import unwrap
 
 logger = logging.getLogger(__name__)
 
@@ -109,83 +103,6 @@ def _best_metadata(objects: Mapping[str, Any], metric: str) -> dict[str, str]:
     run = objects.get("run")
     config = run.info["config"] if isinstance(run, RunInfo) else {}
     return {SOURCE: f"the best model by val_{metric}", **model_metadata(cast(Mapping[str, str], config))}
-
-
-def attach_checkpoints(
-    trainer: Engine,
-    evaluator: Engine,
-    to_save: dict[str, Any],
-    cfg: CheckpointConfig,
-    output_dir: str | Path,
-    metric: str,
-) -> tuple[Checkpoint | ShardedCheckpoint, Checkpoint]:
-    """Full state every N epochs, iterations or minutes and on a stop signal (``checkpoint_<iteration>.pt``, or a
-    sharded ``checkpoint_<iteration>/`` folder with ``checkpoint.format=sharded``); the best unwrapped model by
-    ``metric`` after validation, always one plain file (``checkpoint.best_format``: a state_dict, or safetensors).
-
-    Periodic saves go through ``GuardEvents.CHECKPOINT``: the guard fires it for every_iters and every_minutes (at
-    the same iteration on every rank, at the end of an accumulation window, never after an unchecked NaN, and at
-    an epoch's end only after its other handlers), and this module at the end of every ``every``-th epoch, after
-    validation and the epoch log: a checkpoint of a finished epoch always has that epoch recorded.
-    """
-    full: Checkpoint | ShardedCheckpoint
-    in_background = _in_background(cfg.async_save)
-    full, best = create_checkpointers(
-        to_save,
-        to_save["model"],
-        output_dir,
-        cfg.n_saved,
-        metric,
-        global_step_from_engine(trainer),
-        cfg.metric_mode,
-        cfg.best_format,
-        in_background and cfg.format == "full",
-    )
-    if cfg.format == "sharded":
-        full = ShardedCheckpoint(to_save, output_dir, cfg.n_saved, in_background)
-    trainer.add_event_handler(GuardEvents.CHECKPOINT, _while_saving(full, trainer))
-    if cfg.every:
-        trainer.add_event_handler(
-            Events.EPOCH_COMPLETED(every=cfg.every), lambda engine: engine.fire_event(GuardEvents.CHECKPOINT)
-        )
-    if cfg.save_on_stop:  # the stop's checkpoint is awaited: the process exits next
-        trainer.add_event_handler(GuardEvents.STOPPING, _while_saving(full, trainer, wait=True))
-    evaluator.add_event_handler(Events.COMPLETED, _while_saving(best, trainer))
-    return full, best
-
-
-def _in_background(async_save: bool) -> bool:
-    """``checkpoint.async_save`` (the default) where this PyTorch can take the snapshot (2.9 or newer); on an older
-    one the job saves synchronously, as before, and rank 0 says so once, rather than failing a job that did not ask."""
-    if async_save and not stager_available():
-        if idist.get_rank() == 0:
-            logger.warning(
-                "checkpoint.async_save: PyTorch %s cannot snapshot a checkpoint for a background write (2.9 or newer "
-                "can); checkpoints are written synchronously",
-                torch.__version__,
-            )
-        return False
-    return async_save
-
-
-def _while_saving(
-    handler: Checkpoint | ShardedCheckpoint, trainer: Engine, wait: bool = False
-) -> Callable[[Engine], None]:
-    """``handler`` marked as saving for the supervisor: after another rank's failure it lets this save land. The
-    training thread's time in it is added to ``trainer.state.checkpoint_stall`` (seconds, since the run's start;
-    ``checkpoint_saves`` counts the saves). ``wait``: a background write is awaited too."""
-
-    def save(engine: Engine) -> None:
-        start = time.perf_counter()
-        with stop.saving():
-            handler(engine)
-            if wait:
-                finish_writes(handler)
-        state = cast(Any, trainer.state)  # ignite's State takes new attributes
-        state.checkpoint_stall = getattr(state, "checkpoint_stall", 0.0) + time.perf_counter() - start
-        state.checkpoint_saves = getattr(state, "checkpoint_saves", 0) + 1
-
-    return save
 
 
 def finish_writes(full: Checkpoint | ShardedCheckpoint) -> None:

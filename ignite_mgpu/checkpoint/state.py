@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ignite_mgpu.train.fsdp import find_fsdp
-from ignite_mgpu.train.strategy import unwrap
+from ignite_mgpu.parallel.fsdp import find_fsdp
+from ignite_mgpu.parallel.strategy import unwrap
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered tensor by tensor onto rank 0's CPU
 

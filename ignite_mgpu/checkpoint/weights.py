@@ -136,8 +136,8 @@ def save_weights(
 
     if isinstance(model, nn.Module):
         from ignite_mgpu.checkpoint.state import FullModelState
-        from ignite_mgpu.train.fsdp import find_fsdp
-        from ignite_mgpu.train.strategy import unwrap
+        from ignite_mgpu.parallel.fsdp import find_fsdp
+        from ignite_mgpu.parallel.strategy import unwrap
 
         fsdp = find_fsdp(model)
         module = cast(nn.Module, fsdp) if fsdp is not None else unwrap(model)

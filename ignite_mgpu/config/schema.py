@@ -8,10 +8,9 @@ Loading and dumping is ``config.loading``; the value and combination checks are 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, get_args
 
-from ignite_mgpu.runs import folder, metric_names
+from ignite_mgpu.runs import metric_names
 
 # The closed choices, each written once: the dataclasses' types, the CLI's click.Choice and the checks read these.
 Backend = Literal["auto", "nccl", "gloo"]
@@ -57,7 +56,9 @@ class DataConfig:
     root: str | None = None  # dataset folder; required for all but synthetic/fake (imagefolder: root/train, root/val)
     download: bool = False  # let torchvision download mnist/fashion_mnist/cifar10 into root
     batch_size: int = 128  # GLOBAL batch: split evenly across all processes
-    num_workers: int | Literal["auto"] = 0  # loader workers per node, split over its processes; auto: train/loaders.py
+    num_workers: int | Literal["auto"] = (
+        0  # loader workers per node, split over its processes; auto: train/data/loaders.py
+    )
     shuffle: bool = True  # shuffle the training set every epoch (seeded)
     image_size: int = 32  # side of the images; every dataset is resized to it
     train_size: int = 4096  # samples in the synthetic/fake training split
@@ -145,10 +146,10 @@ class DistConfig:
     master_port: int | None = None  # TCP port on node 0 (None on one node = a private file rendezvous, no port)
     timeout: float = 300.0  # seconds any collective may wait after the first iteration
     stop_grace: float = 60.0  # seconds workers get to checkpoint and exit after SIGTERM/Ctrl-C
-    cpu_binding: CpuBinding = "none"  # CPUs and threads of each process (processes/binding.py)
+    cpu_binding: CpuBinding = "none"  # CPUs and threads of each process (cpus/binding.py)
     max_restarts: int = 0  # restart the processes after a curable failure, from the newest complete checkpoint
     preempt_signal: str | None = "SIGUSR1"  # SLURM's time-limit warning: checkpoint, requeue the job, exit (null: off)
-    share: bool = False  # run on GPUs that other jobs claim, and claim none (processes/claims.py)
+    share: bool = False  # run on GPUs that other jobs claim, and claim none (gpus/claims.py)
     wait: float | None = None  # seconds to wait until the GPUs are free (.inf: no limit); null: refuse at once
     min_free_memory: float = 0.9  # with wait: a GPU is free when this share of its memory is (and nobody has it)
 
@@ -167,12 +168,6 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
-
-
-def run_dir(cfg: Config) -> Path:
-    """Where the run writes: ``output_dir``. ``fit`` and the CLI give a run without one a new folder under runs/
-    before it starts; ``training`` called directly (``launch(training, cfg)``) writes to runs/default."""
-    return folder.run_dir(cfg.output_dir)
 
 
 def best_metric(cfg: Config) -> str:

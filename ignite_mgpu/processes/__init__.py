@@ -1,4 +1,11 @@
-"""The process layer, torch-free when imported: the launch plan decided once in the parent (``plan``), the GPUs and
-CPUs it uses (``gpus``, ``gpu_selection``, ``topology``, ``binding``), what torchrun and SLURM tell a job
-(``cluster``), starting and watching the workers (``launcher``, ``supervisor``, ``worker``, ``stop``) and how a job
-ended (``outcome``). It never imports the training layer. Nothing is imported here."""
+"""Starting and watching a job's processes (the launch layer), torch-free (imports nothing here):
+
+- ``plan``: ``LaunchPlan`` and ``Restart``; ``make_plan`` decides backend, processes, GPUs, rendezvous, binding;
+- ``launcher``: ``launch()`` for Python code, ``run_plan`` / ``run_job`` for a decided plan;
+- ``supervisor``: starts the workers, stops them all on the first failure, restarts them;
+- ``forkserver``: the one process per job that imports torch once and forks every worker;
+- ``worker``: inside a worker: process group, signals, CPU binding, ``idist.Parallel``, its failure file;
+- ``outcome``: how a job ended (one exit code, one message) and whether a restart can cure it;
+- ``notebook``: where ``launch()`` is called from (a notebook's function is forked, a script's spawned);
+- ``script``: ``ignite-mgpu run``: a user's script in the workers, as python would run it.
+"""

@@ -17,6 +17,8 @@ from typing import Any
 
 from ignite_mgpu.config.checks import validate
 from ignite_mgpu.config.schema import BACKENDS, CPU_BINDINGS, STRATEGIES, Config, DistConfig
+from ignite_mgpu.cpus.binding import apply_binding
+from ignite_mgpu.env import clock, cluster
 from ignite_mgpu.errors import (
     FAILED,
     SUCCESS,
@@ -26,8 +28,7 @@ from ignite_mgpu.errors import (
     is_user_error,
     signal_exit_code,
 )
-from ignite_mgpu.processes import clock, cluster, notebook
-from ignite_mgpu.processes.binding import apply_binding
+from ignite_mgpu.processes import notebook
 from ignite_mgpu.processes.outcome import Outcome
 from ignite_mgpu.processes.plan import LaunchPlan, Restart, make_plan
 from ignite_mgpu.processes.supervisor import Supervisor

@@ -14,11 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ignite_mgpu.config.schema import DistConfig
+from ignite_mgpu.cpus.binding import BindingPlan, plan_for_job
+from ignite_mgpu.env import cluster
+from ignite_mgpu.env.clock import JobClock, process_start
 from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.processes import acquire, cluster, gpu_selection
-from ignite_mgpu.processes.binding import BindingPlan, plan_for_job
-from ignite_mgpu.processes.claims import GpuClaims
-from ignite_mgpu.processes.clock import JobClock, process_start
+from ignite_mgpu.gpus import acquire, selection
+from ignite_mgpu.gpus.claims import GpuClaims
 
 
 @dataclass
@@ -46,7 +47,7 @@ class LaunchPlan:
     preempt_signal: int | None = None  # the pre-emption signal: checkpoint, stop, requeue the SLURM job
     # The job's GPU claims, held by the launching process until the job ends (run_plan releases them).
     claims: GpuClaims = field(default_factory=GpuClaims, compare=False, repr=False)
-    # "forkserver" (processes/forkserver.py): a job joining the group; "spawn": a user's script (ignite-mgpu run),
+    # "forkserver" (launch/forkserver.py): a job joining the group; "spawn": a user's script (ignite-mgpu run),
     # started in a fresh interpreter as python would run it; "fork": from a notebook (its function, a fresh process
     # cannot import).
     start_method: str = "spawn"
@@ -107,7 +108,7 @@ def make_plan(
     sets (``plan.env``) is applied in the workers. A job on GPUs claims them (``acquire.py``; ``plan.claims``,
     released by ``run_plan``, or here when a check fails); one that torchrun or SLURM started claims nothing.
     ``join_group=False``: a script that creates its own process group from the torchrun environment
-    (``processes/script.py``), on whichever backend it chooses.
+    (``launch/script.py``), on whichever backend it chooses.
 
     Raises:
         ConfigError: every impossible request, before anything is spawned.
@@ -118,7 +119,7 @@ def make_plan(
     try:
         if cfg.gpus is not None:
             gpu_plan, held = acquire.acquire(cfg, environ, claim=not external)
-            gpu_selection.check_cuda_not_initialized(gpu_plan.physical_ids, environ)
+            selection.check_cuda_not_initialized(gpu_plan.physical_ids, environ)
             environ.update(gpu_plan.env)
         plan = decide(cfg, gpu_plan, probe_machine(), environ, join_group)
         if cfg.gpus is None and plan.device == "cuda" and not external:  # the GPUs as the environment has them
@@ -181,7 +182,7 @@ def free_port(addr: str = "127.0.0.1") -> int:
 
 def decide(
     cfg: DistConfig,
-    gpu_plan: gpu_selection.GpuPlan | None,
+    gpu_plan: selection.GpuPlan | None,
     machine: Machine,
     environ: Mapping[str, str],
     join_group: bool = True,
@@ -235,7 +236,7 @@ def decide(
     return plan
 
 
-def check_devices(cfg: DistConfig, backend: str, gpu_plan: gpu_selection.GpuPlan | None, machine: Machine) -> None:
+def check_devices(cfg: DistConfig, backend: str, gpu_plan: selection.GpuPlan | None, machine: Machine) -> None:
     """The backend, the chosen GPUs and the strategy against what PyTorch sees."""
     n_cuda = machine.cuda_devices
     if backend == "nccl" and not n_cuda:

@@ -18,8 +18,9 @@ from types import TracebackType
 
 from ignite_mgpu.config.checks import validate
 from ignite_mgpu.config.schema import Config, DistConfig
+from ignite_mgpu.env import cluster
 from ignite_mgpu.errors import USAGE, ConfigError, ScriptArgumentsError
-from ignite_mgpu.processes import cluster, launcher
+from ignite_mgpu.processes import launcher
 from ignite_mgpu.processes.plan import Restart, make_plan
 
 

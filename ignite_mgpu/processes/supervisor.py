@@ -21,9 +21,10 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+from ignite_mgpu.env import stop
+from ignite_mgpu.env.clock import JobClock
 from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, signal_exit_code
-from ignite_mgpu.processes import forkserver, stop
-from ignite_mgpu.processes.clock import JobClock
+from ignite_mgpu.processes import forkserver
 from ignite_mgpu.processes.outcome import Failure, Outcome, no_restart_reason, outcome
 from ignite_mgpu.processes.plan import LaunchPlan, Restart, free_port
 from ignite_mgpu.processes.worker import RESULT_FILE, worker_main

@@ -20,9 +20,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ignite_mgpu.cpus.binding import apply_binding, current, free_group_threads, thread_ids
+from ignite_mgpu.env import clock, cluster, stop
 from ignite_mgpu.errors import FAILED, ScriptArgumentsError, TrainingStopped, is_user_error
-from ignite_mgpu.processes import clock, cluster, forkserver, stop
-from ignite_mgpu.processes.binding import apply_binding, current, free_group_threads, thread_ids
+from ignite_mgpu.processes import forkserver
 
 if TYPE_CHECKING:
     from ignite_mgpu.processes.plan import LaunchPlan

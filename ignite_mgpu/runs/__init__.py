@@ -1,2 +1,8 @@
-"""Run folders, torch-free: their file names (``folder``), reading them back (``read``), the text table and JSON of
-``ignite-mgpu report`` (``table``), its figure (``figure``, matplotlib only when drawing). Imports nothing."""
+"""Run folders, torch-free (imports nothing here):
+
+- ``folder``: the names of a run folder's files, the only copy; ``lock``: one job per run folder;
+- ``read``: reading runs back (metrics.jsonl, config.yaml, the best model);
+- ``report``: ``ignite-mgpu report``'s text table and JSON; ``figure``: its figure (matplotlib, when drawing);
+- ``goodput_parts``: goodput's parts and the run's totals as the report reads them back;
+- ``metric_names``: eval.metrics' names, what each needs, which way each is better.
+"""

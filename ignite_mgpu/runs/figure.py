@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.runs.folder import REPORT_IMAGE
-from ignite_mgpu.runs.goodput import FIELDS, PARTS
+from ignite_mgpu.runs.goodput_parts import FIELDS, PARTS
 from ignite_mgpu.runs.read import Run, memory_kind, memory_names
 
 if TYPE_CHECKING:

@@ -26,7 +26,9 @@ BEST_NAME = re.compile(r"^best_model_(\d+)_val_([A-Za-z_]\w*)=(-?[\d.]+)\.(?:pt|
 
 
 def run_dir(output_dir: str | None) -> Path:
-    """Where a run writes: ``output_dir``, or ``DEFAULT_RUN`` without one."""
+    """Where a run writes: ``output_dir``, or ``DEFAULT_RUN`` without one. ``fit`` and the CLI give a run without
+    ``output_dir`` a new folder under runs/ before it starts; ``training`` called directly (``launch(training, cfg)``)
+    writes to runs/default."""
     return Path(output_dir) if output_dir is not None else DEFAULT_RUN
 
 

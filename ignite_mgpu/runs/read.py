@@ -12,7 +12,7 @@ from typing import Any
 
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.runs.folder import BEST_NAME, CONFIG, METRICS
-from ignite_mgpu.runs.goodput import read_totals
+from ignite_mgpu.runs.goodput_parts import read_totals
 from ignite_mgpu.runs.metric_names import ranked
 from ignite_mgpu.text import plural
 
@@ -27,7 +27,7 @@ class Run:
     incomplete_lines: int = 0  # lines of metrics.jsonl that are not a complete JSON object
     name: str = ""  # the folder's name, or its path where two runs share a name (set by read_runs)
     config_note: str = ""  # why dist is empty: "no config.yaml" or "config.yaml unreadable"
-    goodput: dict[str, Any] = field(default_factory=dict)  # the run's totals (runs/goodput.py); {}: none recorded
+    goodput: dict[str, Any] = field(default_factory=dict)  # the run's totals (runs/goodput_parts.py); {}: none recorded
 
     def series(self, key: str) -> list[float]:
         """``key`` of every epoch as floats; NaN where it is missing, null or not a number (a gap in a plot)."""

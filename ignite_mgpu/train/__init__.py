@@ -1,4 +1,10 @@
-"""The training layer: what runs inside each worker. ``job`` wires the default job from the config; the engines
-(``engine``, ``evaluator``, ``deterministic``, ``guard``), the model's wrapping (``strategy``, ``fsdp``), data
-(``datasets``, ``loaders``, ``batches``), ``models``, ``optim``, the user's factories (``plugins``), the epoch log
-and the CPU allocator. Nothing is imported here."""
+"""The training layer: what runs inside each worker (imports nothing here).
+
+- ``default_job``: ``training(local_rank, cfg)`` and ``scoring``: the default job's wiring, top to bottom;
+- ``models``, ``losses``, ``optim``, ``param_groups``: the model, loss, optimizer and its groups from the config;
+- ``evaluator``, ``metrics``: validation over all ranks, every sample once; ``eval.metrics``;
+- ``checkpointing``: the checkpoint handlers on the trainer (schedule, stop, best model);
+- ``epoch_log``: metrics.jsonl and the epoch's table; ``goodput``: where the wall time goes;
+- ``plugins``: the user's ``package.module:factory``; ``allocator``: glibc keeps freed memory on the CPU;
+- ``data/``: datasets, loaders, batches; ``step/``: the trainer and its step; ``tracking/``: experiment trackers.
+"""

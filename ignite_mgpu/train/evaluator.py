@@ -14,14 +14,14 @@ from ignite.engine import Engine, Events
 from ignite.metrics import Accuracy, Loss, Metric
 from torch import nn
 
-from ignite_mgpu.train import batches
-from ignite_mgpu.train.batches import Batch
-from ignite_mgpu.train.engine import under_autocast
-from ignite_mgpu.train.fsdp import find_fsdp
-from ignite_mgpu.train.loaders import most_batches
+from ignite_mgpu.parallel.fsdp import find_fsdp
+from ignite_mgpu.parallel.strategy import find_ddp, reduce_replica_losses
+from ignite_mgpu.train.data import batches
+from ignite_mgpu.train.data.batches import Batch
+from ignite_mgpu.train.data.loaders import most_batches
 from ignite_mgpu.train.metrics import create_metrics
-from ignite_mgpu.train.micro_batch import MicroBatching, in_parts
-from ignite_mgpu.train.strategy import find_ddp, reduce_replica_losses
+from ignite_mgpu.train.step.micro_batch import MicroBatching, in_parts
+from ignite_mgpu.train.step.trainer import under_autocast
 
 
 def create_evaluator(

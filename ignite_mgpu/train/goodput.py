@@ -1,4 +1,4 @@
-"""Goodput accounting on the trainer: which part of the wall time (``runs/goodput.PARTS``) the job is in, switched
+"""Goodput accounting on the trainer: which part of the wall time (``runs/goodput_parts.PARTS``) the job is in, switched
 at event boundaries (an epoch's start and end, the checkpoint handlers, the epoch log's line), never per iteration.
 Rank 0 keeps the run's totals and the progress a restart resumes in ``goodput.json``."""
 
@@ -14,9 +14,9 @@ from typing import Any
 
 from ignite.engine import Engine, Events
 
-from ignite_mgpu.processes.clock import JobClock
-from ignite_mgpu.runs.goodput import summary, zero
-from ignite_mgpu.train.guard import GuardEvents
+from ignite_mgpu.env.clock import JobClock
+from ignite_mgpu.runs.goodput_parts import summary, zero
+from ignite_mgpu.train.step.guard import GuardEvents
 
 KEPT_RECORDS = 8  # the progress at the last boundaries: a restart resumes the newest complete checkpoint's
 

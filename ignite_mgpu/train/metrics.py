@@ -16,7 +16,8 @@ from ignite.metrics.metric import reinit__is_reduced, sync_all_reduce
 
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.runs import metric_names
-from ignite_mgpu.train import batches, plugins
+from ignite_mgpu.train import plugins
+from ignite_mgpu.train.data import batches
 
 IGNORE_INDEX = -100  # the label of a position that is not predicted (PyTorch's cross_entropy, Hugging Face)
 

@@ -46,7 +46,7 @@ def _factory_groups(model: nn.Module, factory: str, trainable: list[nn.Parameter
     groups; every parameter in it one of the model's, in one group only."""
     import ignite.distributed as idist  # here: the pre-flight imports this module, and ignite stays out of it
 
-    from ignite_mgpu.train.strategy import unwrap
+    from ignite_mgpu.parallel.strategy import unwrap
 
     fn = plugins.resolve(factory, KEY)
     returned = plugins.call(lambda: fn(unwrap(model)), {}, factory, KEY)

@@ -20,8 +20,8 @@ from ignite_mgpu.checkpoint.background import AsyncDiskSaver
 from ignite_mgpu.checkpoint.files import find_resumable, is_complete, list_checkpoints
 from ignite_mgpu.checkpoint.save import SafeDiskSaver, writes_awaited
 from ignite_mgpu.checkpoint.sharded import ShardedCheckpoint, load_sharded
+from ignite_mgpu.env import stop
 from ignite_mgpu.errors import CheckpointError
-from ignite_mgpu.processes import stop
 from tests.checkpoint.test_sharded import objects, train_step
 
 
@@ -164,10 +164,10 @@ def test_a_stop_during_a_background_write_finishes_it_and_saves_the_stop(tmp_pat
     the stop's checkpoint and awaits it before TrainingInterrupted leaves trainer.run."""
     from ignite.engine import Events
 
-    from ignite_mgpu.checkpoint.save import attach_checkpoints
     from ignite_mgpu.config.schema import CheckpointConfig
     from ignite_mgpu.errors import TrainingInterrupted
-    from ignite_mgpu.train.engine import create_trainer
+    from ignite_mgpu.train.checkpointing import attach_checkpoints
+    from ignite_mgpu.train.step.trainer import create_trainer
     from tests.helpers import data, linear
 
     save = GatedSave(monkeypatch)
@@ -242,8 +242,8 @@ def test_sharded_async_write_error_is_raised_and_keeps_the_previous_folder(tmp_p
 
 
 def attached(tmp_path, cfg):
-    from ignite_mgpu.checkpoint.save import attach_checkpoints
-    from ignite_mgpu.train.guard import GuardEvents
+    from ignite_mgpu.train.checkpointing import attach_checkpoints
+    from ignite_mgpu.train.step.guard import GuardEvents
 
     to_save = objects()
     trainer = Engine(lambda e, b: None)
@@ -270,12 +270,13 @@ def test_the_default_writes_in_the_background(tmp_path, fmt):
 def test_a_pytorch_without_the_stager_saves_synchronously_and_says_so(tmp_path, monkeypatch, caplog):
     """PyTorch before 2.9 has no DefaultStager: the default job saves as before and logs it once; a saver built
     by hand for background writes refuses, naming the fix."""
-    from ignite_mgpu.checkpoint import background, save
+    from ignite_mgpu.checkpoint import background
     from ignite_mgpu.config.schema import CheckpointConfig
     from ignite_mgpu.errors import ConfigError
+    from ignite_mgpu.train import checkpointing
 
-    monkeypatch.setattr(save, "stager_available", lambda: False)
-    with caplog.at_level("WARNING", logger=save.__name__):
+    monkeypatch.setattr(checkpointing, "stager_available", lambda: False)
+    with caplog.at_level("WARNING", logger=checkpointing.__name__):
         full = attached(tmp_path, CheckpointConfig(every_iters=2))
     assert type(full.save_handler) is SafeDiskSaver
     assert "checkpoints are written synchronously" in caplog.text

@@ -45,7 +45,7 @@ def test_inspect_and_convert_cli(tmp_path):
 def test_old_checkpoints_with_numpy_rng_state_still_load(tmp_path):
     from ignite.engine import DeterministicEngine
 
-    from ignite_mgpu.train.deterministic import PortableDeterministicEngine
+    from ignite_mgpu.train.step.deterministic import PortableDeterministicEngine
 
     old = DeterministicEngine(lambda e, b: None)
     old.run(range(4), max_epochs=1)

@@ -11,7 +11,7 @@ from ignite_mgpu.checkpoint.resume import resume, run_signature
 from ignite_mgpu.checkpoint.save import RunInfo, SafeDiskSaver
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.errors import CheckpointError
-from ignite_mgpu.train.engine import create_trainer
+from ignite_mgpu.train.step.trainer import create_trainer
 from tests.helpers import data, linear
 
 

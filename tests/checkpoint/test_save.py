@@ -160,10 +160,10 @@ def test_time_based_and_iteration_checkpoints_land_on_window_ends_after_the_epoc
     of 10, no epoch checkpoints: the files of a 2-epoch run, and the epoch report written before an epoch-end one."""
     from ignite.engine import Events
 
-    from ignite_mgpu.checkpoint.save import attach_checkpoints
     from ignite_mgpu.config.schema import CheckpointConfig
-    from ignite_mgpu.train import guard as guard_module
-    from ignite_mgpu.train.engine import create_trainer
+    from ignite_mgpu.train.checkpointing import attach_checkpoints
+    from ignite_mgpu.train.step import guard as guard_module
+    from ignite_mgpu.train.step.trainer import create_trainer
     from tests.helpers import data, linear
 
     clock = [0.0]

@@ -27,7 +27,7 @@ from ignite_mgpu.errors import CheckpointError, ConfigError
 from ignite_mgpu.preflight import check_no_foreign_checkpoints
 from ignite_mgpu.processes import launcher
 from ignite_mgpu.runs.read import best_model
-from ignite_mgpu.train.engine import create_trainer
+from ignite_mgpu.train.step.trainer import create_trainer
 from tests.docs_blocks import doc_block, run_block, sandbox
 from tests.helpers import linear
 

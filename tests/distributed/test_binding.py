@@ -18,10 +18,10 @@ import torch
 from ignite_mgpu import launch
 from ignite_mgpu.checkpoint.files import list_checkpoints, read_checkpoint
 from ignite_mgpu.config.loading import load_config
-from ignite_mgpu.processes.binding import plan_for_job
+from ignite_mgpu.cpus.binding import plan_for_job
+from ignite_mgpu.cpus.topology import parse_cpulist
 from ignite_mgpu.processes.launcher import run_named
-from ignite_mgpu.processes.topology import parse_cpulist
-from ignite_mgpu.train.job import training
+from ignite_mgpu.train.default_job import training
 from tests.conftest import run_cli
 
 pytestmark = [

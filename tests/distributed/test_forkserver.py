@@ -1,4 +1,4 @@
-"""The fork server (processes/forkserver.py), in one 2-process gloo job run by launch() in this process: workers
+"""The fork server (launch/forkserver.py), in one 2-process gloo job run by launch() in this process: workers
 forked from a server that imported torch, the supervisor's environment (set after the server started) in the
 workers, CUDA untouched there, a DataLoader with a worker process, and a rank's SIGKILL restarted at once by the same
 server, stopped when the job ends; the rendezvous file in a temporary folder whose path no file:// URL carries.

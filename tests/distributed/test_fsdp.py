@@ -18,7 +18,7 @@ from ignite_mgpu.checkpoint.files import list_checkpoints, read_checkpoint
 from ignite_mgpu.checkpoint.tools import convert
 from ignite_mgpu.cli import main
 from ignite_mgpu.config.loading import load_config
-from ignite_mgpu.train.job import training
+from ignite_mgpu.train.default_job import training
 from tests.conftest import TINY, cpu_only, run_cli
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -89,7 +89,7 @@ def test_fsdp_trains_like_ddp_and_like_one_process_and_evaluates_uneven_shards_e
         2,
         3,
     ]
-    from ignite_mgpu.train.datasets import build_datasets
+    from ignite_mgpu.train.data.datasets import build_datasets
     from ignite_mgpu.train.models import create_model
 
     cfg = config(fsdp2)
@@ -169,7 +169,7 @@ def scaler_worker(local_rank: int, out: str) -> None:
     """fp16's loss scaling over sharded gradients with the trainer's GradScaler (its CPU variant: the same code as
     on CUDA): an overflow in one rank's shard must skip the step on every rank, or the shards would drift apart."""
     from ignite_mgpu import prepare_model
-    from ignite_mgpu.train.engine import Scaler
+    from ignite_mgpu.train.step.trainer import Scaler
 
     torch.manual_seed(0)
     model = prepare_model(nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)), "fsdp")

@@ -10,10 +10,10 @@ import pytest
 
 from ignite_mgpu import launch
 from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.processes import gpus
+from ignite_mgpu.gpus import inventory
 
 FOUR_A100 = [
-    gpus.GpuInfo(i, f"00000000:{7 + i:02X}:00.0", "NVIDIA A100-SXM4-80GB", used, 81920, util, procs)
+    inventory.GpuInfo(i, f"00000000:{7 + i:02X}:00.0", "NVIDIA A100-SXM4-80GB", used, 81920, util, procs)
     for i, (used, util, procs) in enumerate([(70000, 95, 2), (30000, 40, 1), (500, 0, 0), (400, 0, 0)])
 ]
 
@@ -31,7 +31,7 @@ def report_environment(local_rank: int, out: str) -> None:
 def test_workers_see_the_selected_gpus(tmp_path, monkeypatch, spec, expected):
     import torch
 
-    monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
+    monkeypatch.setattr(inventory, "query_gpus", lambda run=None: FOUR_A100)
     # The launcher's torch sees the 2 selected GPUs (the workers, on this CPU machine, see none and train on the CPU).
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -45,7 +45,7 @@ def test_workers_see_the_selected_gpus(tmp_path, monkeypatch, spec, expected):
 
 
 def test_bad_gpu_requests_fail_before_spawning(monkeypatch):
-    monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
+    monkeypatch.setattr(inventory, "query_gpus", lambda run=None: FOUR_A100)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with pytest.raises(ConfigError, match="GPU 5 requested; this machine has GPUs 0-3"):
         launch(report_environment, "/nonexistent", gpus="5", backend="gloo")
@@ -70,7 +70,7 @@ def report_device(local_rank: int, out: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_real_gpu_selection(tmp_path, monkeypatch):
-    snapshot = gpus.query_gpus()
+    snapshot = inventory.query_gpus()
     if not snapshot:
         pytest.skip("nvidia-smi shows no GPU")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

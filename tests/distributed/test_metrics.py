@@ -12,7 +12,7 @@ import torch
 
 from ignite_mgpu.checkpoint.files import read_checkpoint
 from ignite_mgpu.config.loading import load_config
-from ignite_mgpu.train.datasets import build_datasets
+from ignite_mgpu.train.data.datasets import build_datasets
 from ignite_mgpu.train.models import create_model
 from tests.conftest import REPO
 from tests.docs_blocks import doc_block, run_block, sandbox

@@ -14,7 +14,7 @@ import torch
 from ignite_mgpu import launch
 from ignite_mgpu.checkpoint.files import list_checkpoints, read_checkpoint
 from ignite_mgpu.config.loading import load_config
-from ignite_mgpu.train.job import training
+from ignite_mgpu.train.default_job import training
 from tests.conftest import run_cli
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -24,7 +24,7 @@ from ignite_mgpu.cli import main
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.runs.figure import draw_report
 from ignite_mgpu.runs.read import read_runs
-from ignite_mgpu.train.job import training
+from ignite_mgpu.train.default_job import training
 from tests.conftest import REPO, TINY, cpu_only, make_image_folder, run_cli
 from tests.runs.test_read import assert_table_equals_metrics
 
@@ -84,7 +84,7 @@ def test_two_processes_end_like_one_and_evaluate_exactly(tmp_path, launched):
 
     # 101 validation samples on 2 ranks: the reduced metrics equal one process scoring every sample once.
     cfg = tiny_config(two)
-    from ignite_mgpu.train.datasets import build_datasets
+    from ignite_mgpu.train.data.datasets import build_datasets
     from ignite_mgpu.train.models import create_model
 
     val = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed).val
@@ -460,7 +460,7 @@ def guard_schedule_worker(local_rank: int, out: str) -> None:
 
     from ignite.engine import Engine
 
-    from ignite_mgpu.train.guard import TrainingGuard
+    from ignite_mgpu.train.step.guard import TrainingGuard
 
     rank = idist.get_rank()
 

@@ -57,7 +57,7 @@ def lines(out: Path) -> list[dict]:
 def assert_goodput_adds_up(out: Path) -> dict:
     """The measured parts (all but "other") cover the run's wall time within 3 %; the epochs' lines add up to
     the run's totals up to the last line. Returns the run's totals (goodput.json)."""
-    from ignite_mgpu.runs.goodput import FIELDS, MEASURED, read_totals
+    from ignite_mgpu.runs.goodput_parts import FIELDS, MEASURED, read_totals
 
     epochs = lines(out)
     totals = read_totals(out, [])

@@ -1,4 +1,4 @@
-"""GPU claims on real GPUs (the twins of tests/processes/test_claims.py, which use the stand-in nvidia-smi): NVML
+"""GPU claims on real GPUs (the twins of tests/gpus/test_claims.py, which use the stand-in nvidia-smi): NVML
 and nvidia-smi name every GPU by its UUID, a plan on a GPU claims it by that UUID, and a second job is refused it
 and sees who holds it. `python -m pytest -m gpu tests/gpu/test_claims.py`; they skip on a machine without CUDA."""
 
@@ -18,10 +18,10 @@ CLAIMER = REPO / "tests" / "processes" / "claimer.py"
 
 
 def test_every_real_gpu_has_a_uuid_from_nvml_and_nvidia_smi():
-    from ignite_mgpu.processes import gpus
+    from ignite_mgpu.gpus import inventory
 
     needs_gpus(1)
-    by_nvml, by_smi = gpus.query_gpus(), gpus.query_gpus(gpus._run_nvidia_smi)
+    by_nvml, by_smi = inventory.query_gpus(), inventory.query_gpus(inventory._run_nvidia_smi)
     assert all(g.uuid.startswith("GPU-") for g in by_smi), by_smi
     assert [g.uuid for g in by_nvml] == [g.uuid for g in by_smi]
 

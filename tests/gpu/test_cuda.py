@@ -118,9 +118,9 @@ def test_compiled_model_on_a_gpu_saves_plain_keys(tmp_path):
 def test_chosen_gpu_and_no_stray_contexts(tmp_path):
     """--gpus <last>: the job runs on that card only, and the launching process holds no CUDA context anywhere."""
     needs_gpus(1)
-    from ignite_mgpu.processes import gpus
+    from ignite_mgpu.gpus import inventory
 
-    snapshot = gpus.query_gpus()
+    snapshot = inventory.query_gpus()
     last = snapshot[-1]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -138,7 +138,9 @@ def test_chosen_gpu_and_no_stray_contexts(tmp_path):
                 ours.update(p.pid for p in psutil.Process(proc.pid).children(recursive=True))
             apps = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_bus_id,pid", "--format=csv,noheader"],
                                   capture_output=True, text=True).stdout  # fmt: skip
-            seen.update((gpus._bus(b), int(p)) for b, p in (ln.split(",") for ln in apps.splitlines() if "," in ln))
+            seen.update(
+                (inventory._bus(b), int(p)) for b, p in (ln.split(",") for ln in apps.splitlines() if "," in ln)
+            )
             time.sleep(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -157,10 +159,10 @@ def test_chosen_gpu_and_no_stray_contexts(tmp_path):
 def test_nvml_agrees_with_nvidia_smi():
     needs_gpus(1)
     pytest.importorskip("pynvml")
-    from ignite_mgpu.processes import gpus
+    from ignite_mgpu.gpus import inventory
 
-    by_nvml = gpus._query_nvml()
-    by_smi = gpus.query_gpus(gpus._run_nvidia_smi)
+    by_nvml = inventory._query_nvml()
+    by_smi = inventory.query_gpus(inventory._run_nvidia_smi)
     assert by_nvml is not None
     assert [(g.index, g.pci_bus_id, g.name, g.mig) for g in by_nvml] == [
         (g.index, g.pci_bus_id, g.name, g.mig) for g in by_smi
@@ -173,7 +175,7 @@ def test_loaders_pin_memory_and_copies_are_non_blocking_on_cuda(tmp_path, monkey
     code = (
         "import torch, ignite.distributed as idist\n"
         "from ignite_mgpu.config.loading import load_config\n"
-        "from ignite_mgpu.train.loaders import create_dataloaders\n"
+        "from ignite_mgpu.train.data.loaders import create_dataloaders\n"
         "cfg = load_config(overrides=['data.train_size=64', 'data.val_size=16', 'data.batch_size=16'])\n"
         "train, val = create_dataloaders(cfg.data, 10, 0)\n"
         "x, y = next(iter(train))\n"
@@ -230,7 +232,7 @@ def test_dataparallel_reduces_the_loss_vector_exactly_on_gpus():
     import torch
     from torch import nn
 
-    from ignite_mgpu.train.strategy import prepare_model, reduce_replica_losses
+    from ignite_mgpu.parallel.strategy import prepare_model, reduce_replica_losses
 
     class LossModel(nn.Linear):
         def forward(self, x, y):

@@ -1,4 +1,4 @@
-"""A CUDA worker forked by the fork server (processes/forkserver.py): the server imported torch without starting
+"""A CUDA worker forked by the fork server (launch/forkserver.py): the server imported torch without starting
 CUDA, so the worker starts it on its GPU, pins a DataLoader's batches, and does the same again after a restart by
 the same server. `python -m pytest -m gpu tests/gpu/test_forkserver_cuda.py`; skips without a GPU."""
 

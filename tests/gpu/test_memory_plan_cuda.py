@@ -17,9 +17,9 @@ def test_estimate_is_within_15_percent_of_max_memory_allocated(overrides):
     import torch
 
     from ignite_mgpu.config.loading import load_config
-    from ignite_mgpu.train import batches
-    from ignite_mgpu.train.datasets import build_datasets, example_inputs, first_batch
-    from ignite_mgpu.train.memory_estimate import example_batch, measure
+    from ignite_mgpu.memory.estimate import example_batch, measure
+    from ignite_mgpu.train.data import batches
+    from ignite_mgpu.train.data.datasets import build_datasets, example_inputs, first_batch
     from ignite_mgpu.train.models import create_model
     from ignite_mgpu.train.optim import build_optimizer
 

@@ -1,4 +1,4 @@
-"""train.micro_batch=auto on a real CUDA out-of-memory error (the twins of tests/train/test_micro_batch.py and
+"""train.micro_batch=auto on a real CUDA out-of-memory error (the twins of tests/train/step/test_micro_batch.py and
 tests/distributed/test_micro_batch.py): the forward asks for a share of the GPU's free memory per sample, so that the
 whole batch does not fit; one process with fp16's GradScaler, and 2 processes over NCCL with rank 1 alone short of
 memory. `python -m pytest -m gpu tests/gpu/test_micro_batch.py`; they skip on a machine without CUDA."""
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ignite_mgpu import launch
-from ignite_mgpu.train.engine import create_trainer
+from ignite_mgpu.train.step.trainer import create_trainer
 from tests.conftest import needs_gpus
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # they start processes: not in the fast tier

@@ -4,8 +4,9 @@ in this process. The spawned jobs are in tests/distributed and tests/faults.
 
 import pytest
 
+from ignite_mgpu.env import cluster
 from ignite_mgpu.errors import ConfigError, JobFailed
-from ignite_mgpu.processes import cluster, launcher, notebook
+from ignite_mgpu.processes import launcher, notebook
 from ignite_mgpu.processes.outcome import Outcome
 from ignite_mgpu.processes.plan import LaunchPlan
 

@@ -97,10 +97,10 @@ def test_dataparallel_under_torchrun_with_several_processes_is_refused(cuda, tor
 
 
 def test_gpus_that_pytorch_cannot_see_are_an_error(monkeypatch):
-    from ignite_mgpu.processes import gpus
+    from ignite_mgpu.gpus import inventory
     from tests.distributed.test_gpu_selection import FOUR_A100
 
-    monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
+    monkeypatch.setattr(inventory, "query_gpus", lambda run=None: FOUR_A100)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     with pytest.raises(ConfigError, match=r"--gpus 2,3 selects GPUs that nvidia-smi shows, but PyTorch sees no CUDA"):
@@ -108,10 +108,10 @@ def test_gpus_that_pytorch_cannot_see_are_an_error(monkeypatch):
 
 
 def test_a_job_on_chosen_gpus_runs_in_a_fresh_process_even_alone(cuda, monkeypatch):
-    from ignite_mgpu.processes import gpus
+    from ignite_mgpu.gpus import inventory
     from tests.distributed.test_gpu_selection import FOUR_A100
 
-    monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
+    monkeypatch.setattr(inventory, "query_gpus", lambda run=None: FOUR_A100)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     cuda(1)  # what torch reports after CUDA_VISIBLE_DEVICES=2 (counted afresh)
@@ -147,10 +147,10 @@ def test_max_restarts_under_torchrun_is_refused(torchrun):
 
 
 def test_fsdp_with_fewer_processes_than_chosen_gpus_is_refused(cuda, monkeypatch):
-    from ignite_mgpu.processes import gpus
+    from ignite_mgpu.gpus import inventory
     from tests.distributed.test_gpu_selection import FOUR_A100
 
-    monkeypatch.setattr(gpus, "query_gpus", lambda run=None: FOUR_A100)
+    monkeypatch.setattr(inventory, "query_gpus", lambda run=None: FOUR_A100)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     cuda(2)  # what torch reports after CUDA_VISIBLE_DEVICES=2,3

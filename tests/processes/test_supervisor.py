@@ -148,7 +148,9 @@ def test_one_ranks_death_restarts_at_once_and_a_second_failure_backs_off(monkeyp
 def test_the_fork_server_preloads_ignite_mgpus_own_job_but_never_a_users_module():
     from ignite_mgpu.processes import forkserver, launcher
 
-    default = forkserver.preload_for(launcher.run_named, ("ignite_mgpu.train.job:training",))
+    default = forkserver.preload_for(launcher.run_named, ("ignite_mgpu.train.default_job:training",))
     assert default[:2] == ["ignite_mgpu.processes.forkserver", "torch"]  # its signals ignored before the imports
-    assert {"torch._dynamo", "ignite.distributed", "ignite_mgpu.train.job", "omegaconf", "psutil"} <= set(default)
+    assert {"torch._dynamo", "ignite.distributed", "ignite_mgpu.train.default_job", "omegaconf", "psutil"} <= set(
+        default
+    )
     assert forkserver.preload_for(killed, ()) == [forkserver.__name__, *forkserver.PRELOAD]  # a user's: not imported

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from ignite_mgpu.runs import read as runs
-from ignite_mgpu.runs.goodput import FIELDS, PARTS, read_totals, summary
-from ignite_mgpu.runs.table import GOODPUT_COLUMNS, GOODPUT_TITLE, format_table, to_json
+from ignite_mgpu.runs.goodput_parts import FIELDS, PARTS, read_totals, summary
+from ignite_mgpu.runs.report import GOODPUT_COLUMNS, GOODPUT_TITLE, format_table, to_json
 from tests.runs.test_read import epoch, make_run
 
 # Two epochs of a restarted 2-process run (figures from a real one, rounded); epoch 2 re-did 2 iterations.

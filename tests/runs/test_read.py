@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from ignite_mgpu.cli import main
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.runs import read as runs
-from ignite_mgpu.runs.table import TABLE_EPOCHS, format_table
+from ignite_mgpu.runs.report import TABLE_EPOCHS, format_table
 from tests.conftest import REPO
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -13,9 +13,9 @@ from ignite.metrics import Accuracy, Loss
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ignite_mgpu.train.engine import create_trainer
 from ignite_mgpu.train.epoch_log import EpochLog
 from ignite_mgpu.train.evaluator import create_evaluator
+from ignite_mgpu.train.step.trainer import create_trainer
 from tests.helpers import data, linear
 
 
@@ -62,7 +62,7 @@ def test_the_data_wait_is_counted_by_a_timed_loader_or_by_two_handlers(tmp_path,
     """The default job's TimedDataLoader counts the wait without a per-iteration handler (also after ignite's
     DeterministicEngine rebuilt it); any other loader gets the two handlers around the fetch. Either way, a loader
     that sleeps 80 ms per batch around a trivial step waits for most of the epoch."""
-    from ignite_mgpu.train.loaders import TimedDataLoader, timed
+    from ignite_mgpu.train.data.loaders import TimedDataLoader, timed
 
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic mode sets: restored after the test
     mode = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()

@@ -8,17 +8,17 @@ import time
 import pytest
 from ignite.engine import Engine, Events
 
-from ignite_mgpu.processes.clock import JobClock, process_start
-from ignite_mgpu.runs.goodput import FIELDS, PARTS, read_totals
+from ignite_mgpu.env.clock import JobClock, process_start
+from ignite_mgpu.runs.goodput_parts import FIELDS, PARTS, read_totals
 from ignite_mgpu.train.goodput import Goodput
-from ignite_mgpu.train.guard import GuardEvents
+from ignite_mgpu.train.step.guard import GuardEvents
 
 STEP, SAVE, EVAL = 0.01, 0.03, 0.02  # seconds slept by an iteration, a checkpoint handler, a validation
 
 
 def job(path, clock, every=4):
     """A trainer of sleeping steps with a checkpoint every ``every`` iterations, validation and an epoch log's
-    line at each epoch's end, wired as train/job.py wires them. Returns (trainer, goodput, the lines)."""
+    line at each epoch's end, wired as train/default_job.py wires them. Returns (trainer, goodput, the lines)."""
     trainer, evaluator = Engine(lambda e, b: time.sleep(STEP)), Engine(lambda e, b: None)
     trainer.register_events(*GuardEvents)
     goodput, written = Goodput(path, clock, writer=True), []
@@ -81,7 +81,7 @@ def test_a_restart_goes_on_from_the_progress_saved_with_its_checkpoint(tmp_path)
 
 
 def test_without_anchors_the_clock_is_the_processs_start():
-    from ignite_mgpu.processes.clock import job_clock
+    from ignite_mgpu.env.clock import job_clock
 
     assert job_clock() == JobClock(process_start()) and process_start() <= time.time()
 

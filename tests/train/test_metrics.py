@@ -171,12 +171,12 @@ def test_the_epoch_log_writes_every_metric_after_the_loss():
 
 def test_evaluate_reports_the_configured_metrics(tmp_path, monkeypatch, capsys):
     from ignite_mgpu.config.loading import load_config
-    from ignite_mgpu.train import job
+    from ignite_mgpu.train import default_job
     from ignite_mgpu.train.models import create_model
 
     cfg = load_config(None, ["data.val_size=9", "eval.metrics=[top3,f1]", "train.keep_cpu_memory=false"])
     torch.save(create_model(cfg.model, torch.zeros(1, 3, 32, 32)).state_dict(), tmp_path / "weights.pt")
-    monkeypatch.setattr(job, "setup_logging", lambda rank: None)  # leave pytest's logging alone
-    job.scoring(0, cfg, str(tmp_path / "weights.pt"), True)
+    monkeypatch.setattr(default_job, "setup_logging", lambda rank: None)  # leave pytest's logging alone
+    default_job.scoring(0, cfg, str(tmp_path / "weights.pt"), True)
     result = json.loads(capsys.readouterr().out)
     assert list(result) == ["checkpoint", "samples", "loss", "top3", "f1"] and result["samples"] == 9

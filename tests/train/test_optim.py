@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from ignite_mgpu import load_config
 from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.train import job
+from ignite_mgpu.train import default_job
 from ignite_mgpu.train.optim import check_optim, create_optimizer
 
 PKG = "tests.plugins_pkg.optim_factories"
@@ -33,7 +33,7 @@ def build(model, *overrides):
     """What the default job builds for these overrides, after the pre-flight's check (the job's own wiring)."""
     cfg = load_config(overrides=list(overrides))
     check_optim(cfg.optim)
-    return job._create_optimizer(cfg, model)
+    return default_job._create_optimizer(cfg, model)
 
 
 def twins(seed=0):

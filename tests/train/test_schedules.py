@@ -13,9 +13,9 @@ from torch.optim import lr_scheduler as torch_schedules
 
 from ignite_mgpu import load_config
 from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.train import job
-from ignite_mgpu.train.engine import create_trainer
+from ignite_mgpu.train import default_job
 from ignite_mgpu.train.optim import check_optim, create_lr_scheduler
+from ignite_mgpu.train.step.trainer import create_trainer
 from tests.helpers import data, linear
 
 PKG = "tests.plugins_pkg.optim_factories"
@@ -92,8 +92,8 @@ def test_one_cycle_after_the_warm_up_with_accumulation_is_the_hand_computed_sequ
     overrides = ["optim.name=Adam", "optim.lr=0.01", "optim.scheduler=OneCycleLR", "optim.warmup_epochs=0.5"]
     cfg = load_config(overrides=[*overrides, "train.grad_accum_steps=3", "train.epochs=2"])
     model, loader = linear(), data(n=40, batch=4)
-    optimizer = job._create_optimizer(cfg, model)
-    schedule = job._create_lr_scheduler(cfg, optimizer, len(loader))
+    optimizer = default_job._create_optimizer(cfg, model)
+    schedule = default_job._create_lr_scheduler(cfg, optimizer, len(loader))
     seen = []
     optimizer.register_step_pre_hook(
         lambda o, *_: seen.append((o.param_groups[0]["lr"], o.param_groups[0]["betas"][0]))
@@ -119,9 +119,9 @@ def test_one_cycle_after_the_warm_up_with_accumulation_is_the_hand_computed_sequ
 
 
 def test_a_skipped_fp16_step_does_not_advance_a_sequential_schedule(monkeypatch):
-    from ignite_mgpu.train import engine
+    from ignite_mgpu.train.step import trainer
 
-    monkeypatch.setattr(engine, "FP16_DEVICE_TYPES", ("cuda", "cpu"))  # GradScaler works on the CPU too
+    monkeypatch.setattr(trainer, "FP16_DEVICE_TYPES", ("cuda", "cpu"))  # GradScaler works on the CPU too
     model = linear()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     schedule = create_lr_scheduler(opt, 8, 2, scheduler="OneCycleLR")
@@ -207,12 +207,12 @@ def test_a_job_resumed_after_the_warm_up_ends_as_the_straight_one_and_keeps_its_
     from ignite_mgpu.errors import CheckpointError
     from tests.conftest import REPO
 
-    monkeypatch.setattr(job, "setup_logging", lambda rank: None)  # leave pytest's logging alone
+    monkeypatch.setattr(default_job, "setup_logging", lambda rank: None)  # leave pytest's logging alone
     small = ["model.name=mlp", "data.image_size=8", "data.train_size=128", "train.epochs=3", "checkpoint.n_saved=5"]
     small += ["optim.warmup_epochs=0.5", "train.progress_bar=false", "train.keep_cpu_memory=false", "train.loggers=[]"]
 
     def run(out, *extra):
-        job.training(
+        default_job.training(
             0, load_config(REPO / "configs/adam_onecycle.yaml", [*small, f"output_dir={tmp_path / out}", *extra])
         )
         return read_checkpoint(tmp_path / out / "checkpoint_12.pt")  # 4 iterations an epoch

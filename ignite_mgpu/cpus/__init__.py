@@ -1,0 +1,5 @@
+"""Where a job's processes run on the CPUs, torch-free (imports nothing here):
+
+- ``topology``: /sys's CPUs, NUMA nodes and SMT siblings, as a snapshot;
+- ``binding``: ``--cpu-binding``: each local rank's CPUs and threads, planned in the parent, applied in the worker.
+"""

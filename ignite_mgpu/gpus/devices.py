@@ -1,0 +1,112 @@
+"""The ``ignite-mgpu devices`` table: every GPU of the snapshot, what runs on it and whose it is, the job that
+claims it, and its CUDA index under this environment's CUDA_VISIBLE_DEVICES. Torch-free."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.gpus import claims
+from ignite_mgpu.gpus.inventory import GpuInfo
+from ignite_mgpu.gpus.selection import visible_ids
+from ignite_mgpu.text import format_ids
+
+_NO_GPU_TEXT = (
+    "No NVIDIA GPU found (nvidia-smi not available or shows none). "
+    "Training would use the CPU: backend gloo, 1 process by default (--nproc N to change)."
+)
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """Who has each GPU (``who_has``): the job that claims it and the users of its processes."""
+
+    claims: dict[int, claims.Holder] = field(default_factory=dict)  # physical id -> the claim's holder
+    users: dict[int, str] = field(default_factory=dict)  # pid -> user ("?": not visible from here)
+    note: str = ""  # why the claims could not be read
+
+
+def who_has(gpus: list[GpuInfo], environ: Mapping[str, str]) -> Occupancy:
+    """Read the claims folder (never creating it) and /proc for the snapshot's GPUs and processes."""
+    users = {pid: claims.process_user(pid) or "?" for g in gpus for pid in g.pids}
+    try:
+        dir_fd = claims.open_dir(claims.claims_dir(environ), create=False)
+    except ConfigError as err:
+        return Occupancy({}, users, str(err))
+    try:
+        found = claims.holders(dir_fd, [claims.claim_name(g.uuid, g.pci_bus_id) for g in gpus])
+    finally:
+        if dir_fd is not None:
+            os.close(dir_fd)
+    by_id = {g.index: found[n] for g in gpus if (n := claims.claim_name(g.uuid, g.pci_bus_id)) in found}
+    return Occupancy(by_id, users)
+
+
+def cuda_index_map(gpus: list[GpuInfo], environ: Mapping[str, str]) -> dict[int, int | None]:
+    """Map each physical id to its CUDA index under environ's CUDA_VISIBLE_DEVICES (None = hidden or unknown).
+
+    The mapping assumes CUDA_DEVICE_ORDER=PCI_BUS_ID, which the launcher sets whenever ``--gpus`` is given.
+    Without it CUDA numbers devices fastest-first, which agrees with nvidia-smi only when all GPUs are the
+    same model. When CUDA_VISIBLE_DEVICES holds UUIDs or MIG names every value is None (cannot tell).
+    """
+    visible = visible_ids(gpus, environ) or []
+    return {g.index: visible.index(g.index) if g.index in visible else None for g in gpus}
+
+
+def format_devices(
+    gpus: list[GpuInfo], environ: Mapping[str, str], as_json: bool = False, claims: Occupancy | None = None
+) -> str:
+    """The ``ignite-mgpu devices`` table, or JSON with ``as_json``; ``claims`` from ``who_has``."""
+    cuda = cuda_index_map(gpus, environ)
+    cpu_only = all(v is None for v in cuda.values()) and visible_ids(gpus, environ) is not None
+    fallback = {"backend": "gloo", "nproc": 1} if cpu_only else None
+    held = claims or Occupancy()
+    if as_json:
+        rows = [
+            {
+                **asdict(g),
+                "cuda_index": cuda[g.index],
+                "claim": held.claims[g.index].as_json() if g.index in held.claims else None,
+                "process_users": {str(pid): held.users[pid] for pid in g.pids if pid in held.users},
+            }
+            for g in gpus
+        ]
+        note = {"claims_note": held.note} if held.note else {}  # the claims folder cannot be read
+        return json.dumps({"gpus": rows, "cpu_fallback": fallback, **note}, indent=2)
+    if not gpus:
+        return _NO_GPU_TEXT
+    unknown = visible_ids(gpus, environ) is None
+    unordered = len(gpus) > 1 and environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID"
+    table = [["GPU", "PCI bus id", "Name", "Memory used/total MiB", "Util", "Procs", "Claimed by", "CUDA index"]]
+    for g in gpus:
+        idx = "?" if unknown else "-" if cuda[g.index] is None else f"{cuda[g.index]}{'*' if unordered else ''}"
+        procs = "?" if g.n_processes < 0 else str(g.n_processes)
+        if whose := sorted({held.users[pid] for pid in g.pids if pid in held.users}):
+            procs += f" ({', '.join(whose)})"
+        who = held.claims.get(g.index)
+        claimed = "-" if who is None else f"{who.user} (pid {who.pid})" if who.known else "unknown job"
+        util = "n/a" if g.utilization < 0 else f"{g.utilization}%"
+        memory = f"{g.memory_used_mb} / {g.memory_total_mb}"
+        table.append([str(g.index), g.pci_bus_id, g.name, memory, util, procs, claimed, idx])
+    widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in table]
+    lines += [f"GPU {i} is claimed by {who.describe()}." for i, who in sorted(held.claims.items())]
+    if held.note:
+        lines.append(f"Claims not shown: {held.note}")
+    exported = environ.get("CUDA_VISIBLE_DEVICES")
+    shown = "unset" if exported is None else repr(exported)
+    lines.append(f"CUDA index: device number under CUDA_VISIBLE_DEVICES={shown} ('-' = hidden).")
+    if unknown:
+        lines.append("'?': CUDA_VISIBLE_DEVICES names GPUs by UUID/MIG id, which this table does not map.")
+    if unordered:
+        lines.append("*: assumes CUDA_DEVICE_ORDER=PCI_BUS_ID (unset here; CUDA then orders fastest-first).")
+    if mig := [g.index for g in gpus if g.mig]:
+        lines.append(
+            f"GPU {format_ids(mig)}: MIG mode; CUDA sees its MIG instances (nvidia-smi -L), which --gpus cannot select."
+        )
+    if cpu_only:
+        lines.append("Every GPU is hidden, so training would use the CPU (backend gloo, 1 process by default).")
+    return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""GPU discovery: a snapshot of the machine's NVIDIA GPUs (NVML, else nvidia-smi) and their NUMA nodes. Which of
+them a job uses is ``selection.py``'s. Stdlib only: torch is never imported, so the CLI starts fast.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+
+_QUERY_GPUS = "--query-gpu=index,pci.bus_id,name,memory.used,memory.total,utilization.gpu"
+# The UUID comes last, where a recording without it (older answers) leaves the other columns as they were.
+_GPU_ARGV = ["nvidia-smi", _QUERY_GPUS + ",mig.mode.current,uuid", "--format=csv,noheader,nounits"]
+_GPU_ARGV_NO_MIG = ["nvidia-smi", _QUERY_GPUS + ",uuid", "--format=csv,noheader,nounits"]  # drivers before MIG
+_APPS_ARGV = ["nvidia-smi", "--query-compute-apps=gpu_bus_id,pid", "--format=csv,noheader"]
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One physical GPU as NVML / nvidia-smi reports it."""
+
+    index: int  # physical id as nvidia-smi shows it (PCI bus order)
+    pci_bus_id: str  # e.g. "00000000:07:00.0"
+    name: str  # e.g. "NVIDIA A100-SXM4-80GB"
+    memory_used_mb: int  # MiB in use (-1 if unknown)
+    memory_total_mb: int  # MiB on the card (-1 if unknown)
+    utilization: int  # percent, -1 if unknown
+    n_processes: int  # compute processes on it, -1 if unknown
+    mig: bool = False  # in MIG mode: CUDA sees its MIG instances (nvidia-smi -L), not the card
+    uuid: str = ""  # "GPU-8a0e..." (claims.py names the GPU by it); "" if unknown
+    pids: tuple[int, ...] = ()  # its compute processes, as far as listed
+
+
+def _bus(bus_id: str) -> str:
+    """Normalise a PCI bus id to nvidia-smi's form, "00000000:07:00.0"; NVML may give a 4-digit domain."""
+    domain, sep, rest = bus_id.strip().upper().partition(":")
+    return f"{int(domain, 16):08X}:{rest}" if sep and re.fullmatch(r"[0-9A-F]+", domain) else bus_id.strip().upper()
+
+
+def _run_nvidia_smi(argv: list[str]) -> str:
+    return subprocess.run(argv, capture_output=True, text=True, check=True, timeout=15).stdout
+
+
+def _query_nvml() -> list[GpuInfo] | None:
+    """Ask NVML through pynvml; None when pynvml is missing or NVML cannot start."""
+    try:
+        import pynvml  # nvidia-ml-py, optional
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+
+    def optional(call: Callable[[object], int], handle: object) -> int:
+        try:
+            return call(handle)
+        except pynvml.NVMLError:  # MIG slices and some consumer cards do not report everything
+            return -1
+
+    def text(value: str | bytes) -> str:  # older pynvml returns bytes
+        return value.decode() if isinstance(value, bytes) else value
+
+    mig_mode = getattr(pynvml, "nvmlDeviceGetMigMode", None)  # absent from old pynvml releases
+    uuid_of = getattr(pynvml, "nvmlDeviceGetUUID", lambda handle: "")
+    try:
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)  # NVML enumerates in PCI bus order, like nvidia-smi
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            util = optional(lambda h: pynvml.nvmlDeviceGetUtilizationRates(h).gpu, handle)
+            try:
+                running = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                n_proc, pids = len(running), tuple(p.pid for p in running if isinstance(getattr(p, "pid", None), int))
+            except pynvml.NVMLError:
+                n_proc, pids = -1, ()
+            bus = _bus(text(pynvml.nvmlDeviceGetPciInfo(handle).busId))
+            name = text(pynvml.nvmlDeviceGetName(handle))
+            mig = mig_mode is not None and optional(lambda h: mig_mode(h)[0], handle) == 1  # (current, pending)
+            try:
+                uuid = text(uuid_of(handle))
+            except pynvml.NVMLError:
+                uuid = ""
+            gpus.append(GpuInfo(i, bus, name, mem.used // 2**20, mem.total // 2**20, util, n_proc, mig, uuid, pids))
+        return gpus
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def query_gpus(run: Callable[[list[str]], str] | None = None) -> list[GpuInfo]:
+    """Snapshot the machine's NVIDIA GPUs: NVML if pynvml works, else nvidia-smi, else none.
+
+    Args:
+        run: takes an argv and returns its stdout; tests pass recorded nvidia-smi output. When given, NVML is skipped.
+
+    Returns:
+        The GPUs sorted by physical id; [] when nvidia-smi is missing or fails.
+    """
+    if run is None:
+        gpus = _query_nvml()
+        if gpus is not None:
+            return gpus
+        run = _run_nvidia_smi
+    try:
+        gpu_text, with_mig = run(_GPU_ARGV), True
+    except (OSError, subprocess.SubprocessError):
+        try:
+            gpu_text, with_mig = run(_GPU_ARGV_NO_MIG), False
+        except (OSError, subprocess.SubprocessError):
+            return []
+    procs = _compute_apps(run)
+    gpus = []
+    for line in gpu_text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        uuid = parts.pop() if len(parts) >= 7 and parts[-1].startswith(("GPU-", "gpu-")) else ""
+        mig = with_mig and len(parts) >= 7 and parts.pop().lower() == "enabled"
+        if len(parts) < 6 or not parts[0].isdigit():
+            continue  # e.g. "No devices were found"
+        bus = _bus(parts[1])
+        used, total, util = (int(p) if p.isdigit() else -1 for p in parts[-3:])  # "[N/A]" -> -1
+        listed = [] if procs is None else procs.get(bus, [])
+        pids, n_proc = tuple(p for p in listed if p > 0), -1 if procs is None else len(listed)
+        name = ", ".join(parts[2:-3])
+        gpus.append(GpuInfo(int(parts[0]), bus, name, used, total, util, n_proc, mig, uuid, pids))
+    return sorted(gpus, key=lambda g: g.index)
+
+
+def _compute_apps(run: Callable[[list[str]], str]) -> dict[str, list[int]] | None:
+    """Each GPU's compute processes by bus id, from lines such as "00000000:07:00.0, 23817"; None if unknown."""
+    try:
+        apps = run(_APPS_ARGV).splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    procs: dict[str, list[int]] = {}
+    for line in apps:
+        bus, sep, pid = line.partition(",")
+        if sep:
+            procs.setdefault(_bus(bus), []).append(int(pid) if pid.strip().isdigit() else -1)
+    return procs
+
+
+def query_numa_affinity(run: Callable[[list[str]], str] | None = None) -> dict[int, int | None]:
+    """Each GPU's NUMA node from the "NUMA Affinity" column of ``nvidia-smi topo -m`` (None where it says N/A or a
+    range); {} when nvidia-smi is missing, fails or prints no such column (older drivers).
+
+    Args:
+        run: takes an argv and returns its stdout; tests pass a recorded answer.
+    """
+    try:
+        text = (run or _run_nvidia_smi)(["nvidia-smi", "topo", "-m"])
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # underlined headers when it believes it writes to a terminal
+    lines = text.splitlines()
+    header = next((ln for ln in lines if "NUMA Affinity" in ln), None)
+    if header is None:
+        return {}
+    # Cells are tab-separated, padded with extra tabs; the row label (GPU0) has no header cell.
+    column = [c.strip() for c in header.split("\t") if c.strip()].index("NUMA Affinity")
+    found: dict[int, int | None] = {}
+    for line in lines:
+        cells = [c.strip() for c in line.split("\t") if c.strip()]
+        if cells and (m := re.fullmatch(r"GPU(\d+)", cells[0])) and len(cells) > column + 1:
+            value = cells[column + 1]
+            found[int(m[1])] = int(value) if value.isdigit() else None
+    return found

@@ -1,0 +1,225 @@
+"""The default job: ``training(local_rank, cfg)`` wires data, model, optimizer, engines and handlers, top to bottom;
+``scoring`` scores saved weights. Both run in every process that the launcher starts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import ignite.distributed as idist
+import torch
+from ignite.engine import Engine, Events
+from ignite.utils import manual_seed
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import DataLoader
+
+from ignite_mgpu.checkpoint.files import clean_stale_temp_files, weights_only_resume
+from ignite_mgpu.checkpoint.load import load_checkpoint
+from ignite_mgpu.checkpoint.resume import resume, run_signature
+from ignite_mgpu.checkpoint.save import RunInfo, adopt_existing, writes_awaited
+from ignite_mgpu.checkpoint.state import checkpoint_objects
+from ignite_mgpu.config.loading import dump_config
+from ignite_mgpu.config.schema import Config, best_metric
+from ignite_mgpu.env.clock import job_clock
+from ignite_mgpu.env.cluster import outer_restarts
+from ignite_mgpu.parallel.strategy import model_devices, prepare_model
+from ignite_mgpu.runs import folder
+from ignite_mgpu.runs.folder import run_dir
+from ignite_mgpu.train.allocator import setup_cpu_memory
+from ignite_mgpu.train.checkpointing import attach_checkpoints
+from ignite_mgpu.train.data.datasets import example_inputs
+from ignite_mgpu.train.data.loaders import attach_skip_counter, create_dataloaders
+from ignite_mgpu.train.epoch_log import EpochLog, jsonable
+from ignite_mgpu.train.evaluator import create_evaluator, validation_metrics
+from ignite_mgpu.train.goodput import Goodput
+from ignite_mgpu.train.losses import create_loss
+from ignite_mgpu.train.models import create_model
+from ignite_mgpu.train.optim import create_lr_scheduler, optimizer_from_config
+from ignite_mgpu.train.step.deterministic import use_deterministic_algorithms
+from ignite_mgpu.train.step.trainer import create_trainer
+from ignite_mgpu.train.tracking.trackers import Trackers
+
+logger = logging.getLogger("ignite_mgpu")
+
+
+def setup_logging(rank: int) -> None:
+    """One stderr handler per process; rank 0 logs INFO, the others only warnings, all tagged with the rank."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+    logging.getLogger("ignite").setLevel(logging.WARNING)
+
+
+def sharding(cfg: Config, world_size: int) -> bool:
+    """Whether FSDP shards the model: ``--strategy fsdp`` with more than one process."""
+    return cfg.dist.strategy == "fsdp" and world_size > 1
+
+
+def fsdp_options(cfg: Config) -> dict[str, Any]:
+    """``prepare_model``'s FSDP arguments from the config (ignored by the other strategies)."""
+    m = cfg.model
+    return {
+        "fsdp_blocks": m.fsdp_blocks,
+        "precision": cfg.train.precision,
+        "cpu_offload": m.fsdp_cpu_offload,
+        "reshard_after_forward": m.fsdp_reshard_after_forward,
+    }
+
+
+def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
+    """Train ``cfg`` in this process (one of ``idist.get_world_size()``), then print a summary on rank 0.
+    ``restarts``: how often the job was restarted before (None: as torchrun or SLURM say), for metrics.jsonl."""
+    rank, world_size = idist.get_rank(), idist.get_world_size()
+    out = _start(cfg, rank, world_size)
+    t = cfg.train
+    train_loader, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
+    model = _create_model(cfg, train_loader)
+    optimizer = _create_optimizer(cfg, model)  # after prepare_model: FSDP2's parameters are the sharded ones
+    lr_scheduler = _create_lr_scheduler(cfg, optimizer, len(train_loader))
+    loss_fn = create_loss(t.loss, t.loss_args)
+    trainer = _create_trainer(cfg, model, optimizer, lr_scheduler, loss_fn, out)
+    metrics = validation_metrics(loss_fn, idist.device(), cfg.eval.metrics, cfg.eval.metric_args)
+    parts = getattr(trainer, "micro_batching", None)  # the evaluation's parts follow the training's
+    evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=t.precision, micro_batch=parts)
+    goodput = Goodput(out / folder.GOODPUT, job_clock(), writer=rank == 0)
+    goodput.attach(trainer)  # before the validation: an epoch's iterations end where its evaluation starts
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(val_loader))
+
+    model_state, optimizer_state = checkpoint_objects(model, optimizer)  # FSDP: gathered into plain state dicts
+    to_save = {
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "lr_scheduler": lr_scheduler,
+        "trainer": trainer,
+        "scaler": trainer.scaler,  # type: ignore[attr-defined]  # create_trainer adds it to the Engine
+        "run": RunInfo(world_size, cfg.data.batch_size, run_signature(cfg)),
+    }
+    restarts = outer_restarts() if restarts is None else restarts
+    devices = model_devices(model)
+    epoch_log = EpochLog(out / folder.METRICS, cfg.data.batch_size, evaluator, devices, restarts, goodput)
+    epoch_log.attach(trainer)
+    with goodput.timing_checkpoints(trainer, evaluator):  # the time in these handlers is the checkpoint stall
+        full, best = attach_checkpoints(trainer, evaluator, to_save, cfg.checkpoint, out, best_metric(cfg))
+    _attach_extras(cfg, trainer, rank)
+    if cfg.resume:
+        if not resume(cfg, to_save, world_size):
+            return
+        if to_save["run"].loaded or not weights_only_resume(cfg.resume):  # from weights: a new run, no files yet
+            adopt_existing(full, best, out, cfg.checkpoint.metric_mode)
+            if rank == 0:
+                epoch_log.drop_epochs_after(trainer.state.epoch)  # one row per epoch, also across restarts
+
+    with Trackers(cfg, trainer, evaluator, optimizer, epoch_log, out), writes_awaited(full):  # the last write too
+        trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
+    if rank == 0:
+        best_model = str(best.last_checkpoint) if best.last_checkpoint else None
+        summary = epoch_log.last | {"output_dir": str(out), "best_model": best_model}
+        logger.info("finished: %s", json.dumps(summary))
+
+
+def _create_trainer(
+    cfg: Config,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: LRScheduler,
+    loss_fn: Any,
+    out: Path,
+) -> Engine:
+    t = cfg.train
+    return create_trainer(
+        model,
+        optimizer,
+        loss_fn,
+        precision=t.precision,
+        grad_accum_steps=t.grad_accum_steps,
+        clip_grad_norm=t.clip_grad_norm,
+        lr_scheduler=lr_scheduler,
+        deterministic=t.deterministic,
+        check_every=t.check_every,
+        checkpoint_every_iters=cfg.checkpoint.every_iters,
+        checkpoint_every_minutes=cfg.checkpoint.every_minutes,
+        micro_batch=t.micro_batch,
+        micro_batch_file=out / folder.MICRO_BATCH,
+    )
+
+
+def _start(cfg: Config, rank: int, world_size: int) -> Path:
+    """This process's logging, allocator, seed and determinism; rank 0 writes the resolved config. Returns the
+    run's folder."""
+    setup_logging(rank)
+    setup_cpu_memory(cfg.train.keep_cpu_memory, idist.device().type, sharded=sharding(cfg, world_size))
+    manual_seed(cfg.seed)
+    if cfg.train.deterministic:
+        use_deterministic_algorithms()  # before anything runs on the GPU: cuBLAS reads its setting when it starts
+    elif idist.device().type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN picks its fastest kernels once
+    out = run_dir(cfg.output_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / folder.CONFIG).write_text(dump_config(cfg))
+        clean_stale_temp_files(out)
+    logger.info("world size %d, backend %s, device %s", world_size, idist.backend(), idist.device())
+    return out
+
+
+def _create_model(cfg: Config, loader: DataLoader) -> nn.Module:
+    """The configured model, built (lazy layers materialised on one sample) and placed for the strategy."""
+    m = cfg.model
+    model = create_model(m, example_inputs(loader.dataset, loader.collate_fn))
+    return prepare_model(model, cfg.dist.strategy, m.sync_batchnorm, m.compile, **fsdp_options(cfg))
+
+
+def _create_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    """``optim.name`` over the parameter groups of the prepared model."""
+    return optimizer_from_config(cfg.optim, model)
+
+
+def _create_lr_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, loader_length: int) -> LRScheduler:
+    """``optim.scheduler`` after ``optim.warmup_epochs``, stepped once per optimizer step (accumulation windows)."""
+    t, o = cfg.train, cfg.optim
+    steps_per_epoch = math.ceil((t.epoch_length or loader_length) / t.grad_accum_steps)  # windows per epoch
+    total_steps, warmup_steps = math.ceil(steps_per_epoch * t.epochs), round(steps_per_epoch * o.warmup_epochs)
+    return create_lr_scheduler(
+        optimizer, total_steps, warmup_steps, scheduler=o.scheduler, scheduler_args=o.scheduler_args
+    )
+
+
+def _attach_extras(cfg: Config, trainer: Engine, rank: int) -> None:
+    """The optional handlers: the count of skipped images and the progress bar (rank 0)."""
+    t = cfg.train
+    if cfg.data.skip_bad_samples:
+        attach_skip_counter(trainer)
+    if t.progress_bar and rank == 0 and sys.stderr.isatty():
+        from ignite.handlers import ProgressBar
+
+        every = Events.ITERATION_COMPLETED(every=t.check_every or 10)
+        ProgressBar(persist=False).attach(trainer, event_name=every, state_attributes=["running_loss"])
+
+
+def scoring(local_rank: int, cfg: Config, checkpoint_path: str, as_json: bool) -> None:
+    """Score the weights in ``checkpoint_path`` on the validation split (metrics reduced over all ranks); what
+    every process of ``ignite-mgpu evaluate`` runs (``jobs.evaluate`` checks and launches it)."""
+    rank = idist.get_rank()
+    setup_logging(rank)
+    setup_cpu_memory(cfg.train.keep_cpu_memory, idist.device().type, sharded=sharding(cfg, idist.get_world_size()))
+    _, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
+    model = create_model(cfg.model, example_inputs(val_loader.dataset, val_loader.collate_fn))
+    load_checkpoint(checkpoint_path, {"model": model}, map_location="cpu")
+    model = prepare_model(model, cfg.dist.strategy, **fsdp_options(cfg))  # as training: never a silent DataParallel
+    loss_fn = create_loss(cfg.train.loss, cfg.train.loss_args)
+    metrics = validation_metrics(loss_fn, idist.device(), cfg.eval.metrics, cfg.eval.metric_args)
+    evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=cfg.train.precision)
+    state = evaluator.run(val_loader)
+    scores = {name: value for name, v in state.metrics.items() if (value := jsonable(v)) is not None}
+    result = {"checkpoint": checkpoint_path, "samples": len(val_loader.dataset), **scores}  # type: ignore[arg-type]  # sized
+    if rank == 0:
+        print(json.dumps(result) if as_json else "  ".join(f"{k}: {v}" for k, v in result.items()))

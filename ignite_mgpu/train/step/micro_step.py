@@ -1,0 +1,261 @@
+"""The training step of ``create_trainer(micro_batch=...)``: each part's forward and backward, weighted by its
+samples, one gradient sync per iteration, and under ``auto`` the same batch retried with smaller parts after an
+out-of-memory error that every rank agreed on. ``trainer.py``'s own step runs when micro_batch is None."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import ignite.distributed as idist
+import torch
+import torch.distributed as dist
+from ignite.engine import Engine
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from ignite_mgpu.parallel.fsdp import find_fsdp, no_sync_of
+from ignite_mgpu.parallel.strategy import find_ddp, unwrap
+from ignite_mgpu.train.data import batches
+from ignite_mgpu.train.data.batches import Batch
+from ignite_mgpu.train.step.guard import accumulation_window
+from ignite_mgpu.train.step.micro_batch import (
+    SETTLE_ITERATIONS,
+    MicroBatching,
+    MicroBatchTooLarge,
+    counted_items,
+    is_out_of_memory,
+    next_size,
+    split_batch,
+)
+
+
+class _Retry(Exception):
+    """Another rank ran out of memory: every rank retries the batch with ``size`` samples per part."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+def takes_num_items(model: nn.Module) -> bool:
+    """Whether the model's forward takes Hugging Face's ``num_items_in_batch`` (by name, or ``**loss_kwargs``)."""
+    if isinstance(model, nn.DataParallel):  # each replica would divide by the whole count: not combined
+        return False
+    params = inspect.signature(unwrap(model).forward).parameters
+    return "num_items_in_batch" in params or "loss_kwargs" in params
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    parameters: list[nn.Parameter],
+    clip_grad_norm: float | None,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+) -> Callable[[], None]:
+    """The end of an accumulation window, for both steps (``trainer.py``'s and this one): unscale, clip the true
+    gradients (the global norm), step, zero the gradients, advance the schedule. GradScaler skips the optimizer step
+    when the scaled gradients overflowed (normal in fp16's first steps): the schedule then does not advance either,
+    which a post-step hook tells without a host-device sync."""
+    fp16, stepped = scaler.is_enabled(), [True]
+    if fp16 and lr_scheduler is not None:
+        optimizer.register_step_post_hook(lambda *_: stepped.__setitem__(0, True))
+
+    def step() -> None:
+        if clip_grad_norm is not None:
+            if fp16:
+                scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(parameters, clip_grad_norm)
+        if fp16:
+            stepped[0] = False
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if lr_scheduler is not None and stepped[0]:
+            lr_scheduler.step()
+
+    return step
+
+
+def micro_batch_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    compute_loss: Callable[[Batch], torch.Tensor],
+    scaler: torch.amp.GradScaler,
+    device: torch.device,
+    non_blocking: bool,
+    grad_accum_steps: int,
+    clip_grad_norm: float | None,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+    sizing: MicroBatching,
+    model_loss: bool,
+) -> Callable[[Engine, Batch], torch.Tensor]:
+    """The Engine's process function: the batch in parts (``sizing``), and on a window's last iteration the
+    optimizer step. Under ``auto``, an attempt that ran out of memory is undone and retried."""
+    attempt = _Attempt(model, compute_loss, scaler, sizing, model_loss and takes_num_items(model))
+    if sizing.auto and idist.get_world_size() > 1:  # one size on every rank, also where the file was not seen
+        whole = 2**31 - 1
+        agreed = int(idist.all_reduce(torch.tensor(sizing.size or whole, device=idist.device()), op="MIN"))
+        sizing.size = None if agreed == whole else agreed
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    finish = optimizer_step(optimizer, scaler, parameters, clip_grad_norm, lr_scheduler)
+    inner, move = unwrap(model), device.type != "cpu"
+    keep_window = sizing.auto and grad_accum_steps > 1
+
+    def train_step(engine: Engine, batch: Batch) -> torch.Tensor:
+        if not inner.training:
+            model.train()
+        if move:
+            batch = batches.to_device(batch, device, non_blocking)
+        last, window = True, 1
+        if grad_accum_steps > 1:
+            last, window = accumulation_window(engine.state.iteration, engine.state.epoch_length, grad_accum_steps)
+        n = batches.size(batch)
+        # The window's gradients so far are set aside, so that an attempt that fails is undone by dropping its own.
+        earlier = [p.grad for p in parameters] if keep_window else []
+        if earlier:
+            for p in parameters:
+                p.grad = None
+        while True:
+            result = attempt(batch, n, sizing.current(n), last, window, earlier)
+            if isinstance(result, torch.Tensor):
+                break
+            _undo(model, parameters)
+            sizing.shrink(result, n, write=idist.get_rank() == 0)
+        sizing.stable += 1
+        if last:
+            finish()
+        return result
+
+    return train_step
+
+
+class _Attempt:
+    """One attempt at a batch in parts of ``size``: its loss, or (auto) the smaller size every rank agreed on."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        compute_loss: Callable[[Batch], torch.Tensor],
+        scaler: torch.amp.GradScaler,
+        sizing: MicroBatching,
+        pass_items: bool,
+    ) -> None:
+        self.compute_loss, self.scaler, self.sizing, self.pass_items = compute_loss, scaler, sizing, pass_items
+        self.world = world = idist.get_world_size()
+        self.ddp, fsdp = find_ddp(model), find_fsdp(model)
+        ddp = self.ddp
+        self.no_sync = (
+            ddp.no_sync if ddp is not None else no_sync_of(fsdp) if fsdp is not None else contextlib.nullcontext
+        )
+        # FSDP's every forward and backward gathers and scatters parameters: a rank out of memory there leaves the
+        # others inside a collective, so the ranks cannot retry together; the job restarts from the smaller size.
+        self.in_place = fsdp is None or world == 1
+        self.agree = sizing.auto and world > 1 and self.in_place
+        # The ranks agree on host integers: over gloo, so that a CUDA job does not wait for its device there.
+        self.group = dist.new_group(backend="gloo") if self.agree and idist.backend() != "gloo" else None
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+
+    def __call__(self, batch: Batch, n: int, size: int, last: bool, window: int, earlier: list[Any]) -> Any:
+        # While the size settles, every part skips DDP's sync and the gradients are all-reduced once the ranks
+        # agreed: an out-of-memory error anywhere in forward or backward is then retried on every rank.
+        manual = self.agree and last and self.ddp is not None and self.sizing.stable < SETTLE_ITERATIONS
+        if self.agree and self.ddp is not None:  # the buffers' broadcast in the first forward, on every rank alike
+            self.ddp.require_forward_param_sync = True
+        self.agreed = self.in_collective = False
+        proposal = size
+        try:
+            total = self._parts(batch, n, size, last and not manual, window, earlier)
+        except _Retry as retry:
+            return retry.size
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            if self.in_collective or not self.in_place:
+                _restart(self.sizing, size, n, err)
+            proposal = next_size(size)
+        if self.agree and not self.agreed:
+            proposal = _agree(proposal, self.group)
+        if proposal < size:
+            if proposal == 0:
+                raise RuntimeError(
+                    "train.micro_batch=auto: one sample per process does not fit in memory; free memory on the "
+                    "device, or use a smaller model or batch."
+                )
+            return proposal
+        _give_back(self.parameters, earlier)
+        if manual:
+            _all_reduce_gradients(self.parameters, self.world)
+        return total
+
+    def _parts(self, batch: Batch, n: int, size: int, sync_last: bool, window: int, earlier: list[Any]) -> torch.Tensor:
+        """Every part's forward and backward (weighted by its samples); the last one syncs when ``sync_last``."""
+        items = counted_items(batch) if self.pass_items else None
+        parts = split_batch(batch, n, size)
+        total: torch.Tensor | None = None
+        for i, (part, k) in enumerate(parts):
+            final = i == len(parts) - 1
+            share = 1.0 if items is not None else k / n  # with the whole count the model divided by it itself
+            with contextlib.nullcontext() if final and sync_last else self.no_sync():
+                loss = self.compute_loss({**part, "num_items_in_batch": items} if items is not None else part)
+                if final and sync_last:  # its backward all-reduces: every rank must be fine before it
+                    if self.agree:
+                        self.agreed = True
+                        smallest = _agree(size, self.group)
+                        if smallest < size:
+                            raise _Retry(smallest)
+                    _give_back(self.parameters, earlier)
+                    self.in_collective = self.world > 1
+                scaled = loss * (share / window) if share != 1.0 or window > 1 else loss
+                (self.scaler.scale(scaled) if self.scaler.is_enabled() else scaled).backward()
+            total = loss.detach() * share if total is None else total + loss.detach() * share
+        assert total is not None
+        return total
+
+
+def _agree(size: int, group: Any) -> int:
+    """The smallest size any rank proposes (its own size, or a smaller one after running out of memory)."""
+    proposal = torch.tensor([size], dtype=torch.int64)
+    dist.all_reduce(proposal, op=dist.ReduceOp.MIN, group=group)
+    return int(proposal)
+
+
+def _give_back(parameters: list[nn.Parameter], earlier: list[Any]) -> None:
+    """The window's earlier gradients added back (once) to this iteration's."""
+    if earlier:
+        for p, g in zip(parameters, earlier, strict=True):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        earlier.clear()
+
+
+def _all_reduce_gradients(parameters: list[nn.Parameter], world: int) -> None:
+    """DDP's sync by hand: each gradient divided by the world size, then summed over the ranks."""
+    handles = [dist.all_reduce(p.grad.div_(world), async_op=True) for p in parameters if p.grad is not None]
+    for handle in handles:
+        handle.wait()
+
+
+def _undo(model: nn.Module, parameters: list[nn.Parameter]) -> None:
+    """Free what a failed attempt held: its gradients, FSDP's gathered parameters, the CUDA cache."""
+    for p in parameters:
+        p.grad = None
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _restart(sizing: MicroBatching, size: int, n: int, err: BaseException) -> None:
+    """An out-of-memory error inside a collective: remember the smaller size, and fail for the restart."""
+    smaller = next_size(size)
+    if sizing.path is not None and smaller:
+        sizing.shrink(smaller, n, write=True)
+    raise MicroBatchTooLarge(
+        f"train.micro_batch=auto: out of memory with {size} samples per part inside a collective (the other ranks "
+        f"wait there); {smaller} samples are remembered for the restart (dist.max_restarts). Cause: {err}"
+    ) from err

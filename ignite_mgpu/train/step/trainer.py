@@ -1,0 +1,221 @@
+"""The trainer: ``create_trainer`` returns a plain ignite Engine for your own code, one training step with switches
+(precision, accumulation, clipping) for every strategy. The loss is ``losses.py``'s (``create_loss``, also importable
+from here), the evaluator ``evaluator.py``'s."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import ignite.distributed as idist
+import torch
+from ignite.engine import Engine, Events
+from torch import nn
+
+from ignite_mgpu.config.schema import PRECISIONS
+from ignite_mgpu.parallel.fsdp import find_fsdp, no_sync_of
+from ignite_mgpu.parallel.strategy import find_ddp, reduce_replica_losses, unwrap
+from ignite_mgpu.train.data import batches
+from ignite_mgpu.train.data.batches import Batch
+from ignite_mgpu.train.losses import create_loss as create_loss  # its home before losses.py: still importable here
+from ignite_mgpu.train.step.deterministic import PortableDeterministicEngine, use_deterministic_algorithms
+from ignite_mgpu.train.step.guard import TrainingGuard, accumulation_window
+from ignite_mgpu.train.step.micro_batch import MicroBatching
+from ignite_mgpu.train.step.micro_step import micro_batch_step, optimizer_step
+
+FP16_DEVICE_TYPES = ("cuda",)  # fp16 needs a GradScaler, which PyTorch ships for CUDA; bf16 is the CPU's choice
+
+
+class Scaler(torch.amp.GradScaler):
+    """GradScaler that keeps its initial state when the checkpoint holds none: a run saved in fp32 (a disabled
+    scaler saves ``{}``) may resume in fp16 (``checkpoint.allow_config_change``), where GradScaler would raise."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict or not self.is_enabled():
+            super().load_state_dict(state_dict)
+
+
+def under_autocast(forward: Callable[..., Any], precision: str, device: torch.device) -> Callable[..., Any]:
+    """``forward`` run under autocast for bf16/fp16; for fp32 ``forward`` itself, so no context is entered."""
+    if precision == "fp32":
+        return forward
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)(forward)  # an autocast also decorates
+
+
+def create_trainer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[..., torch.Tensor] | None,
+    *,
+    device: torch.device | str | None = None,
+    precision: str = "fp32",
+    grad_accum_steps: int = 1,
+    clip_grad_norm: float | None = None,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    deterministic: bool = False,
+    check_every: int = 0,
+    checkpoint_every_iters: int = 0,
+    checkpoint_every_minutes: float | None = None,
+    non_blocking: bool = True,
+    micro_batch: int | str | None = None,
+    micro_batch_file: str | Path | None = None,
+) -> Engine:
+    """A trainer Engine for a model already placed by ``prepare_model`` (DDP, DataParallel, FSDP or plain).
+
+    Each iteration: the batch to the device, forward under autocast, backward (DDP's ``no_sync`` or FSDP's sync off
+    on accumulation steps), then unscale, clip (the global norm), optimizer and scheduler step. Batches and outputs
+    take the forms of ``batches.py``; with ``loss_fn=None`` the model computes its own loss. ``engine.state.output``
+    is the detached loss; a ``TrainingGuard`` stops every rank together on a non-finite loss or a stop signal.
+
+    Args:
+        precision: "fp32", "bf16" (autocast on CUDA and CPU) or "fp16" (CUDA only, with a GradScaler).
+        grad_accum_steps: micro-batches per optimizer step. Windows restart every epoch; an epoch's short last
+            window divides its loss by its own length, so every step's gradient is the mean over its window.
+        deterministic: ignite's DeterministicEngine (exact mid-epoch resume) and PyTorch's strict deterministic mode,
+            with ``CUBLAS_WORKSPACE_CONFIG`` set unless you set it.
+        check_every: iterations between the guard's collective checks, rounded to ``grad_accum_steps``; 0: about
+            once a second, an interval the ranks agree on from their measured step times.
+        checkpoint_every_iters: your checkpoint handler's iteration interval (``checkpoint.every_iters``): the guard
+            checks there too, so nothing is saved after an unchecked non-finite loss.
+        checkpoint_every_minutes: also fire ``GuardEvents.CHECKPOINT`` about this often (the ranks agree at a
+            check); it fires for ``checkpoint_every_iters`` too, at the end of the window holding the multiple.
+    """
+    device = torch.device(device) if device is not None else idist.device()
+    _check_step_options(precision, grad_accum_steps, device)
+    if deterministic:
+        use_deterministic_algorithms()
+    scaler = Scaler(device.type, enabled=precision == "fp16")
+    compute_loss = under_autocast(_loss_of_batch(model, loss_fn), precision, device)  # backward runs outside it
+    options = (grad_accum_steps, clip_grad_norm, lr_scheduler)
+    step, sizing = _create_step(
+        model, optimizer, compute_loss, scaler, device, non_blocking, options, (micro_batch, micro_batch_file), loss_fn
+    )
+    trainer = PortableDeterministicEngine(step) if deterministic else Engine(step)
+    trainer.micro_batching = sizing  # type: ignore[attr-defined]  # None, or the parts' size (evaluator, metrics)
+    trainer.logger.setLevel("CRITICAL")  # failures are reported once by the launcher, not by every rank's engine
+    trainer.scaler = scaler  # type: ignore[attr-defined]  # checkpoints save and restore it with the trainer
+    trainer.add_event_handler(Events.EPOCH_STARTED, _set_sampler_epoch)
+    _attach_guard(trainer, check_every, grad_accum_steps, checkpoint_every_iters, checkpoint_every_minutes)
+    return trainer
+
+
+def _attach_guard(
+    trainer: Engine, check_every: int, grad_accum_steps: int, every_iters: int, every_minutes: float | None
+) -> None:
+    if check_every:  # a stop must fall on an optimizer step, never inside a gradient-accumulation window
+        check_every = max(grad_accum_steps, check_every // grad_accum_steps * grad_accum_steps)
+    guard = TrainingGuard(
+        check_every,
+        checkpoint_every_iters=every_iters,
+        grad_accum_steps=grad_accum_steps,
+        checkpoint_every_minutes=every_minutes,
+    )
+    guard.attach(trainer)
+
+
+def _create_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    compute_loss: Callable[[Batch], torch.Tensor],
+    scaler: Scaler,
+    device: torch.device,
+    non_blocking: bool,
+    options: tuple[int, float | None, torch.optim.lr_scheduler.LRScheduler | None],
+    micro_batch: tuple[int | str | None, str | Path | None],
+    loss_fn: Callable[..., torch.Tensor] | None,
+) -> tuple[Callable[[Engine, Batch], torch.Tensor], MicroBatching | None]:
+    """The process function: this module's step (micro_batch None), or ``micro_step.py``'s over parts."""
+    setting, path = micro_batch
+    if setting is None:
+        return _train_step(model, optimizer, compute_loss, scaler, device, non_blocking, *options), None
+    sizing = MicroBatching(setting, path)
+    args = (model, optimizer, compute_loss, scaler, device, non_blocking, *options)
+    return micro_batch_step(*args, sizing, model_loss=loss_fn is None), sizing
+
+
+def _check_step_options(precision: str, grad_accum_steps: int, device: torch.device) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r}: use one of {PRECISIONS}.")
+    if grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps={grad_accum_steps}: use 1 (no accumulation) or more.")
+    if precision == "fp16" and device.type not in FP16_DEVICE_TYPES:
+        raise ValueError("precision='fp16' needs CUDA (a GradScaler); on the CPU use precision='bf16'.")
+
+
+def _loss_of_batch(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None) -> Callable[[Batch], torch.Tensor]:
+    """The loss of one batch: ``loss_fn`` over the model's output, or the loss the model computes itself."""
+
+    def compute_loss(batch: Batch) -> torch.Tensor:
+        if loss_fn is None:  # the model computes its own loss; DataParallel returns one per GPU: weigh them exactly
+            out = batches.loss_of(batches.model_loss(model, batch))
+            return reduce_replica_losses(out, model, batches.size(batch))
+        if not isinstance(batch, (list, tuple)) and isinstance(batch, Mapping):  # the Mapping ABC check is slower
+            inputs, targets = batches.split(batch)
+            return loss_fn(batches.logits(model(**inputs)), targets)
+        out = model(batch[0])
+        return loss_fn(out if isinstance(out, torch.Tensor) else batches.logits(out), batch[1])
+
+    return compute_loss
+
+
+def _train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    compute_loss: Callable[[Batch], torch.Tensor],
+    scaler: Scaler,
+    device: torch.device,
+    non_blocking: bool,
+    grad_accum_steps: int,
+    clip_grad_norm: float | None,
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+) -> Callable[[Engine, Batch], torch.Tensor]:
+    """The Engine's process function: one micro-batch forward and backward, and on a window's last one the step."""
+    fp16 = scaler.is_enabled()
+    # DDP all-reduces (FSDP reduce-scatters) gradients in every backward; on accumulation steps that traffic is
+    # wasted, so skip it.
+    ddp, fsdp = find_ddp(model), find_fsdp(model)
+    no_sync = ddp.no_sync if ddp is not None else no_sync_of(fsdp) if fsdp is not None else contextlib.nullcontext
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    finish = optimizer_step(optimizer, scaler, parameters, clip_grad_norm, lr_scheduler)
+    inner = unwrap(model)  # the evaluator switches the unwrapped module to eval mode
+    move = device.type != "cpu"  # a CPU job's batches are in CPU memory already: no per-step walk to find that out
+
+    def forward_backward(batch: Batch, window: int) -> torch.Tensor:
+        loss = compute_loss(batch)
+        scaled = loss / window if window > 1 else loss  # the window's gradient is the mean over its micro-batches
+        (scaler.scale(scaled) if fp16 else scaled).backward()
+        return loss
+
+    # Every line in here runs once per iteration (benchmarks/ counts what they cost in instructions): the fp32 path
+    # enters no context and skips the disabled scaler, and without accumulation the backward is inline.
+    def train_step(engine: Engine, batch: Batch) -> torch.Tensor:
+        if not inner.training:  # model.train() walks every submodule: only do it after an evaluation
+            model.train()
+        if move:
+            batch = batches.to_device(batch, device, non_blocking)
+        if grad_accum_steps == 1:
+            loss = compute_loss(batch)
+            (scaler.scale(loss) if fp16 else loss).backward()
+        else:
+            # Windows restart every epoch: an epoch-end checkpoint or stop never holds half a window's gradients.
+            last, window = accumulation_window(engine.state.iteration, engine.state.epoch_length, grad_accum_steps)
+            if not last:
+                with no_sync():  # an accumulation step: gradients stay local until the last micro-batch
+                    return forward_backward(batch, window).detach()
+            loss = forward_backward(batch, window)
+        finish()
+        return loss.detach()
+
+    return train_step
+
+
+def _set_sampler_epoch(engine: Engine) -> None:
+    # A DistributedSampler shuffles with seed + epoch; without set_epoch every epoch repeats the same order.
+    loader = engine.state.dataloader
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None) or getattr(loader, "sampler", None)
+    set_epoch = getattr(sampler, "set_epoch", None)
+    if set_epoch is not None:
+        set_epoch(engine.state.epoch - 1)

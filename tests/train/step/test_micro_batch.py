@@ -1,0 +1,147 @@
+"""train.micro_batch in one process: the split, the weighting, the out-of-memory classification and the shrink rule,
+and a real CPU allocator failure retried with smaller parts. `python -m pytest tests/train/step/test_micro_batch.py
+-q`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from ignite.engine import Engine, Events
+from torch import nn
+
+from ignite_mgpu.train.evaluator import create_evaluator, validation_metrics
+from ignite_mgpu.train.step.micro_batch import (
+    MicroBatching,
+    counted_items,
+    is_out_of_memory,
+    next_size,
+    remember,
+    remembered_size,
+    split_batch,
+)
+from ignite_mgpu.train.step.trainer import create_trainer
+
+TOO_MUCH = 2**62  # bytes: no allocator can give them, so asking raises its real out-of-memory error
+
+
+def real_cpu_oom() -> RuntimeError:
+    try:
+        torch.empty(TOO_MUCH, dtype=torch.uint8)
+    except RuntimeError as err:
+        return err
+    raise AssertionError("the allocator gave 4 EiB")
+
+
+def test_out_of_memory_is_recognised_by_type_and_by_the_allocators_message():
+    assert is_out_of_memory(real_cpu_oom())  # "DefaultCPUAllocator: can't allocate memory: you tried to ..."
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_out_of_memory(RuntimeError("not enough memory: you tried to allocate 8 bytes"))
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_out_of_memory(ValueError("can't allocate memory"))  # only the allocators' RuntimeErrors
+    assert not is_out_of_memory(KeyboardInterrupt())
+
+
+def test_the_shrink_rule_halves_rounding_up_and_stops_after_one():
+    sizes, size = [], 10
+    while size:
+        sizes.append(size)
+        size = next_size(size)
+    assert sizes == [10, 5, 3, 2, 1]
+
+
+def test_split_keeps_every_sample_once_and_shares_what_is_not_per_sample():
+    x, y, w = torch.arange(10.0)[:, None], torch.arange(10), torch.ones(3)
+    parts = split_batch((x, y, w, "tag"), 10, 4)
+    assert [k for _, k in parts] == [4, 4, 2]
+    assert torch.equal(torch.cat([p[0] for p, _ in parts]), x) and all(p[2] is w and p[3] == "tag" for p, _ in parts)
+    mapping = split_batch({"input_ids": x, "labels": y}, 10, 3)
+    assert [len(p["labels"]) for p, _ in mapping] == [3, 3, 3, 1]
+    assert split_batch((x, y), 10, 10)[0][0] == (x, y) and split_batch((x, y), 10, 64)[0][1] == 10
+    assert counted_items({"labels": torch.tensor([[1, -100], [2, 3]])}) == 3 and counted_items((x, y)) is None
+
+
+def test_the_remembered_size_keeps_the_smallest_and_survives_a_bad_file(tmp_path):
+    path = tmp_path / "micro_batch.json"
+    remember(path, 8)
+    remember(path, 16)  # a rank that saw less: the smaller size stays
+    assert json.loads(path.read_text()) == {"micro_batch": 8} and MicroBatching("auto", path).size == 8
+    path.write_text("{broken")
+    assert remembered_size(path) is None and MicroBatching("auto", path).size is None
+    assert MicroBatching(4, path).size == 4  # a fixed size never reads the file
+    with pytest.raises(ValueError, match="micro_batch=0"):
+        MicroBatching(0)
+
+
+class Greedy(nn.Module):
+    """An MLP whose forward asks for memory no allocator has when it sees more than ``fits`` samples."""
+
+    def __init__(self, fits: int = 1_000_000) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        self.fits, self.seen = fits, []
+
+    def forward(self, x):
+        self.seen.append(len(x))
+        if len(x) > self.fits:
+            torch.empty(TOO_MUCH, dtype=torch.uint8)
+        return self.net(x)
+
+
+def train(micro_batch, fits=1_000_000, accum=1, clip=None, path=None, epochs=2):
+    torch.manual_seed(1)
+    data = [(torch.randn(10, 6), torch.randint(0, 3, (10,))) for _ in range(4)]
+    model = Greedy(fits)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    trainer = create_trainer(
+        model, opt, nn.CrossEntropyLoss(), grad_accum_steps=accum, clip_grad_norm=clip, micro_batch=micro_batch,
+        micro_batch_file=path,
+    )  # fmt: skip
+    losses = []
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: losses.append(float(e.state.output)))
+    trainer.run(data, max_epochs=epochs)
+    return model, trainer, losses
+
+
+@pytest.mark.parametrize(("accum", "clip"), [(1, None), (2, 0.05)])
+def test_parts_weighted_by_their_samples_give_the_whole_batch_gradient(accum, clip):
+    whole, _, whole_losses = train(None, accum=accum, clip=clip)
+    for size in (3, 4, 10):  # 10 in parts of 3: 3, 3, 3, 1 (a size that does not divide)
+        parts, _, losses = train(size, accum=accum, clip=clip)
+        expected = [min(size, 10 - s) for s in range(0, 10, size)]
+        assert parts.seen[: len(expected)] == expected
+        for a, b in zip(whole.parameters(), parts.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        assert losses == pytest.approx(whole_losses, abs=1e-6)
+
+
+def test_auto_retries_the_same_batch_after_a_real_out_of_memory_and_remembers(tmp_path):
+    path = tmp_path / "micro_batch.json"
+    auto, trainer, _ = train("auto", fits=4, accum=2, path=path)
+    assert auto.seen[:6] == [10, 5, 3, 3, 3, 1]  # 10 and 5 ran out: the same batch again, in parts of 3
+    assert trainer.micro_batching.size == 3 and json.loads(path.read_text()) == {"micro_batch": 3}
+    fixed, _, _ = train(3, accum=2)
+    for a, b in zip(auto.parameters(), fixed.parameters(), strict=True):  # the failed attempts left nothing behind
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    again, trainer, _ = train("auto", fits=4, accum=2, path=path, epochs=1)  # a restart: no search again
+    assert again.seen[0] == 3 and trainer.micro_batching.size == 3
+
+
+def test_auto_fails_clearly_when_one_sample_does_not_fit():
+    with pytest.raises(RuntimeError, match="one sample per process does not fit"):
+        train("auto", fits=0)
+
+
+def test_evaluation_in_parts_scores_like_whole_batches():
+    model = Greedy()
+    data = [(torch.randn(10, 6), torch.randint(0, 3, (10,))) for _ in range(3)]
+    scores = []
+    for micro_batch in (None, 4):
+        metrics = validation_metrics(nn.CrossEntropyLoss(), torch.device("cpu"))
+        evaluator: Engine = create_evaluator(model, metrics, micro_batch=micro_batch)
+        scores.append(evaluator.run(data).metrics)
+    assert scores[0]["accuracy"] == scores[1]["accuracy"]
+    assert scores[0]["loss"] == pytest.approx(scores[1]["loss"], abs=1e-6)
+    assert max(model.seen[-9:]) == 4
