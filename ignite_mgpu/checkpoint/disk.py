@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import ignite.distributed as idist
+import torch
 from ignite.handlers import DiskSaver
 
 from ignite_mgpu.checkpoint.files import SAFETENSORS, TEMP_PREFIX, TEMP_SUFFIX, fsync_dir, list_checkpoints
@@ -31,8 +32,9 @@ class SafeDiskSaver(DiskSaver):
         self._pending: list[str] = []
         self.metadata = dict(metadata or {})
 
-    def _save_func(self, checkpoint: Mapping, path: Path, func: Callable) -> None:
-        self._commit(checkpoint, path, func, self._pending)
+    def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
+        if idist.get_rank() == self.save_on_rank:  # ignite's rule (but for its TPU branch: every process, xm.save)
+            self._commit(checkpoint, Path(self.dirname) / filename, torch.save, self._pending)
 
     def _commit(self, checkpoint: Mapping, path: Path, func: Callable, pending: list[str]) -> None:
         """Write ``path`` atomically, then delete the files of ``pending`` (and clear it); on an error nothing is

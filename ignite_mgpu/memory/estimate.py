@@ -3,7 +3,10 @@ process holds for parameters, gradients, optimizer state and activations, and it
 process count. PyTorch's own trackers do the counting (``torch.distributed._tools``: ``MemTracker`` watches every
 storage a dispatched op creates or frees, ``FSDPMemTracker`` also FSDP2's sharded and gathered parameters); what this
 module adds is the project's step (model, first batch, loss, optimizer, precision) and what the trackers cannot see
-(DDP's gradient buckets). ``budget.py`` turns the figures into a plan."""
+(DDP's gradient buckets). ``budget.py`` turns the figures into a plan.
+
+PyTorch has no public fake-tensor mode or memory tracker: ``FakeTensorMode`` (``torch._subclasses``), the trackers
+and their ``_update_peak_stats`` are private, guarded by ``tests/test_private_apis.py`` (CONTRIBUTING.md lists why)."""
 
 from __future__ import annotations
 
@@ -13,12 +16,15 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.fsdp  # its import registers the "fake" backend (``_fake_group``): PyTorch 2.14's still does
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from ignite_mgpu.config.schema import Config
+from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.train.data import batches
 from ignite_mgpu.train.data.datasets import build_datasets, first_batch
 from ignite_mgpu.train.losses import create_loss
@@ -28,8 +34,9 @@ STEPS = 2  # the first step creates the optimizer state; the second runs its bac
 
 
 class _PeakOnly:
-    """The trackers' global peak without their per-module peaks, which walk every module at every op (ten times
-    slower on a transformer); the step needs the process's peak only."""
+    """The trackers' global peak without their per-module peaks, which walk every module at every op (seven times
+    slower on a 12-layer GPT-2); the step needs the process's peak only. It overrides a private method that the
+    trackers call after every op (no public switch turns the per-module peaks off)."""
 
     _curr_mem_snap: dict[torch.device, dict[str, int]]
     _peak_mem: dict[torch.device, int]
@@ -133,8 +140,9 @@ def _run_steps(cfg: Config, model: nn.Module, tracker: MemTracker, batch: Any) -
 
 
 def _bytes(tensors: Iterator[torch.Tensor]) -> int:
-    """Bytes of this process's part of ``tensors`` (a DTensor's local shard)."""
-    local = (getattr(t, "_local_tensor", t) for t in tensors)
+    """Bytes of this process's part of ``tensors`` (a DTensor's local shard: ``to_local``)."""
+    with torch.no_grad():  # to_local records no autograd step
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
     return sum(t.numel() * t.element_size() for t in local)
 
 
@@ -202,9 +210,34 @@ def _inputs(example: Any) -> Any:
 
 
 def _tensors(data: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_leaves
+    """The tensors of a batch as ``fake_batch`` builds it: in mappings, lists and tuples, at any depth."""
+    if isinstance(data, torch.Tensor):
+        return [data]
+    if isinstance(data, Mapping):
+        data = list(data.values())
+    if isinstance(data, (list, tuple)):
+        return [t for item in data for t in _tensors(item)]
+    return []
 
-    return [t for t in tree_leaves(data) if isinstance(t, torch.Tensor)]
+
+class _AloneStore(dist.Store):
+    """The store of a process group whose other ranks do not exist: it keeps nothing and never waits, so that the
+    barrier ``TORCH_DIST_INIT_BARRIER=1`` asks for passes at once (a HashStore would wait for the absent ranks)."""
+
+    def set(self, key: str, value: bytes | str) -> None:
+        pass
+
+    def get(self, key: str) -> bytes:
+        return b""
+
+    def add(self, key: str, amount: int) -> int:
+        return 0
+
+    def check(self, keys: list[str]) -> bool:
+        return True
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        pass
 
 
 @contextlib.contextmanager
@@ -214,13 +247,20 @@ def _fake_group(world_size: int) -> Iterator[Any]:
     if world_size == 1:
         yield None
         return
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("the memory plan needs its own process group: run it outside a distributed job")
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    store = _AloneStore()  # held while the group lives: torch keeps only a C++ reference
+    try:
+        dist.init_process_group("fake", rank=0, world_size=world_size, store=store)
+    except (AssertionError, ValueError, RuntimeError) as err:  # 2.14: AssertionError("Unknown c10d backend ...")
+        raise ConfigError(
+            f"ignite-mgpu plan measures fsdp over {world_size} processes in this one process, with PyTorch's "
+            f'"fake" process-group backend, and PyTorch {torch.__version__} does not provide it ({err}). Plan one '
+            "process (--nproc 1: no fsdp row), or use a PyTorch that provides it (2.14 does, registered by "
+            "torch.distributed.fsdp's import)."
+        ) from err
     try:
         yield init_device_mesh("cpu", (world_size,))
     finally:

@@ -4,6 +4,9 @@ every worker of every attempt (multiprocessing's "forkserver"), so that a restar
 It never touches CUDA or a process group (importing torch does neither). A worker it forks inherits the server's
 environment of when it started, so the supervisor passes its own and the worker applies it first (worker.py).
 Torch-free: the server imports the preloaded modules, this process does not.
+
+multiprocessing has no public handle on its fork server: ``forkserver._forkserver`` and its ``_forkserver_pid``,
+``_forkserver_alive_fd``, ``_forkserver_address`` and ``_lock`` are private, guarded by ``tests/test_private_apis.py``.
 """
 
 from __future__ import annotations
@@ -163,11 +166,13 @@ def leave_server() -> None:
 
 def _in_the_server() -> bool:
     """Whether this process is the fork server, importing its preloaded modules (``forkserver.main`` runs)."""
-    frame = sys._getframe()
+    import inspect  # here: only the server asks (torch imports it there anyway)
+
+    frame = inspect.currentframe()
     while frame is not None:
         if frame.f_code is forkserver.main.__code__:
             return True
-        frame = frame.f_back  # type: ignore[assignment]  # None ends the walk
+        frame = frame.f_back
     return False
 
 

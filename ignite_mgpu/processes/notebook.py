@@ -114,7 +114,7 @@ def cuda_holders(namespace: dict[str, Any], at_most: int = 3) -> list[str]:
 
 def fork_is_poisoned() -> bool:
     """Whether a process forked from this one now could not start CUDA: asked in a child that exits at once
-    (torch keeps the answer in the child, only)."""
+    (torch keeps the answer in the child, only, behind a private name: tests/test_private_apis.py guards it)."""
     torch = sys.modules["torch"]
     pid = os.fork()
     if pid == 0:  # the child: one flag read, then out, without running any of the parent's exit handlers

@@ -102,7 +102,7 @@ def run_script(local_rank: int, target: str, argv: list[str], module: bool) -> N
         raise
     finally:
         # A worker ends with os._exit, which runs no atexit handler; a script (its loggers, trackers) may rely on
-        # them, as it would when started by python or torchrun.
+        # them, as it would when started by python or torchrun. Private: no public call runs them all.
         atexit._run_exitfuncs()
 
 
@@ -130,7 +130,8 @@ def _script_frames(tb: TracebackType | None) -> TracebackType | None:
 
 
 def _quiet_argparse() -> None:
-    """Every rank parses the same arguments: the usage, its errors and --help are printed once, by rank 0."""
+    """Every rank parses the same arguments: the usage, its errors, --help and --version are printed once, by rank 0
+    (argparse prints all of them through one private method)."""
     import argparse
 
     setattr(argparse.ArgumentParser, "_print_message", lambda self, message, file=None: None)  # noqa: B010

@@ -201,6 +201,7 @@ def _blas_threads_as_torch(threads: int | None) -> None:
 def _check_served_fork() -> None:
     """The server must never start CUDA (nor ask it anything): every worker it forks would then fail to use it."""
     torch = sys.modules.get("torch")
+    # is_initialized() is false in a bad fork; only the private flag tells it (tests/test_private_apis.py)
     if torch is not None and (torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork()):
         raise RuntimeError("the fork server touched CUDA before forking this worker (a bug of ignite-mgpu)")
 

@@ -115,9 +115,10 @@ def reduce_together(evaluator: Engine, metrics: Mapping[str, Metric]) -> None:
 
 def _reducible(metric: Metric) -> bool:
     """Whether ``metric`` is one whose states ``reduce_together`` knows: the class and ignite's state names (kept
-    across ignite's releases so far; another release that renames them falls back to ignite's own reduction)."""
+    across ignite's releases so far; another release that renames them falls back to ignite's own reduction). The
+    states are looked up in the instance: a Metric answers any other attribute with a MetricsLambda factory."""
     names = JOINTLY_REDUCED.get(type(metric))
-    return names is not None and hasattr(type(metric).compute, "__wrapped__") and all(hasattr(metric, n) for n in names)
+    return names is not None and hasattr(type(metric).compute, "__wrapped__") and all(n in vars(metric) for n in names)
 
 
 def attach_even_forwards(evaluator: Engine, step: Callable[[Engine, Any], Any]) -> None:

@@ -26,10 +26,14 @@ class TopK(TopKCategoricalAccuracy):
     """``top<k>``: ignite's top-k accuracy, with a message naming the config key when the model scores fewer than
     k classes (``torch.topk`` would only say "selected index k out of range")."""
 
+    def __init__(self, k: int = 5, **kwargs: Any) -> None:
+        super().__init__(k, **kwargs)
+        self.k = k  # ignite keeps its own copy private
+
     def update(self, output: Sequence[torch.Tensor]) -> None:
-        if output[0].shape[1] < self._k:
+        if output[0].shape[1] < self.k:
             raise ValueError(
-                f"eval.metrics entry top{self._k} needs at least {self._k} class scores, but the model gives "
+                f"eval.metrics entry top{self.k} needs at least {self.k} class scores, but the model gives "
                 f"{output[0].shape[1]}: use a smaller k."
             )
         super().update(output)
@@ -56,30 +60,31 @@ class Perplexity(Metric):
         device: str | torch.device = torch.device("cpu"),
     ) -> None:
         self.model_loss, self.shift = model_loss, shift
+        self.transform, self.device = output_transform, torch.device(device)  # ignite's copies are private
         super().__init__(output_transform, device=device)
 
     @reinit__is_reduced
     def reset(self) -> None:
-        self._sum = torch.tensor(0.0, dtype=torch.float64, device=self._device)
-        self._tokens = torch.tensor(0, dtype=torch.int64, device=self._device)
+        self._sum = torch.tensor(0.0, dtype=torch.float64, device=self.device)
+        self._tokens = torch.tensor(0, dtype=torch.int64, device=self.device)
 
     def iteration_completed(self, engine: Engine) -> None:
         if not self.model_loss:
             return super().iteration_completed(engine)
         # The labels of the batch as the loader gave it (on the host, usually: counted without a device sync).
-        self._add(self._output_transform(engine.state.output)[0], token_count(engine.state.batch, self.shift))
+        self._add(self.transform(engine.state.output)[0], token_count(engine.state.batch, self.shift))
 
     @reinit__is_reduced
     def update(self, output: Sequence[torch.Tensor]) -> None:
         predictions, targets = output[0].detach(), output[1].detach()
         losses = torch.nn.functional.cross_entropy(predictions, targets, ignore_index=IGNORE_INDEX, reduction="none")
-        self._sum += losses.double().sum().to(self._device)  # float64: the sum does not depend on the sharding
-        self._tokens += (targets != IGNORE_INDEX).sum().to(self._device)
+        self._sum += losses.double().sum().to(self.device)  # float64: the sum does not depend on the sharding
+        self._tokens += (targets != IGNORE_INDEX).sum().to(self.device)
 
     @reinit__is_reduced
     def _add(self, mean_loss: torch.Tensor, tokens: torch.Tensor) -> None:
-        tokens = tokens.to(self._device)
-        self._sum += mean_loss.detach().double().to(self._device) * tokens
+        tokens = tokens.to(self.device)
+        self._sum += mean_loss.detach().double().to(self.device) * tokens
         self._tokens += tokens
 
     @sync_all_reduce("_sum", "_tokens")

@@ -16,8 +16,9 @@ from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.train import plugins
 
 logger = logging.getLogger("ignite_mgpu")
-# torch's normalisation layers: BatchNorm*, SyncBatchNorm and InstanceNorm* share _NormBase. Subclasses count (timm's
-# LayerNorm2d, FSDP2's in-place FSDPLayerNorm); Hugging Face's own RMSNorm classes hold 1-d weights, which count too.
+# torch's normalisation layers: BatchNorm*, SyncBatchNorm and InstanceNorm* share _NormBase (private: no public base;
+# tests/test_private_apis.py guards it). Subclasses count (timm's LayerNorm2d, FSDP2's in-place FSDPLayerNorm);
+# Hugging Face's own RMSNorm classes hold 1-d weights, which count too.
 NORMS: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 KEY = "optim.param_groups"
 

@@ -209,6 +209,36 @@ def test_plan_refuses_inside_a_process_group(stack_cfg, monkeypatch):
         measure(stack_cfg, example_batch(stack_cfg), 8, 2, "fsdp")
 
 
+@pytest.mark.timeout(60)
+def test_the_fake_group_passes_an_init_barrier_alone(stack_cfg, monkeypatch):
+    """TORCH_DIST_INIT_BARRIER=1 makes init_process_group wait on its store for every rank: the plan's store,
+    whose other ranks do not exist, lets it pass at once (a HashStore would wait for the group's timeout)."""
+    monkeypatch.setenv("TORCH_DIST_INIT_BARRIER", "1")
+    assert measure(stack_cfg, example_batch(stack_cfg), 8, 2, "fsdp").params == PARAMS // 2
+
+
+def test_a_pytorch_without_the_fake_backend_is_one_paragraph(stack_cfg, monkeypatch):
+    import torch.distributed as dist
+
+    def unknown(*args, **kwargs):
+        raise AssertionError("Unknown c10d backend type FAKE")  # PyTorch 2.14's words when it is not registered
+
+    monkeypatch.setattr(dist, "init_process_group", unknown)
+    with pytest.raises(ConfigError, match=r'"fake" process-group backend.*Unknown c10d backend.*--nproc 1'):
+        measure(stack_cfg, example_batch(stack_cfg), 8, 2, "fsdp")
+    assert not dist.is_initialized()
+
+
+def test_the_tensors_of_a_batch_at_any_depth():
+    import torch
+
+    from ignite_mgpu.memory.estimate import _tensors
+
+    a, b, c = torch.zeros(1), torch.ones(2), torch.ones(3)
+    assert _tensors({"x": [a, (b, "text")], "y": {"z": c}, "n": 3}) == [a, b, c]
+    assert _tensors(a) == [a] and _tensors("text") == []
+
+
 def test_unknown_fsdp_block_is_a_config_error(stack_cfg):
     cfg = load_config(None, [*STACK, "model.fsdp_blocks=[Nope]", "dist.strategy=fsdp"])
     with pytest.raises(ConfigError, match="model.fsdp_blocks names Nope"):

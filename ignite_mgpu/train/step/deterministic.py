@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from ignite.engine import DeterministicEngine
+from ignite.engine import DeterministicEngine, Engine, Events
 
 
 def use_deterministic_algorithms() -> None:
@@ -49,6 +49,11 @@ class PortableDeterministicEngine(DeterministicEngine):
     a checkpoint of it loads with plain ``torch.load(path, weights_only=True)``, with no numpy globals allowed.
     State dicts in ignite's own form (numpy arrays) still load."""
 
+    def __init__(self, process_function: Callable[[Engine, Any], Any]) -> None:
+        super().__init__(process_function)
+        # ignite's own STARTED handler, registered first, sets warn_only on CUDA; this one, run next, undoes it.
+        self.add_event_handler(Events.STARTED, use_deterministic_algorithms)
+
     def state_dict(self) -> OrderedDict:
         state = super().state_dict()
         state["rng_states"] = plain_rng_states(state["rng_states"])
@@ -59,7 +64,3 @@ class PortableDeterministicEngine(DeterministicEngine):
         if state.get("rng_states") is not None:
             state["rng_states"] = native_rng_states(list(state["rng_states"]))
         super().load_state_dict(state)
-
-    def _init_run(self) -> None:
-        super()._init_run()  # on CUDA it sets torch.use_deterministic_algorithms(True, warn_only=True)
-        use_deterministic_algorithms()

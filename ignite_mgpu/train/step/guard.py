@@ -222,7 +222,8 @@ class TrainingGuard:
         timeout = stop.collective_timeout()
         if timeout is not None and idist.get_world_size() > 1:
             c10d = torch.distributed.distributed_c10d
-            set_timeout = getattr(c10d, "set_timeout", None) or c10d._set_pg_timeout  # public only in new torch
+            # Public in torch 2.14; before, only the private name (tests/test_private_apis.py guards it).
+            set_timeout = getattr(c10d, "set_timeout", None) or c10d._set_pg_timeout
             set_timeout(timedelta(seconds=timeout))
 
     def check(self, engine: Engine) -> None:

@@ -88,9 +88,11 @@ class _WandBLogger(WandBLogger):
     warn at each), so the iterations redone after a checkpoint keep their first values there."""
 
     def log(self, data: dict[str, Any], step: int | None = None) -> None:
-        run = self._wandb.run
+        import wandb  # the module ignite's logger started the run with (it keeps it in a private attribute)
+
+        run = wandb.run
         if step is None or run is None or step >= run.step:
-            self._wandb.log(data, step=step)
+            wandb.log(data, step=step)
 
 
 class WandB(Backend):
