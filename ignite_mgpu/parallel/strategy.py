@@ -1,9 +1,11 @@
 """How a model is wrapped for this process (DDP, DataParallel, FSDP, or placed as it is), how to get the user's
-module back out, and DataParallel's per-GPU loss vector reduced to the batch loss."""
+module back out, its gradient sync turned off on accumulation steps, and DataParallel's per-GPU loss vector reduced
+to the batch loss."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ignite.distributed as idist
@@ -79,6 +81,21 @@ def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
         if isinstance(candidate, DistributedDataParallel):
             return candidate
     return None
+
+
+def no_sync(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """The context that keeps a backward's gradients local, for a prepared model: DDP's ``no_sync``, FSDP2's gradient
+    sync off (``fsdp.no_sync_of``), ``nullcontext`` for DataParallel and a plain model, which sync nothing. Chosen
+    once, when a step is built; entered on every micro-batch that does not end an accumulation window."""
+    # DDP all-reduces (FSDP reduce-scatters) gradients in every backward; before a window's last micro-batch that
+    # traffic is wasted: the gradients summed locally are synced once, by the last backward.
+    ddp = find_ddp(model)
+    if ddp is not None:
+        return ddp.no_sync
+    from ignite_mgpu.parallel.fsdp import find_fsdp, no_sync_of
+
+    fsdp = find_fsdp(model)
+    return no_sync_of(fsdp) if fsdp is not None else contextlib.nullcontext
 
 
 def model_devices(model: nn.Module) -> list[torch.device]:

@@ -41,7 +41,7 @@ from ignite_mgpu.train.losses import create_loss
 from ignite_mgpu.train.models import create_model
 from ignite_mgpu.train.optim import create_lr_scheduler, optimizer_from_config
 from ignite_mgpu.train.step.deterministic import use_deterministic_algorithms
-from ignite_mgpu.train.step.trainer import create_trainer
+from ignite_mgpu.train.step.trainer import Trainer, create_trainer
 from ignite_mgpu.train.tracking.trackers import Trackers
 
 logger = logging.getLogger("ignite_mgpu")
@@ -88,7 +88,7 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
     loss_fn = create_loss(t.loss, t.loss_args)
     trainer = _create_trainer(cfg, model, optimizer, lr_scheduler, loss_fn, out)
     metrics = validation_metrics(loss_fn, idist.device(), cfg.eval.metrics, cfg.eval.metric_args)
-    parts = getattr(trainer, "micro_batching", None)  # the evaluation's parts follow the training's
+    parts = trainer.step.micro_batching  # the evaluation's parts follow the training's
     evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=t.precision, micro_batch=parts)
     goodput = Goodput(out / folder.GOODPUT, job_clock(), writer=rank == 0)
     goodput.attach(trainer)  # before the validation: an epoch's iterations end where its evaluation starts
@@ -100,7 +100,7 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
         "optimizer": optimizer_state,
         "lr_scheduler": lr_scheduler,
         "trainer": trainer,
-        "scaler": trainer.scaler,  # type: ignore[attr-defined]  # create_trainer adds it to the Engine
+        "scaler": trainer.step.scaler,  # fp16's GradScaler (a disabled one saves {})
         "run": RunInfo(world_size, cfg.data.batch_size, run_signature(cfg)),
     }
     restarts = outer_restarts() if restarts is None else restarts
@@ -133,7 +133,7 @@ def _create_trainer(
     lr_scheduler: LRScheduler,
     loss_fn: Any,
     out: Path,
-) -> Engine:
+) -> Trainer:
     t = cfg.train
     return create_trainer(
         model,

@@ -18,6 +18,7 @@ import torch
 from ignite.engine import Engine, Events
 
 from ignite_mgpu.train.goodput import Goodput
+from ignite_mgpu.train.step.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,8 @@ class EpochLog:
         }
         if self.goodput is not None:
             self.last |= self.goodput.line(float(rows[:, 1].max()), engine.state.iteration)
-        sizing = getattr(engine, "micro_batching", None)  # train.micro_batch: the part size at the epoch's end
+        # train.micro_batch: the part size at the epoch's end.
+        sizing = engine.step.micro_batching if isinstance(engine, Trainer) else None
         if sizing is not None:
             whole = self.global_batch // idist.get_world_size() if idist.backend() else self.global_batch
             self.last["micro_batch"] = sizing.size if sizing.size is not None else whole

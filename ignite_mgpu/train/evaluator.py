@@ -41,9 +41,9 @@ def create_evaluator(
     It runs the unwrapped module: DDP's forward may broadcast buffers, a collective that would hang when ranks
     hold different numbers of validation batches (the validation sampler does not pad). An FSDP model's every
     forward is a collective: ranks with fewer batches repeat their last one, unscored, until all ran as many.
-    ``micro_batch`` (a size, or the trainer's ``micro_batching``): each batch in parts of that many samples, the
-    outputs joined (a loss weighted by the parts' samples); not under FSDP, whose forwards must be as many on every
-    rank.
+    ``micro_batch`` (a size, or the trainer's ``trainer.step.micro_batching``): each batch in parts of that many
+    samples, the outputs joined (a loss weighted by the parts' samples); not under FSDP, whose forwards must be as
+    many on every rank.
     """
     device = torch.device(device) if device is not None else idist.device()
     ddp = find_ddp(model)

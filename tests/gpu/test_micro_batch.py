@@ -54,7 +54,7 @@ def train(micro_batch, fits: int, precision: str = "fp16", starve: bool = True):
 def test_auto_retries_after_a_real_cuda_out_of_memory_with_the_grad_scaler():
     needs_gpus(1)
     auto, trainer = train("auto", fits=5)
-    assert auto.seen[:3] == [16, 8, 4] and trainer.micro_batching.size == 4  # 16 and 8 ran out, 4 fits
+    assert auto.seen[:3] == [16, 8, 4] and trainer.step.micro_batching.size == 4  # 16 and 8 ran out, 4 fits
     fixed, _ = train(4, fits=5, starve=False)
     for a, b in zip(auto.parameters(), fixed.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
@@ -67,7 +67,8 @@ def ddp_worker(local_rank: int, out: str) -> None:
     data = [(torch.randn(16, 6), torch.randint(0, 3, (16,))) for _ in range(4)]
     trainer.run(data, max_epochs=2)
     state = {k: v.cpu().tolist() for k, v in model.module.state_dict().items()}
-    Path(out, f"rank{idist.get_rank()}.json").write_text(json.dumps({"size": trainer.micro_batching.size, **state}))
+    size = trainer.step.micro_batching.size
+    Path(out, f"rank{idist.get_rank()}.json").write_text(json.dumps({"size": size, **state}))
 
 
 @pytest.mark.timeout(180)

@@ -1,11 +1,22 @@
 """How a model is wrapped: DataParallel's per-replica losses reduced exactly and gathered without the scalar
-warning, torch.compile's wrapper, unwrap. `python -m pytest tests/parallel/test_strategy.py`."""
+warning, torch.compile's wrapper, unwrap, each strategy's gradient sync off (on a one-rank gloo group).
+`python -m pytest tests/parallel/test_strategy.py`."""
+
+import contextlib
+import copy
 
 import pytest
 import torch
 from torch import nn
 
-from ignite_mgpu.parallel.strategy import LossDataParallel, find_ddp, prepare_model, reduce_replica_losses, unwrap
+from ignite_mgpu.parallel.strategy import (
+    LossDataParallel,
+    find_ddp,
+    no_sync,
+    prepare_model,
+    reduce_replica_losses,
+    unwrap,
+)
 from tests.helpers import linear
 
 
@@ -108,6 +119,42 @@ def test_unwrap_a_compiled_module_whose_truth_value_calls_len():
     compiled = torch.compile(net)
     assert unwrap(compiled) is net and unwrap(nn.DataParallel(compiled)) is net  # `or` on a module called len()
     assert find_ddp(compiled) is None
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-process gloo group (the conftest tears it down): DDP and fully_shard work as on N ranks."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+
+
+def test_no_sync_is_the_strategys_own(one_rank):
+    """DDP's no_sync (also under torch.compile), FSDP2's gradient sync off; nothing for DataParallel or a plain
+    model."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    for model in (linear(), fake_data_parallel(2), torch.compile(linear())):
+        assert no_sync(model) is contextlib.nullcontext  # they sync nothing: no context to enter
+    ddp = DistributedDataParallel(linear())
+    for wrapped in (ddp, torch.compile(ddp)):
+        with no_sync(wrapped)():
+            assert not ddp.require_backward_grad_sync
+        assert ddp.require_backward_grad_sync
+
+    plain = linear()
+    sharded = fully_shard(copy.deepcopy(plain))
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    with no_sync(sharded)():
+        sharded(first).sum().backward()
+    assert all(p.grad is None for p in sharded.parameters())  # kept unsharded and local: nothing reduce-scattered
+    sharded(second).sum().backward()  # synced again: the sum of both is reduce-scattered
+    plain(first).sum().backward()
+    plain(second).sum().backward()
+    for p, q in zip(sharded.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad)
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ignite.distributed as idist
@@ -16,10 +16,11 @@ from ignite.engine import Engine
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from ignite_mgpu.parallel.fsdp import find_fsdp, no_sync_of
+from ignite_mgpu.parallel.fsdp import find_fsdp
 from ignite_mgpu.parallel.strategy import find_ddp, unwrap
 from ignite_mgpu.train.data import batches
 from ignite_mgpu.train.data.batches import Batch
+from ignite_mgpu.train.step.core import Step, optimizer_step
 from ignite_mgpu.train.step.guard import accumulation_window
 from ignite_mgpu.train.step.micro_batch import (
     SETTLE_ITERATIONS,
@@ -47,61 +48,20 @@ def takes_num_items(model: nn.Module) -> bool:
     return "num_items_in_batch" in params or "loss_kwargs" in params
 
 
-def optimizer_step(
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    parameters: list[nn.Parameter],
-    clip_grad_norm: float | None,
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-) -> Callable[[], None]:
-    """The end of an accumulation window, for both steps (``trainer.py``'s and this one): unscale, clip the true
-    gradients (the global norm), step, zero the gradients, advance the schedule. GradScaler skips the optimizer step
-    when the scaled gradients overflowed (normal in fp16's first steps): the schedule then does not advance either,
-    which a post-step hook tells without a host-device sync."""
-    fp16, stepped = scaler.is_enabled(), [True]
-    if fp16 and lr_scheduler is not None:
-        optimizer.register_step_post_hook(lambda *_: stepped.__setitem__(0, True))
-
-    def step() -> None:
-        if clip_grad_norm is not None:
-            if fp16:
-                scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(parameters, clip_grad_norm)
-        if fp16:
-            stepped[0] = False
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if lr_scheduler is not None and stepped[0]:
-            lr_scheduler.step()
-
-    return step
-
-
-def micro_batch_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    compute_loss: Callable[[Batch], torch.Tensor],
-    scaler: torch.amp.GradScaler,
-    device: torch.device,
-    non_blocking: bool,
-    grad_accum_steps: int,
-    clip_grad_norm: float | None,
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-    sizing: MicroBatching,
-    model_loss: bool,
-) -> Callable[[Engine, Batch], torch.Tensor]:
-    """The Engine's process function: the batch in parts (``sizing``), and on a window's last iteration the
-    optimizer step. Under ``auto``, an attempt that ran out of memory is undone and retried."""
-    attempt = _Attempt(model, compute_loss, scaler, sizing, model_loss and takes_num_items(model))
-    if sizing.auto and idist.get_world_size() > 1:  # one size on every rank, also where the file was not seen
+def micro_batch_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
+    """The Engine's process function: the batch in parts (``step.micro_batching``), and on a window's last iteration
+    the optimizer step. Under ``auto``, an attempt that ran out of memory is undone and retried."""
+    sizing = step.micro_batching
+    assert sizing is not None  # create_trainer runs this step only with a micro-batch size
+    model, device, non_blocking, grad_accum_steps = step.model, step.device, step.non_blocking, step.grad_accum_steps
+    attempt = _Attempt(step, sizing, step.loss_fn is None and takes_num_items(model))
+    # One size on every rank, also where the file was not seen.
+    if sizing.auto and idist.get_world_size() > 1:
         whole = 2**31 - 1
         agreed = int(idist.all_reduce(torch.tensor(sizing.size or whole, device=idist.device()), op="MIN"))
         sizing.size = None if agreed == whole else agreed
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    finish = optimizer_step(optimizer, scaler, parameters, clip_grad_norm, lr_scheduler)
+    parameters = step.parameters
+    finish = optimizer_step(step)
     inner, move = unwrap(model), device.type != "cpu"
     keep_window = sizing.auto and grad_accum_steps > 1
 
@@ -136,28 +96,17 @@ def micro_batch_step(
 class _Attempt:
     """One attempt at a batch in parts of ``size``: its loss, or (auto) the smaller size every rank agreed on."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        compute_loss: Callable[[Batch], torch.Tensor],
-        scaler: torch.amp.GradScaler,
-        sizing: MicroBatching,
-        pass_items: bool,
-    ) -> None:
-        self.compute_loss, self.scaler, self.sizing, self.pass_items = compute_loss, scaler, sizing, pass_items
+    def __init__(self, step: Step, sizing: MicroBatching, pass_items: bool) -> None:
+        self.compute_loss, self.scaler, self.no_sync = step.compute_loss, step.scaler, step.no_sync
+        self.parameters, self.sizing, self.pass_items = step.parameters, sizing, pass_items
         self.world = world = idist.get_world_size()
-        self.ddp, fsdp = find_ddp(model), find_fsdp(model)
-        ddp = self.ddp
-        self.no_sync = (
-            ddp.no_sync if ddp is not None else no_sync_of(fsdp) if fsdp is not None else contextlib.nullcontext
-        )
+        self.ddp, fsdp = find_ddp(step.model), find_fsdp(step.model)
         # FSDP's every forward and backward gathers and scatters parameters: a rank out of memory there leaves the
         # others inside a collective, so the ranks cannot retry together; the job restarts from the smaller size.
         self.in_place = fsdp is None or world == 1
         self.agree = sizing.auto and world > 1 and self.in_place
         # The ranks agree on host integers: over gloo, so that a CUDA job does not wait for its device there.
         self.group = dist.new_group(backend="gloo") if self.agree and idist.backend() != "gloo" else None
-        self.parameters = [p for p in model.parameters() if p.requires_grad]
 
     def __call__(self, batch: Batch, n: int, size: int, last: bool, window: int, earlier: list[Any]) -> Any:
         # While the size settles, every part skips DDP's sync and the gradients are all-reduced once the ranks
@@ -223,7 +172,7 @@ def _agree(size: int, group: Any) -> int:
     return int(proposal)
 
 
-def _give_back(parameters: list[nn.Parameter], earlier: list[Any]) -> None:
+def _give_back(parameters: Sequence[nn.Parameter], earlier: list[Any]) -> None:
     """The window's earlier gradients added back (once) to this iteration's."""
     if earlier:
         for p, g in zip(parameters, earlier, strict=True):
@@ -232,14 +181,14 @@ def _give_back(parameters: list[nn.Parameter], earlier: list[Any]) -> None:
         earlier.clear()
 
 
-def _all_reduce_gradients(parameters: list[nn.Parameter], world: int) -> None:
+def _all_reduce_gradients(parameters: Sequence[nn.Parameter], world: int) -> None:
     """DDP's sync by hand: each gradient divided by the world size, then summed over the ranks."""
     handles = [dist.all_reduce(p.grad.div_(world), async_op=True) for p in parameters if p.grad is not None]
     for handle in handles:
         handle.wait()
 
 
-def _undo(model: nn.Module, parameters: list[nn.Parameter]) -> None:
+def _undo(model: nn.Module, parameters: Sequence[nn.Parameter]) -> None:
     """Free what a failed attempt held: its gradients, FSDP's gathered parameters, the CUDA cache."""
     for p in parameters:
         p.grad = None

@@ -1,10 +1,9 @@
-"""The trainer: ``create_trainer`` returns a plain ignite Engine for your own code, one training step with switches
-(precision, accumulation, clipping) for every strategy. The loss is ``losses.py``'s (``create_loss``, also importable
-from here), the evaluator ``evaluator.py``'s."""
+"""The trainer: ``create_trainer`` returns an ignite Engine for your own code, one training step with switches
+(precision, accumulation, clipping) for every strategy, its parts in ``trainer.step``. The loss is ``losses.py``'s
+(``create_loss``, also importable from here), the evaluator ``evaluator.py``'s."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -15,15 +14,15 @@ from ignite.engine import Engine, Events
 from torch import nn
 
 from ignite_mgpu.config.schema import PRECISIONS
-from ignite_mgpu.parallel.fsdp import find_fsdp, no_sync_of
-from ignite_mgpu.parallel.strategy import find_ddp, reduce_replica_losses, unwrap
+from ignite_mgpu.parallel.strategy import no_sync, reduce_replica_losses, unwrap
 from ignite_mgpu.train.data import batches
 from ignite_mgpu.train.data.batches import Batch
 from ignite_mgpu.train.losses import create_loss as create_loss  # its home before losses.py: still importable here
+from ignite_mgpu.train.step.core import Step, optimizer_step
 from ignite_mgpu.train.step.deterministic import PortableDeterministicEngine, use_deterministic_algorithms
 from ignite_mgpu.train.step.guard import TrainingGuard, accumulation_window
 from ignite_mgpu.train.step.micro_batch import MicroBatching
-from ignite_mgpu.train.step.micro_step import micro_batch_step, optimizer_step
+from ignite_mgpu.train.step.micro_step import micro_batch_step
 
 FP16_DEVICE_TYPES = ("cuda",)  # fp16 needs a GradScaler, which PyTorch ships for CUDA; bf16 is the CPU's choice
 
@@ -45,6 +44,16 @@ def under_autocast(forward: Callable[..., Any], precision: str, device: torch.de
     return torch.autocast(device_type=device.type, dtype=dtype)(forward)  # an autocast also decorates
 
 
+class Trainer(Engine):
+    """``create_trainer``'s Engine: ignite's own, with what its step is made of in ``step`` (a ``Step``)."""
+
+    step: Step
+
+
+class DeterministicTrainer(PortableDeterministicEngine, Trainer):
+    """``create_trainer(deterministic=True)``'s Engine: ignite's ``DeterministicEngine``, portable checkpoints."""
+
+
 def create_trainer(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -62,13 +71,15 @@ def create_trainer(
     non_blocking: bool = True,
     micro_batch: int | str | None = None,
     micro_batch_file: str | Path | None = None,
-) -> Engine:
+) -> Trainer:
     """A trainer Engine for a model already placed by ``prepare_model`` (DDP, DataParallel, FSDP or plain).
 
     Each iteration: the batch to the device, forward under autocast, backward (DDP's ``no_sync`` or FSDP's sync off
     on accumulation steps), then unscale, clip (the global norm), optimizer and scheduler step. Batches and outputs
     take the forms of ``batches.py``; with ``loss_fn=None`` the model computes its own loss. ``engine.state.output``
     is the detached loss; a ``TrainingGuard`` stops every rank together on a non-finite loss or a stop signal.
+    ``trainer.step`` holds the step's parts: ``trainer.step.scaler`` is fp16's GradScaler (save and restore it with
+    your checkpoints), ``trainer.step.micro_batching`` the micro-batch size (``micro_batch``).
 
     Args:
         precision: "fp32", "bf16" (autocast on CUDA and CPU) or "fp16" (CUDA only, with a GradScaler).
@@ -87,18 +98,29 @@ def create_trainer(
     _check_step_options(precision, grad_accum_steps, device)
     if deterministic:
         use_deterministic_algorithms()
-    scaler = Scaler(device.type, enabled=precision == "fp16")
-    compute_loss = under_autocast(_loss_of_batch(model, loss_fn), precision, device)  # backward runs outside it
-    options = (grad_accum_steps, clip_grad_norm, lr_scheduler)
-    step, sizing = _create_step(
-        model, optimizer, compute_loss, scaler, device, non_blocking, options, (micro_batch, micro_batch_file), loss_fn
-    )
-    trainer = PortableDeterministicEngine(step) if deterministic else Engine(step)
-    trainer.micro_batching = sizing  # type: ignore[attr-defined]  # None, or the parts' size (evaluator, metrics)
-    trainer.logger.setLevel("CRITICAL")  # failures are reported once by the launcher, not by every rank's engine
-    trainer.scaler = scaler  # type: ignore[attr-defined]  # checkpoints save and restore it with the trainer
+    step = Step(
+        model=model, optimizer=optimizer, loss_fn=loss_fn, precision=precision, device=device,
+        # backward runs outside the autocast
+        compute_loss=under_autocast(_loss_of_batch(model, loss_fn), precision, device),
+        scaler=Scaler(device.type, enabled=precision == "fp16"), non_blocking=non_blocking,
+        grad_accum_steps=grad_accum_steps, clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler,
+        parameters=tuple(p for p in model.parameters() if p.requires_grad), no_sync=no_sync(model),
+        micro_batching=MicroBatching(micro_batch, micro_batch_file) if micro_batch is not None else None,
+    )  # fmt: skip
+    return _engine(step, deterministic, check_every, checkpoint_every_iters, checkpoint_every_minutes)
+
+
+def _engine(
+    step: Step, deterministic: bool, check_every: int, every_iters: int, every_minutes: float | None
+) -> Trainer:
+    """The Engine around the step (this module's, or ``micro_step.py``'s in parts), the sampler's epochs, the guard."""
+    process = _train_step(step) if step.micro_batching is None else micro_batch_step(step)
+    trainer = DeterministicTrainer(process) if deterministic else Trainer(process)
+    trainer.step = step
+    # Failures are reported once by the launcher, not by every rank's engine.
+    trainer.logger.setLevel("CRITICAL")
     trainer.add_event_handler(Events.EPOCH_STARTED, _set_sampler_epoch)
-    _attach_guard(trainer, check_every, grad_accum_steps, checkpoint_every_iters, checkpoint_every_minutes)
+    _attach_guard(trainer, check_every, step.grad_accum_steps, every_iters, every_minutes)
     return trainer
 
 
@@ -114,26 +136,6 @@ def _attach_guard(
         checkpoint_every_minutes=every_minutes,
     )
     guard.attach(trainer)
-
-
-def _create_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    compute_loss: Callable[[Batch], torch.Tensor],
-    scaler: Scaler,
-    device: torch.device,
-    non_blocking: bool,
-    options: tuple[int, float | None, torch.optim.lr_scheduler.LRScheduler | None],
-    micro_batch: tuple[int | str | None, str | Path | None],
-    loss_fn: Callable[..., torch.Tensor] | None,
-) -> tuple[Callable[[Engine, Batch], torch.Tensor], MicroBatching | None]:
-    """The process function: this module's step (micro_batch None), or ``micro_step.py``'s over parts."""
-    setting, path = micro_batch
-    if setting is None:
-        return _train_step(model, optimizer, compute_loss, scaler, device, non_blocking, *options), None
-    sizing = MicroBatching(setting, path)
-    args = (model, optimizer, compute_loss, scaler, device, non_blocking, *options)
-    return micro_batch_step(*args, sizing, model_loss=loss_fn is None), sizing
 
 
 def _check_step_options(precision: str, grad_accum_steps: int, device: torch.device) -> None:
@@ -161,38 +163,29 @@ def _loss_of_batch(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None
     return compute_loss
 
 
-def _train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    compute_loss: Callable[[Batch], torch.Tensor],
-    scaler: Scaler,
-    device: torch.device,
-    non_blocking: bool,
-    grad_accum_steps: int,
-    clip_grad_norm: float | None,
-    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None,
-) -> Callable[[Engine, Batch], torch.Tensor]:
+def _train_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
     """The Engine's process function: one micro-batch forward and backward, and on a window's last one the step."""
+    # The parts as the closure's own variables: train_step reads no attribute of ``step`` per iteration.
+    model, compute_loss, scaler, no_sync = step.model, step.compute_loss, step.scaler, step.no_sync
+    device, non_blocking, grad_accum_steps = step.device, step.non_blocking, step.grad_accum_steps
     fp16 = scaler.is_enabled()
-    # DDP all-reduces (FSDP reduce-scatters) gradients in every backward; on accumulation steps that traffic is
-    # wasted, so skip it.
-    ddp, fsdp = find_ddp(model), find_fsdp(model)
-    no_sync = ddp.no_sync if ddp is not None else no_sync_of(fsdp) if fsdp is not None else contextlib.nullcontext
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    finish = optimizer_step(optimizer, scaler, parameters, clip_grad_norm, lr_scheduler)
+    finish = optimizer_step(step)
     inner = unwrap(model)  # the evaluator switches the unwrapped module to eval mode
-    move = device.type != "cpu"  # a CPU job's batches are in CPU memory already: no per-step walk to find that out
+    # A CPU job's batches are in CPU memory already: no per-step walk to find that out.
+    move = device.type != "cpu"
 
     def forward_backward(batch: Batch, window: int) -> torch.Tensor:
         loss = compute_loss(batch)
-        scaled = loss / window if window > 1 else loss  # the window's gradient is the mean over its micro-batches
+        # The window's gradient is the mean over its micro-batches.
+        scaled = loss / window if window > 1 else loss
         (scaler.scale(scaled) if fp16 else scaled).backward()
         return loss
 
     # Every line in here runs once per iteration (benchmarks/ counts what they cost in instructions): the fp32 path
     # enters no context and skips the disabled scaler, and without accumulation the backward is inline.
     def train_step(engine: Engine, batch: Batch) -> torch.Tensor:
-        if not inner.training:  # model.train() walks every submodule: only do it after an evaluation
+        # model.train() walks every submodule: only do it after an evaluation.
+        if not inner.training:
             model.train()
         if move:
             batch = batches.to_device(batch, device, non_blocking)
@@ -203,7 +196,8 @@ def _train_step(
             # Windows restart every epoch: an epoch-end checkpoint or stop never holds half a window's gradients.
             last, window = accumulation_window(engine.state.iteration, engine.state.epoch_length, grad_accum_steps)
             if not last:
-                with no_sync():  # an accumulation step: gradients stay local until the last micro-batch
+                # An accumulation step: gradients stay local until the last micro-batch.
+                with no_sync():
                     return forward_backward(batch, window).detach()
             loss = forward_backward(batch, window)
         finish()

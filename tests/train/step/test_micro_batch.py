@@ -121,12 +121,12 @@ def test_auto_retries_the_same_batch_after_a_real_out_of_memory_and_remembers(tm
     path = tmp_path / "micro_batch.json"
     auto, trainer, _ = train("auto", fits=4, accum=2, path=path)
     assert auto.seen[:6] == [10, 5, 3, 3, 3, 1]  # 10 and 5 ran out: the same batch again, in parts of 3
-    assert trainer.micro_batching.size == 3 and json.loads(path.read_text()) == {"micro_batch": 3}
+    assert trainer.step.micro_batching.size == 3 and json.loads(path.read_text()) == {"micro_batch": 3}
     fixed, _, _ = train(3, accum=2)
     for a, b in zip(auto.parameters(), fixed.parameters(), strict=True):  # the failed attempts left nothing behind
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     again, trainer, _ = train("auto", fits=4, accum=2, path=path, epochs=1)  # a restart: no search again
-    assert again.seen[0] == 3 and trainer.micro_batching.size == 3
+    assert again.seen[0] == 3 and trainer.step.micro_batching.size == 3
 
 
 def test_auto_fails_clearly_when_one_sample_does_not_fit():

@@ -211,13 +211,31 @@ def test_fp16_a_skipped_optimizer_step_does_not_advance_the_schedule(fp16_on_cpu
 
 def test_an_fp32_checkpoint_resumes_in_fp16(fp16_on_cpu):
     fp32 = create_trainer(linear(), torch.optim.SGD(linear().parameters(), lr=0.1), nn.MSELoss(), device="cpu")
-    saved = fp32.scaler.state_dict()
+    saved = fp32.step.scaler.state_dict()
     assert saved == {}  # a disabled GradScaler saves nothing
     fp16 = create_trainer(
         linear(), torch.optim.SGD(linear().parameters(), lr=0.1), nn.MSELoss(), device="cpu", precision="fp16"
     )
-    fp16.scaler.load_state_dict(saved)  # plain GradScaler raises: "The source state dict is empty"
-    assert fp16.scaler.get_scale() == 65536.0  # its initial scale, kept
+    fp16.step.scaler.load_state_dict(saved)  # plain GradScaler raises: "The source state dict is empty"
+    assert fp16.step.scaler.get_scale() == 65536.0  # its initial scale, kept
+
+
+def test_the_trainer_holds_its_steps_parts(deterministic_mode_restored):
+    import dataclasses
+
+    from ignite.engine import DeterministicEngine, Engine
+
+    model = linear()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = create_trainer(model, opt, nn.CrossEntropyLoss(), device="cpu", grad_accum_steps=2, clip_grad_norm=1.0)
+    step = trainer.step
+    assert isinstance(trainer, Engine) and step.model is model and step.optimizer is opt
+    assert (step.grad_accum_steps, step.clip_grad_norm, step.micro_batching) == (2, 1.0, None)
+    assert step.parameters == tuple(model.parameters()) and not step.scaler.is_enabled()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.grad_accum_steps = 1  # built once: the step's closures read it when they are built
+    exact = create_trainer(model, opt, nn.CrossEntropyLoss(), device="cpu", deterministic=True, micro_batch=4)
+    assert isinstance(exact, DeterministicEngine) and exact.step.micro_batching.size == 4
 
 
 @pytest.fixture
@@ -365,7 +383,7 @@ def test_accumulation_skips_the_gradient_sync_inside_a_window_only(monkeypatch):
         def forward(self, x):
             return self.module(x)
 
-    from ignite_mgpu.train.step import trainer as engine_module
+    from ignite_mgpu.parallel import strategy
 
     model = FakeDDP()
     entered = []
@@ -376,7 +394,7 @@ def test_accumulation_skips_the_gradient_sync_inside_a_window_only(monkeypatch):
         yield
 
     model.no_sync = no_sync
-    monkeypatch.setattr(engine_module, "find_ddp", lambda m: model)
+    monkeypatch.setattr(strategy, "find_ddp", lambda m: model)  # parallel.strategy.no_sync chooses from it
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     trainer = create_trainer(model, opt, nn.CrossEntropyLoss(), device="cpu", grad_accum_steps=3)
     trainer.run(data(n=40, batch=4), max_epochs=2)
