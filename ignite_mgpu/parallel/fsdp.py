@@ -8,16 +8,13 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from ignite_mgpu.errors import ConfigError
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 CONTAINERS = (nn.Sequential, nn.ModuleList)
