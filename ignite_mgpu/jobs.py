@@ -101,7 +101,8 @@ def fit(cfg: Config | None = None) -> FitResult:
             code = launcher.run_plan(plan, launcher.run_named, TRAINING, cfg, restart=restart)
     except (ConfigError, CheckpointError) as err:
         return FitResult(_refused(err))
-    out = run_dir(cfg.output_dir)  # resolved by the pre-flight: a new folder under runs/ for a run without output_dir
+    # Resolved by the pre-flight: a new folder under runs/ for a run without output_dir.
+    out = run_dir(cfg.output_dir)
     return FitResult(code, out, last_epoch(out), best_model(out))
 
 
@@ -145,7 +146,8 @@ def resolve_output_dir(cfg: Config, environ: Mapping[str, str] = os.environ, now
         cfg.output_dir = str(folder.RUNS / f"job-{job_id}")
     elif cfg.resume == "auto" and (earlier := folder.earlier_runs()):
         cfg.output_dir = str(earlier[-1])
-    else:  # a new run (--resume auto with no earlier run starts one too, as on a first start under a scheduler)
+    # A new run (--resume auto with no earlier run starts one too, as on a first start under a scheduler)
+    else:
         stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(now))
         new, n = folder.RUNS / stamp, 1
         while new.exists():
@@ -189,14 +191,16 @@ def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[LaunchPl
         warn_double_warmup(cfg)
     try:
         plan = checked_plan(cfg)
-        if preload is not None and in_workers(plan):  # every check passed: bad input never starts a process
+        # Every check passed: bad input never starts a process.
+        if preload is not None and in_workers(plan):
             forkserver.start(preload, cluster.signal_number(cfg.dist.preempt_signal))
         with plan.claims:  # the GPUs' claims, held while the job runs
             if not leader:
                 yield plan
                 return
             with output_lock(run_dir(cfg.output_dir)):
-                check_no_foreign_checkpoints(cfg)  # again under the lock: a job may have run there since the check
+                # Again under the lock: a job may have run there since the check.
+                check_no_foreign_checkpoints(cfg)
                 yield plan
     finally:
         forkserver.stop()

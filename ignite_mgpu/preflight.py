@@ -67,8 +67,10 @@ def check_job(cfg: Config) -> None:
         from ignite_mgpu.train.optim import check_optim
 
         check_optim(o)
-    if cfg.train.loss not in BUILTIN_LOSSES:  # a built-in's arguments: config.checks, with the config
-        from ignite_mgpu.train.losses import check_loss  # the user's factory: its module is imported to check it
+    # A built-in's arguments: config.checks, with the config.
+    if cfg.train.loss not in BUILTIN_LOSSES:
+        # The user's factory: its module is imported to check it.
+        from ignite_mgpu.train.losses import check_loss
 
         check_loss(cfg.train.loss, cfg.train.loss_args)
     check_metric_factories(cfg)
@@ -98,7 +100,8 @@ def check_trackers(t: TrainConfig) -> None:
             )
     for name, args in t.logger_args.items():
         allowed = TRACKER_ARGS.get(name)
-        if allowed is None and args and importlib.util.find_spec("wandb") is not None:  # wandb.init's keywords
+        # wandb.init's keywords.
+        if allowed is None and args and importlib.util.find_spec("wandb") is not None:
             import inspect
 
             import wandb
@@ -163,7 +166,8 @@ def check_fsdp_blocks(cfg: Config) -> None:
     try:
         with torch.device("meta"):
             model = create_model(cfg.model)
-    except Exception:  # e.g. a factory that loads weights or reads a tensor's value: the workers will tell
+    # e.g. a factory that loads weights or reads a tensor's value: the workers will tell.
+    except Exception:
         return
     check_blocks(model, cfg.model.fsdp_blocks or [], cfg.model.name)
 
@@ -172,7 +176,8 @@ def check_datasets(cfg: Config, world_size: int) -> None:
     """Empty splits, a global batch that does not split over ``world_size``, too few samples per process, and a
     dataset whose batches the loss cannot use. A dataset factory runs here once, so that its mistakes are reported
     once, before any worker starts."""
-    if cfg.data.name in GENERATED:  # sizes known from the config: only the workers generate the data
+    # Sizes known from the config: only the workers generate the data.
+    if cfg.data.name in GENERATED:
         check_sizes(range(cfg.data.train_size), range(cfg.data.val_size), cfg.data.batch_size, world_size)
         return
     from ignite_mgpu.train.data import batches
@@ -235,7 +240,8 @@ def check_no_foreign_checkpoints(cfg: Config) -> None:
 
     out = run_dir(cfg.output_dir)
     existing = list_checkpoints(out) if out.is_dir() else []
-    if weights_only_resume(cfg.resume) and existing and not cluster.outer_restarts():  # a requeue continues them
+    # A requeue continues them.
+    if weights_only_resume(cfg.resume) and existing and not cluster.outer_restarts():
         raise ConfigError(
             f"--resume {cfg.resume} starts a new run from its weights (a fresh optimizer and schedule, epoch 0), but "
             f"output_dir {out.resolve()} already holds checkpoints of an earlier run ({existing[0].name}, ...), "

@@ -112,7 +112,8 @@ def create_stager(device_type: str) -> DefaultStager:
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     cuda = device_type == "cuda"
-    return DefaultStager(StagingOptions(cuda, False, False, cuda))  # pinned, shared memory, async staging, non-blocking
+    # Pinned, shared memory, async staging, non-blocking.
+    return DefaultStager(StagingOptions(cuda, False, False, cuda))
 
 
 def stage(stager: DefaultStager, state: Any) -> Any:
@@ -147,7 +148,8 @@ class AsyncDiskSaver(SafeDiskSaver):
 
         def write() -> None:
             try:
-                self._commit(staged, path, lambda obj, f: torch.save(obj, f), pending)  # torch.save looked up now
+                # torch.save looked up now.
+                self._commit(staged, path, lambda obj, f: torch.save(obj, f), pending)
             except BaseException:
                 self._pending.extend(pending)  # removed after the next write that succeeds
                 raise

@@ -33,7 +33,8 @@ class SafeDiskSaver(DiskSaver):
         self.metadata = dict(metadata or {})
 
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
-        if idist.get_rank() == self.save_on_rank:  # ignite's rule (but for its TPU branch: every process, xm.save)
+        # ignite's rule (but for its TPU branch: every process, xm.save)
+        if idist.get_rank() == self.save_on_rank:
             self._commit(checkpoint, Path(self.dirname) / filename, torch.save, self._pending)
 
     def _commit(self, checkpoint: Mapping, path: Path, func: Callable, pending: list[str]) -> None:
@@ -49,7 +50,8 @@ class SafeDiskSaver(DiskSaver):
             raise CheckpointError(f"saving {path.name} failed ({err}); kept the previous checkpoints: {kept}") from err
         fsync_dir(self.dirname)  # the rename survives a power loss only once its folder is synced
         for name in pending:
-            if name != path.name:  # ignite "removes" a file it is about to overwrite under the same name
+            # ignite "removes" a file it is about to overwrite under the same name.
+            if name != path.name:
                 (Path(self.dirname) / name).unlink(missing_ok=True)
         pending.clear()
 

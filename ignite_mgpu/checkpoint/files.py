@@ -19,19 +19,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ignite_mgpu.errors import CheckpointError
-from ignite_mgpu.runs.folder import BEST_NAME as BEST_NAME  # the best model's name, with the run folder's names
+
+# The best model's name, with the run folder's names.
+from ignite_mgpu.runs.folder import BEST_NAME as BEST_NAME
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
-CKPT_NAME = re.compile(r"^checkpoint_(\d+)(\.pt)?$")  # a file (format full) or a folder (format sharded)
+# A file (format full) or a folder (format sharded)
+CKPT_NAME = re.compile(r"^checkpoint_(\d+)(\.pt)?$")
 TEMP_PREFIX, TEMP_SUFFIX = ".tmp-", ".pt"  # a file being written; renamed into place once complete
-SAFETENSORS = ".safetensors"  # weights only, no pickle: checkpoint.best_format=safetensors, checkpoint convert
-TIED = "ignite_mgpu.tied"  # a safetensors file's metadata: JSON {name not written: the name whose tensor it shares}
-METADATA = ".metadata"  # written by torch.distributed.checkpoint last, once every rank's shards are on disk
-TRAIN_STATE = "train_state.pt"  # in a sharded folder: everything but the model and the optimizer, one plain file
+# Weights only, no pickle: checkpoint.best_format=safetensors, checkpoint convert.
+SAFETENSORS = ".safetensors"
+# A safetensors file's metadata: JSON {name not written: the name whose tensor it shares}.
+TIED = "ignite_mgpu.tied"
+# Written by torch.distributed.checkpoint last, once every rank's shards are on disk.
+METADATA = ".metadata"
+# In a sharded folder: everything but the model and the optimizer, one plain file.
+TRAIN_STATE = "train_state.pt"
 
 
 def list_checkpoints(dirname: str | Path) -> list[Path]:
@@ -141,7 +148,8 @@ def _numpy_rng_globals() -> Iterator[None]:
     allowed += [type(np.dtype(t)) for t in ("uint32", "int64", "float64")]
     import torch
 
-    scoped = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5; older: allowed process-wide
+    # torch >= 2.5; older: allowed process-wide.
+    scoped = getattr(torch.serialization, "safe_globals", None)
     if scoped is None:
         torch.serialization.add_safe_globals(allowed)
         yield

@@ -47,13 +47,15 @@ def run_signature(cfg: Config) -> dict[str, str]:
     from omegaconf import OmegaConf
 
     def flat(node: Any, prefix: str = "") -> dict[str, str]:
-        if isinstance(node, dict) and node:  # an empty one stays a key ("{}"): a key added there is then a change
+        # An empty one stays a key ("{}"): a key added there is then a change.
+        if isinstance(node, dict) and node:
             return {k: v for key, sub in node.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
         return {prefix[:-1]: str(node)}
 
     everything = flat(OmegaConf.to_container(OmegaConf.structured(cfg)))
     signature = {k: v for k, v in everything.items() if not k.startswith(RESUMABLE_CHANGES)}
-    if cfg.optim.scheduler not in ("cosine", "constant"):  # the schedule's own state holds the run's length
+    # The schedule's own state holds the run's length.
+    if cfg.optim.scheduler not in ("cosine", "constant"):
         signature["train.epochs"] = everything["train.epochs"]
     return signature
 
@@ -148,7 +150,8 @@ def continue_from_weights(path: Path, to_save: dict[str, Any]) -> None:
     the learning-rate schedule and the trainer start fresh, at epoch 0. Not an exact resume, and said so."""
     import ignite.distributed as idist
 
-    cpu = isinstance(to_save["model"], FullModelState)  # as resume: each rank copies only its shards to its GPU
+    # As resume: each rank copies only its shards to its GPU.
+    cpu = isinstance(to_save["model"], FullModelState)
     load_checkpoint(path, {"model": to_save["model"]}, map_location="cpu" if cpu else None)
     if idist.get_rank() == 0:
         logger.warning(

@@ -81,7 +81,8 @@ def create_checkpointers(
     full_saver = AsyncDiskSaver(dirname, idist.device().type) if async_save else saver
     full = Checkpoint(dict(objects), full_saver, n_saved=n_saved, global_step_transform=lambda e, _: e.state.iteration)
     safetensors, weights = best_format == "safetensors", cast(Any, model)
-    if safetensors:  # a wrapper's (DataParallel's) state_dict would carry its prefix: ignite unwraps only its own
+    # A wrapper's (DataParallel's) state_dict would carry its prefix: ignite unwraps only its own.
+    if safetensors:
         unwrapped = model if isinstance(model, FullModelState) else unwrap(model)
         weights = TiedWeights(unwrapped, module_and_optimizer(unwrapped, None)[0])
     best = Checkpoint(
@@ -138,7 +139,8 @@ def adopt_existing(
         full.load_state_dict({"_saved": sorted(found)})
     bests = [
         (best_score(m.group(2), float(m.group(3)), mode), p.name)
-        for p in Path(dirname).glob("best_model_*")  # .pt and .safetensors: best_format may change on resume
+        # .pt and .safetensors: best_format may change on resume.
+        for p in Path(dirname).glob("best_model_*")
         if (m := BEST_NAME.match(p.name))
     ]
     best.load_state_dict({"_saved": sorted(bests)})

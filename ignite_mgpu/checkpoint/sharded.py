@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from ignite_mgpu.checkpoint.background import BackgroundWriter
 
 logger = logging.getLogger(__name__)
-SHARDED = ("model", "optimizer")  # written by every rank through torch.distributed.checkpoint; the rest by rank 0
+# Written by every rank through torch.distributed.checkpoint; the rest by rank 0.
+SHARDED = ("model", "optimizer")
 
 
 class ShardedCheckpoint:
@@ -97,7 +98,8 @@ def save_sharded(to_save: Mapping[str, Any], folder: Path) -> None:
     state = _prepare(to_save, folder)
     with _saving_error(folder):
         with single_process_quietly():
-            dcp.save(state, checkpoint_id=str(_temp(folder)), no_dist=_alone())  # returns on every rank after .metadata
+            # Returns on every rank after .metadata.
+            dcp.save(state, checkpoint_id=str(_temp(folder)), no_dist=_alone())
         _commit(folder)
 
 
@@ -112,7 +114,8 @@ def save_sharded_async(to_save: Mapping[str, Any], folder: Path, stager: Any, gr
         upload = dcp.async_save(
             state, checkpoint_id=str(_temp(folder)), process_group=group, async_stager=stager, no_dist=_alone()
         )
-    return cast(Future, upload)  # a Future: the stager stages synchronously (an AsyncSaveResponse otherwise)
+    # A Future: the stager stages synchronously (an AsyncSaveResponse otherwise)
+    return cast(Future, upload)
 
 
 def _temp(folder: Path) -> Path:
@@ -124,7 +127,8 @@ def _prepare(to_save: Mapping[str, Any], folder: Path) -> dict[str, Any]:
     Returns what torch.distributed.checkpoint writes: this rank's model and optimizer state."""
     import ignite.distributed as idist
 
-    from ignite_mgpu.checkpoint.state import module_and_optimizer, sharded_state  # torch.distributed's, when saving
+    # torch.distributed's, when saving.
+    from ignite_mgpu.checkpoint.state import module_and_optimizer, sharded_state
 
     tmp = _temp(folder)
     module, optimizer = module_and_optimizer(to_save["model"], to_save.get("optimizer"))
@@ -146,7 +150,8 @@ def _commit(folder: Path) -> None:
         return
     tmp = _temp(folder)
     fsync_dir(tmp)
-    replaced = folder.with_name(f"{TEMP_PREFIX}{folder.name}.old")  # removed at the next start if left
+    # Removed at the next start if left.
+    replaced = folder.with_name(f"{TEMP_PREFIX}{folder.name}.old")
     if folder.exists():  # resumed from an earlier checkpoint: this iteration is written again
         os.replace(folder, replaced)
     os.replace(tmp, folder)
@@ -163,7 +168,8 @@ def _saving_error(folder: Path) -> Iterator[None]:
         yield
     except (OSError, CheckpointException) as err:
         reason = str(err)
-        if isinstance(err, CheckpointException):  # its text is every rank's traceback: the errors suffice
+        # Its text is every rank's traceback: the errors suffice.
+        if isinstance(err, CheckpointException):
             reason = "; ".join(f"rank {rank}: {exc}" for rank, (exc, _) in sorted(err.failures.items()))
         kept = ", ".join(p.name for p in reversed(list_checkpoints(folder.parent))) or "none"
         raise CheckpointError(

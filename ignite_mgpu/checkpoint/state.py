@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
 from ignite_mgpu.parallel.fsdp import find_fsdp
 from ignite_mgpu.parallel.strategy import unwrap
 
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered tensor by tensor onto rank 0's CPU
+# Gathered tensor by tensor onto rank 0's CPU.
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 class FullModelState:

@@ -22,7 +22,8 @@ from ignite_mgpu.checkpoint.files import SAFETENSORS, TEMP_PREFIX, TIED, fsync_d
 from ignite_mgpu.errors import CheckpointError
 
 SOURCE = "ignite_mgpu.source"  # metadata: what the weights were written from
-MODEL_KEYS = ("model.name", "model.num_classes", "model.args.")  # the run's settings that rebuild its model
+# The run's settings that rebuild its model.
+MODEL_KEYS = ("model.name", "model.num_classes", "model.args.")
 
 
 def tie_groups(module: nn.Module) -> list[list[str]]:

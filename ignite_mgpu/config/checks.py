@@ -24,8 +24,10 @@ from ignite_mgpu.config.schema import (
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.runs import metric_names
 
-BUILTIN_LOSSES = ("cross_entropy", "model")  # train.loss's own names; anything else is a "package.module:factory"
-CROSS_ENTROPY_ARGS = ("label_smoothing", "weight", "ignore_index")  # reduction stays "mean": the trainer averages
+# train.loss's own names; anything else is a "package.module:factory"
+BUILTIN_LOSSES = ("cross_entropy", "model")
+# Reduction stays "mean": the trainer averages.
+CROSS_ENTROPY_ARGS = ("label_smoothing", "weight", "ignore_index")
 
 
 def _check(ok: bool, key: str, value: Any, rule: str) -> None:
@@ -59,7 +61,8 @@ def _check_optim(o: OptimConfig) -> None:
     _check(math.isfinite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "use >= 0")
     _check(0 <= o.momentum < 1, "optim.momentum", o.momentum, "use a value in [0, 1)")
     _check(o.warmup_epochs >= 0, "optim.warmup_epochs", o.warmup_epochs, "use >= 0")
-    for key, name in (("optim.name", o.name), ("optim.scheduler", o.scheduler)):  # that it exists: the pre-flight's
+    # That it exists: the pre-flight's.
+    for key, name in (("optim.name", o.name), ("optim.scheduler", o.scheduler)):
         _check(
             bool(name) and ("." not in name or ":" in name), key, name, "use a name (Adam) or 'package.module:factory'"
         )

@@ -80,7 +80,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
                 f"--config {path}: no such file. Pass the path of a YAML file such as configs/debug.yaml."
             )
         try:
-            layers.append((OmegaConf.load(file), f"from {path}"))  # yaml.SafeLoader underneath: no code runs
+            # yaml.SafeLoader underneath: no code runs.
+            layers.append((OmegaConf.load(file), f"from {path}"))
         except Exception as err:  # yaml.YAMLError and friends: report the file, not a traceback
             first = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ConfigError(f"--config {path}: not valid YAML ({first}). Fix the file's syntax.") from None
@@ -92,7 +93,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
             layers.append((OmegaConf.from_dotlist(list(overrides)), "from the command line"))
         except OmegaConfBaseException as err:
             raise ConfigError(_paragraph(err, "from the command line")) from None
-        except Exception as err:  # a value YAML cannot parse (yaml.ScannerError): the override, not a traceback
+        # A value YAML cannot parse (yaml.ScannerError): the override, not a traceback.
+        except Exception as err:
             raise ConfigError(_unparsable(overrides, err)) from None
     merged = schema
     for layer, where in layers:
@@ -101,7 +103,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as err:
             raise ConfigError(_paragraph(err, where)) from None
-    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]  # to_object returns the dataclass
+    # to_object returns the dataclass.
+    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     validate(cfg)
     return cfg
 

@@ -23,9 +23,12 @@ THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 class RankBinding:
     """One local rank's CPUs and intra-op threads."""
 
-    cpus: tuple[int, ...] | None = None  # CPUs this rank is bound to (None: the affinity it was started with)
-    threads: int | None = None  # intra-op threads (OMP_NUM_THREADS, torch.set_num_threads); None: left as they are
-    share: int = 1  # CPUs this rank counts as its own; data.num_workers=auto hands out what its threads leave
+    # CPUs this rank is bound to (None: the affinity it was started with)
+    cpus: tuple[int, ...] | None = None
+    # Intra-op threads (OMP_NUM_THREADS, torch.set_num_threads); None: left as they are.
+    threads: int | None = None
+    # CPUs this rank counts as its own; data.num_workers=auto hands out what its threads leave.
+    share: int = 1
     where: str = ""  # what the CPUs are, for the rank's log line: "cores", "NUMA node 1 of GPU 3"
     # cores: the CPUs of the process group's own threads (gloo's transport and work loops, the store): the job's
     # whole mask, so that the all-reduce runs beside the backward instead of taking turns with it on the rank's
@@ -73,10 +76,12 @@ def _cores(nproc: int, allowed: list[int], topo: Topology, threads_set: bool) ->
     per, extra = divmod(len(units), nproc)
     ranks, start = [], 0
     for r in range(nproc):
-        chunk = units[start : start + per + (r < extra)]  # contiguous; the first ranks take the remainder
+        # Contiguous; the first ranks take the remainder.
+        chunk = units[start : start + per + (r < extra)]
         start += len(chunk)
         cpus = tuple(sorted(c for unit in chunk for c in unit))
-        physical = len({topo.core_of.get(c, c) for c in cpus})  # intra-op threads: one per physical core
+        # Intra-op threads: one per physical core.
+        physical = len({topo.core_of.get(c, c) for c in cpus})
         ranks.append(RankBinding(cpus, None if threads_set else physical, len(cpus), "cores", tuple(allowed)))
     return tuple(ranks)
 
@@ -105,7 +110,8 @@ def _numa(rank_gpus: list[list[int]], allowed: list[int], topo: Topology, thread
                 f"GPU {ids[0]} sits on NUMA node {names}, whose CPUs are all outside this job's CPUs "
                 f"{format_ids(allowed)}"
             )
-        sharing = sum(1 for other in nodes_of if other == nodes)  # ranks bound to the same node(s) split them
+        # Ranks bound to the same node(s) split them.
+        sharing = sum(1 for other in nodes_of if other == nodes)
         physical = len({topo.core_of.get(c, c) for c in cpus})
         threads = None if threads_set else max(1, physical // sharing)
         where = f"NUMA node {names} of GPU {','.join(map(str, ids))}"
@@ -229,7 +235,8 @@ def plan_for_job(
         snapshot = inventory.query_gpus()
         ids = gpu_ids if gpu_ids is not None else selection.plan_gpus(None, snapshot, environ).physical_ids or []
         if gpu_ids is None and not environ.get("CUDA_VISIBLE_DEVICES", "0").replace(",", "").isdigit():
-            ids = []  # GPUs named by UUID: which physical GPU cuda:k is cannot be told from the snapshot
+            # GPUs named by UUID: which physical GPU cuda:k is cannot be told from the snapshot.
+            ids = []
         rank_gpus = [ids] if strategy == "dp" else [ids[k : k + 1] for k in range(nproc)]
         buses = {g.index: g.pci_bus_id for g in snapshot if g.index in ids}
     topology = read_topology(allowed, buses)
@@ -242,7 +249,8 @@ def plan_for_job(
 
 # ------------------------------------------------------------------------------------ in the rank's process
 
-_current: RankBinding | None = None  # this process's binding, set by the process layer, read by data.py
+# This process's binding, set by the process layer, read by data.py.
+_current: RankBinding | None = None
 
 
 def current() -> RankBinding | None:
@@ -261,8 +269,10 @@ def _set_affinity(cpus: set[int]) -> list[tuple[int, set[int]]]:
     """Bind every thread of this process that still has the process's mask; returns (thread, old mask) pairs."""
     before = os.sched_getaffinity(0)
     changed = [(0, before)]
-    os.sched_setaffinity(0, cpus)  # pid 0: the calling thread; threads it starts from now on inherit the mask
-    for name in os.listdir("/proc/self/task"):  # threads started earlier (an import) keep theirs otherwise
+    # Pid 0: the calling thread; threads it starts from now on inherit the mask.
+    os.sched_setaffinity(0, cpus)
+    # Threads started earlier (an import) keep theirs otherwise.
+    for name in os.listdir("/proc/self/task"):
         tid = int(name)
         with contextlib.suppress(OSError):  # the thread may have ended meanwhile
             mask = os.sched_getaffinity(tid)
@@ -289,7 +299,8 @@ def free_group_threads(started_before: set[int]) -> None:
     bound, group = set(_current.cpus), set(_current.group_cpus)
     for tid in thread_ids() - started_before:
         with contextlib.suppress(OSError):  # the thread may have ended meanwhile
-            if os.sched_getaffinity(tid) == bound:  # inherited from the training thread, not set by its owner
+            # Inherited from the training thread, not set by its owner.
+            if os.sched_getaffinity(tid) == bound:
                 os.sched_setaffinity(tid, group)
 
 
@@ -303,7 +314,8 @@ def apply_binding(rank: RankBinding) -> Callable[[], None]:
     _current = rank
     if rank.threads is not None:
         os.environ.update({var: str(rank.threads) for var in THREAD_VARS})  # read when torch starts
-        if torch is not None:  # already imported (by the job function's module): its pool exists, resize it
+        # Already imported (by the job function's module): its pool exists, resize it.
+        if torch is not None:
             torch.set_num_threads(rank.threads)
     changed = _set_affinity(set(rank.cpus)) if rank.cpus is not None else []
 

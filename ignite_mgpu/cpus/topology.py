@@ -26,7 +26,8 @@ class Topology:
     """What /sys says about the CPUs and GPUs: a snapshot, so that planning is a pure function of it."""
 
     online: frozenset[int]  # every online CPU of the machine
-    nodes: dict[int, frozenset[int]]  # NUMA node -> its CPUs; only nodes with CPUs; {} without NUMA information
+    # NUMA node -> its CPUs; only nodes with CPUs; {} without NUMA information.
+    nodes: dict[int, frozenset[int]]
     core_of: dict[int, int]  # CPU -> the lowest CPU of its physical core (SMT siblings share it)
     gpu_nodes: dict[int, int | None]  # physical GPU id -> its NUMA node (None: unknown)
 

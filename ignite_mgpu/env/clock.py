@@ -12,14 +12,17 @@ from dataclasses import dataclass
 _IMPORTED = time.time()
 
 
-@functools.cache  # one value per process (a forked child keeps its parent's: its job's plan was made there)
+# One value per process (a forked child keeps its parent's: its job's plan was made there)
+@functools.cache
 def process_start() -> float:
     """This process's start as a ``time.time()`` (Linux: from ``/proc/self/stat``, so the interpreter's own start-up
     counts; elsewhere the time this module was imported)."""
     try:
         with open("/proc/self/stat") as f:
-            ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22, starttime: clock ticks since boot
-        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)  # starttime counts from boot, as this clock does
+            # Field 22, starttime: clock ticks since boot.
+            ticks = int(f.read().rpartition(")")[2].split()[19])
+        # Starttime counts from boot, as this clock does.
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
         return min(_IMPORTED, time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK")))
     except (OSError, ValueError, IndexError, AttributeError):
         return _IMPORTED
@@ -29,9 +32,12 @@ def process_start() -> float:
 class JobClock:
     """The anchors of one attempt of a job, as ``time.time()`` values."""
 
-    started: float  # the command's start (the launching process's); under torchrun / SLURM, this process's
-    failed_at: float | None = None  # a restart: when the previous attempt's first rank failed (None: a first start)
-    reached: int = 0  # a restart: the last iteration that every rank of the previous attempt had completed
+    # The command's start (the launching process's); under torchrun / SLURM, this process's.
+    started: float
+    # A restart: when the previous attempt's first rank failed (None: a first start)
+    failed_at: float | None = None
+    # A restart: the last iteration that every rank of the previous attempt had completed.
+    reached: int = 0
 
 
 _current: JobClock | None = None

@@ -11,8 +11,10 @@ import subprocess
 from collections.abc import Callable, Mapping
 from typing import Any
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # torchrun (torch.distributed.run) sets all three
-KEPT_SLURM_VARS = ("SLURM_RESTART_COUNT",)  # the one SLURM variable a spawned worker keeps (restarts)
+# torchrun (torch.distributed.run) sets all three.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+# The one SLURM variable a spawned worker keeps (restarts)
+KEPT_SLURM_VARS = ("SLURM_RESTART_COUNT",)
 
 
 def started_externally(environ: Mapping[str, str] = os.environ) -> bool:

@@ -21,7 +21,8 @@ _collective_timeout: float | None = None
 _map: mmap.mmap | None = None  # the worker's status file, mapped
 _status: memoryview | None = None  # _map as [last completed iteration, saving 0/1]
 _STATUS = struct.Struct("qq")
-_saving, _saving_lock = 0, threading.Lock()  # saves in progress: the training thread's and a background write
+# Saves in progress: the training thread's and a background write.
+_saving, _saving_lock = 0, threading.Lock()
 
 
 def request_stop(signum: int) -> None:

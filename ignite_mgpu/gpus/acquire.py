@@ -19,7 +19,8 @@ from ignite_mgpu.gpus.claims import GpuClaims
 from ignite_mgpu.gpus.selection import GpuPlan, GpusTaken, parse_gpus, plan_gpus, used_ids
 from ignite_mgpu.text import format_ids, plural
 
-POLL = 5.0  # seconds between two looks while waiting: a job starts within this long of its GPUs becoming free
+# Seconds between two looks while waiting: a job starts within this long of its GPUs becoming free.
+POLL = 5.0
 STATUS_EVERY = 60.0  # seconds between two lines saying what a waiting job waits for
 _RACES = 20  # another job claimed between our look and our lock: look again, at most this often
 
@@ -153,7 +154,8 @@ def _look(
     why each GPU that is not free is not, and the earlier waiters."""
     unavailable = {**_busy(snapshot, cfg.min_free_memory), **_claimed(snapshot, dir_fd)}
     ahead = ticket.ahead()
-    for _, wants in ahead:  # an earlier waiter's GPUs are its own, every GPU when it takes any (auto)
+    # An earlier waiter's GPUs are its own, every GPU when it takes any (auto)
+    for _, wants in ahead:
         for g in snapshot:
             if wants is None or claims.claim_name(g.uuid, g.pci_bus_id) in wants:
                 unavailable.setdefault(g.index, "is waited for by an earlier job")

@@ -23,7 +23,8 @@ from ignite_mgpu.gpus.shared_dir import printable, user_name
 
 CLAIMS_DIR_ENV = "IGNITE_MGPU_CLAIMS_DIR"  # for servers whose users do not share /tmp
 DEFAULT_CLAIMS_DIR = "/tmp/ignite-mgpu-claims"
-_LOCK_TRIES = 5  # a reader's probe holds a shared lock for a moment: a claim retries before it gives up
+# A reader's probe holds a shared lock for a moment: a claim retries before it gives up.
+_LOCK_TRIES = 5
 _NO_HOLDER = "it wrote no readable holder file"
 _TICKET = re.compile(r"wait-(\d{1,20})-(\d{1,10})-(\d{1,10})")  # wait-<start ns>-<pid>-<uid>
 
@@ -38,7 +39,8 @@ class Holder:
     command: str = ""
     since: float | None = None  # time.time() when the claim (or the wait) began
     known: bool = False
-    problem: str = ""  # why the claim is not readable, e.g. "a symlink where the lock file should be"
+    # Why the claim is not readable, e.g. "a symlink where the lock file should be"
+    problem: str = ""
 
     def describe(self) -> str:
         """ "alice (pid 4242, `ignite-mgpu train --gpus 2`, since 2026-12-01 16:05:12)", or the unknown job."""
@@ -107,7 +109,8 @@ def _holder_from(data: dict | None, owner: int) -> Holder:
     pid, command, since = data.get("pid"), data.get("command"), data.get("since")
     if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:
         pid = None
-    if not isinstance(since, (int, float)) or isinstance(since, bool) or not 0 < since < 1e11:  # nan, 1e300
+    # Nan, 1e300.
+    if not isinstance(since, (int, float)) or isinstance(since, bool) or not 0 < since < 1e11:
         since = None
     text = printable(command) if isinstance(command, str) else ""
     return Holder(user_name(owner), pid, text, None if since is None else float(since), known=True)
@@ -172,7 +175,8 @@ class GpuClaims:
 
     def close(self) -> None:
         fds, self._fds, self.names = self._fds, [], []
-        for fd in reversed(fds):  # the holder files first: a job claiming next finds its own free to write
+        # The holder files first: a job claiming next finds its own free to write.
+        for fd in reversed(fds):
             with contextlib.suppress(OSError):
                 os.close(fd)
 
@@ -209,7 +213,8 @@ def claim(dir_fd: int, names: Iterable[str]) -> GpuClaims | None:
             os.close(held)
         raise
     record = json.dumps({"pid": os.getpid(), "command": _command(), "since": time.time()}).encode()
-    for name in wanted:  # who holds it, for `ignite-mgpu devices` and the messages of other jobs; best effort
+    # Who holds it, for `ignite-mgpu devices` and the messages of other jobs; best effort.
+    for name in wanted:
         if (fd := shared_dir.write_own(dir_fd, f"{name}.{os.geteuid()}.holder", record)) is not None:
             taken.append(fd)
     return GpuClaims(wanted, taken)
@@ -220,7 +225,8 @@ def _lock(dir_fd: int, name: str) -> int | None:
     it, or the file cannot be used (which counts as claimed: a claim is never assumed away)."""
     for _ in range(_LOCK_TRIES):
         opened = shared_dir.open_file(dir_fd, name)
-        if opened is None:  # only a missing file is made (another user's is opened above, never truncated)
+        # Only a missing file is made (another user's is opened above, never truncated)
+        if opened is None:
             if (fd := shared_dir.create_file(dir_fd, name, writable=False)) is None:
                 continue  # made by another job a moment ago: open that one
         elif isinstance(opened, str):
@@ -239,7 +245,8 @@ def _lock(dir_fd: int, name: str) -> int | None:
                 f"cannot lock GPU claims in {claims_dir()} ({err.strerror}): its file system has no flock. Set "
                 f"{CLAIMS_DIR_ENV} to a folder on a local disk (mkdir -m 1777 DIR), or pass --share."
             ) from None
-        with contextlib.suppress(OSError):  # still the file at that name (nobody deleted and remade it)
+        # Still the file at that name (nobody deleted and remade it)
+        with contextlib.suppress(OSError):
             if os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
                 return fd
         os.close(fd)

@@ -24,7 +24,8 @@ _NO_GPU_TEXT = (
 class Occupancy:
     """Who has each GPU (``who_has``): the job that claims it and the users of its processes."""
 
-    claims: dict[int, claims.Holder] = field(default_factory=dict)  # physical id -> the claim's holder
+    # Physical id -> the claim's holder.
+    claims: dict[int, claims.Holder] = field(default_factory=dict)
     users: dict[int, str] = field(default_factory=dict)  # pid -> user ("?": not visible from here)
     note: str = ""  # why the claims could not be read
 

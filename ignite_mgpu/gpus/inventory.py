@@ -12,7 +12,8 @@ from dataclasses import dataclass
 _QUERY_GPUS = "--query-gpu=index,pci.bus_id,name,memory.used,memory.total,utilization.gpu"
 # The UUID comes last, where a recording without it (older answers) leaves the other columns as they were.
 _GPU_ARGV = ["nvidia-smi", _QUERY_GPUS + ",mig.mode.current,uuid", "--format=csv,noheader,nounits"]
-_GPU_ARGV_NO_MIG = ["nvidia-smi", _QUERY_GPUS + ",uuid", "--format=csv,noheader,nounits"]  # drivers before MIG
+# Drivers before MIG.
+_GPU_ARGV_NO_MIG = ["nvidia-smi", _QUERY_GPUS + ",uuid", "--format=csv,noheader,nounits"]
 _APPS_ARGV = ["nvidia-smi", "--query-compute-apps=gpu_bus_id,pid", "--format=csv,noheader"]
 
 
@@ -67,7 +68,8 @@ def _query_nvml() -> list[GpuInfo] | None:
     try:
         gpus = []
         for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)  # NVML enumerates in PCI bus order, like nvidia-smi
+            # NVML enumerates in PCI bus order, like nvidia-smi.
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
             util = optional(lambda h: pynvml.nvmlDeviceGetUtilizationRates(h).gpu, handle)
             try:
@@ -77,7 +79,8 @@ def _query_nvml() -> list[GpuInfo] | None:
                 n_proc, pids = -1, ()
             bus = _bus(text(pynvml.nvmlDeviceGetPciInfo(handle).busId))
             name = text(pynvml.nvmlDeviceGetName(handle))
-            mig = mig_mode is not None and optional(lambda h: mig_mode(h)[0], handle) == 1  # (current, pending)
+            # (current, pending)
+            mig = mig_mode is not None and optional(lambda h: mig_mode(h)[0], handle) == 1
             try:
                 uuid = text(uuid_of(handle))
             except pynvml.NVMLError:
@@ -153,7 +156,8 @@ def query_numa_affinity(run: Callable[[list[str]], str] | None = None) -> dict[i
         text = (run or _run_nvidia_smi)(["nvidia-smi", "topo", "-m"])
     except (OSError, subprocess.SubprocessError):
         return {}
-    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # underlined headers when it believes it writes to a terminal
+    # Underlined headers when it believes it writes to a terminal.
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
     lines = text.splitlines()
     header = next((ln for ln in lines if "NUMA Affinity" in ln), None)
     if header is None:

@@ -31,7 +31,8 @@ class GpusTaken(ConfigError):
 class GpuPlan:
     """The outcome of ``--gpus``: which physical GPUs to use and the environment that selects them."""
 
-    physical_ids: list[int] | None  # physical ids in CUDA order (cuda:0 first); None = CPU only (gloo)
+    # Physical ids in CUDA order (cuda:0 first); None = CPU only (gloo)
+    physical_ids: list[int] | None
     env: dict[str, str]  # set in the launcher's os.environ before CUDA is touched and workers spawn
     messages: list[str]  # human lines to print once
 
@@ -219,7 +220,8 @@ def _choose(
 ) -> list[int]:
     """``auto`` / ``auto:N``: the idlest cards not in MIG mode (``_rank``) that no other job has, and a line naming
     the chosen and skipped."""
-    whole = [g for g in gpus if not g.mig]  # a MIG card's memory and load are the whole card's, not a slice's
+    # A MIG card's memory and load are the whole card's, not a slice's.
+    whole = [g for g in gpus if not g.mig]
     count = count if count is not None else min(nproc or 1, len(whole))
     if count > len(whole):
         mig = [g.index for g in gpus if g.mig]

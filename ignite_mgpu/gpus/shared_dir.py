@@ -14,7 +14,8 @@ import stat
 
 MAX_READ = 4096  # bytes read of any file in the folder: a huge file costs no more than a small one
 MAX_ENTRIES = 10_000  # folder entries looked at when searching
-OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC  # O_NONBLOCK: a FIFO never blocks open
+# O_NONBLOCK: a FIFO never blocks open.
+OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 class UnsafeFolder(Exception):

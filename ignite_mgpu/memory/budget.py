@@ -18,8 +18,10 @@ from ignite_mgpu.text import size
 from ignite_mgpu.train.data.datasets import check_global_batch
 
 MIB = 2**20
-MARGIN = 0.15  # the estimate's stated error (benchmarks/memory): a fit on a GPU keeps 15 % of the peak free
-CPU_MARGIN = 0.55  # glibc's heap held up to 54 % more than the tensors in the same benchmark: kept free on the CPU
+# The estimate's stated error (benchmarks/memory): a fit on a GPU keeps 15 % of the peak free.
+MARGIN = 0.15
+# glibc's heap held up to 54 % more than the tensors in the same benchmark: kept free on the CPU.
+CPU_MARGIN = 0.55
 CUDA_CONTEXT = 512 * MIB  # what CUDA's context and kernels take on each GPU before the first tensor
 STRATEGY_ORDER = ("ddp", "fsdp", "dp")  # the preferred strategy first, when several fit
 
@@ -29,11 +31,14 @@ class Capacity:
     """The memory each process (each GPU) may use: ``free[i]`` for process i (dp: GPU i of its one process)."""
 
     device: str  # "cuda" or "cpu"
-    free: list[int]  # bytes; on the CPU the available RAM divided among the processes, less each one's runtime
+    # Bytes; on the CPU the available RAM divided among the processes, less each one's runtime.
+    free: list[int]
     where: str  # "GPU 2,3" or "the CPU (RAM)", for the message
-    reserve: int  # subtracted from each before it was given here (CUDA's context, or a process's runtime)
+    # Subtracted from each before it was given here (CUDA's context, or a process's runtime)
+    reserve: int
     margin: float = MARGIN  # the share of the peak a fit keeps free
-    host_ram: int = 0  # the available RAM less the processes' own runtime: room for a GPU job's snapshot
+    # The available RAM less the processes' own runtime: room for a GPU job's snapshot.
+    host_ram: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +53,14 @@ class Row:
     optimizer: int
     activations_per_sample: int  # how much the peak grows with each sample of ``batch``
     peak: int
-    extra: int = 0  # dp: GPU 0's share beyond a replica's (the whole batch's inputs, the gathered outputs)
+    # dp: GPU 0's share beyond a replica's (the whole batch's inputs, the gathered outputs)
+    extra: int = 0
     block: int = 0  # fsdp: the largest unit's gathered parameters
-    snapshot: int = 0  # on the CPU: checkpoint.async_save's copy of the saved state, in the same RAM (counted in fits)
+    # On the CPU: checkpoint.async_save's copy of the saved state, in the same RAM (counted in fits)
+    snapshot: int = 0
     fits: bool = False  # the whole ``batch`` fits, with MARGIN
-    micro_batch: int | None = None  # the largest micro-batch per process that fits (None: not even one sample)
+    # The largest micro-batch per process that fits (None: not even one sample)
+    micro_batch: int | None = None
     note: str = ""
 
 
@@ -66,7 +74,8 @@ class MemoryPlan:
     capacity: Capacity
     rows: list[Row]
     advice: str
-    host_snapshot: int = 0  # on GPUs: checkpoint.async_save's snapshot in pinned host RAM, all processes together
+    # On GPUs: checkpoint.async_save's snapshot in pinned host RAM, all processes together.
+    host_snapshot: int = 0
 
 
 def capacity(cfg: Config, environ: Mapping[str, str] = os.environ, gpus: list[GpuInfo] | None = None) -> Capacity:
@@ -186,7 +195,8 @@ def _dataparallel(ddp: Footprint, per_sample: float, cap: Capacity, batch: int) 
         note = "needs CUDA GPUs (nn.DataParallel)"
         return Row("dp", 1, batch, ddp.params, ddp.grads, ddp.optimizer, round(slope), peak, extra, note=note)
     micro = largest_fit(fixed, slope, cap.free[0], batch, cap.margin)
-    replica = ddp.params + per_sample * batch / n  # another GPU: a replica and its share of the activations
+    # Another GPU: a replica and its share of the activations.
+    replica = ddp.params + per_sample * batch / n
     others = all(replica * (1 + cap.margin) <= free for free in cap.free[1:])
     micro = micro if others else None
     return Row("dp", 1, batch, ddp.params, ddp.grads, ddp.optimizer, round(slope), peak, extra,

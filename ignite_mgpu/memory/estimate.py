@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.fsdp  # its import registers the "fake" backend (``_fake_group``): PyTorch 2.14's still does
+
+# Its import registers the "fake" backend (``_fake_group``): PyTorch 2.14's still does.
+import torch.distributed.fsdp
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -30,7 +32,8 @@ from ignite_mgpu.train.data.datasets import build_datasets, first_batch
 from ignite_mgpu.train.losses import create_loss
 from ignite_mgpu.train.models import create_model
 
-STEPS = 2  # the first step creates the optimizer state; the second runs its backward with that state held
+# The first step creates the optimizer state; the second runs its backward with that state held.
+STEPS = 2
 
 
 class _PeakOnly:
@@ -68,7 +71,8 @@ class Footprint:
     activations: int  # activations and backward temporaries at the peak
     inputs: int  # the batch itself
     buckets: int  # DDP's gradient buckets (a copy of every gradient, kept from construction on)
-    peak: int  # the most held at once during the step: params + grads + state + activations + inputs + buckets
+    # The most held at once during the step: params + grads + state + activations + inputs + buckets.
+    peak: int
     block: int = 0  # fsdp: the largest unit's unsharded parameters (in the compute dtype)
     outputs: int = 0  # the model's predictions for the batch (DataParallel gathers them on GPU 0)
 
@@ -163,7 +167,8 @@ def measure(cfg: Config, example: Any, batch: int, world_size: int = 1, strategy
         data = fake_batch(example, batch)
         tracker: MemTracker
         if sharded:
-            tracker = ShardedStepTracker(model, None)  # the optimizer is created inside: its hooks are global
+            # The optimizer is created inside: its hooks are global.
+            tracker = ShardedStepTracker(model, None)
             tracker.track_inputs(data)
         else:
             tracker = StepTracker()
@@ -254,7 +259,8 @@ def _fake_group(world_size: int) -> Iterator[Any]:
     store = _AloneStore()  # held while the group lives: torch keeps only a C++ reference
     try:
         dist.init_process_group("fake", rank=0, world_size=world_size, store=store)
-    except (AssertionError, ValueError, RuntimeError) as err:  # 2.14: AssertionError("Unknown c10d backend ...")
+    # 2.14: AssertionError("Unknown c10d backend ...")
+    except (AssertionError, ValueError, RuntimeError) as err:
         raise ConfigError(
             f"ignite-mgpu plan measures fsdp over {world_size} processes in this one process, with PyTorch's "
             f'"fake" process-group backend, and PyTorch {torch.__version__} does not provide it ({err}). Plan one '
@@ -293,7 +299,8 @@ def _unit_bytes(model: nn.Module, units: list[nn.Module], element_size: int | No
     dtype's (None: the parameters' own)."""
     claimed: set[int] = set()
     sizes = []
-    for unit in [*reversed(units), model]:  # innermost first: a unit holds what its inner units do not
+    # Innermost first: a unit holds what its inner units do not.
+    for unit in [*reversed(units), model]:
         own = [p for p in unit.parameters() if id(p) not in claimed]
         claimed.update(id(p) for p in own)
         sizes.append(sum(p.numel() * (element_size or p.element_size()) for p in own))

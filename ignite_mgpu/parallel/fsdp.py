@@ -107,7 +107,8 @@ def shard_model(
     if cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy()
     units = [m for m in model.modules() if m is not model and type(m).__name__ in names]
-    for unit in reversed(units):  # modules() is outermost first: children must be sharded before their parents
+    # modules() is outermost first: children must be sharded before their parents.
+    for unit in reversed(units):
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **common)
     fully_shard(model, **common)
     logger.info(

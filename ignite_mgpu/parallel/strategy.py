@@ -60,7 +60,8 @@ def prepare_model(
         model = model.to(idist.device())
     else:
         model = idist.auto_model(model, sync_bn=sync_batchnorm)
-    return torch.compile(model) if compile else model  # type: ignore[return-value]  # an OptimizedModule
+    # An OptimizedModule.
+    return torch.compile(model) if compile else model  # type: ignore[return-value]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -132,7 +133,8 @@ def _scalars_as_vectors(output: Any) -> Any:
     if isinstance(output, torch.Tensor):
         return output.unsqueeze(0) if output.dim() == 0 else output
     if isinstance(output, Mapping):
-        return type(output)((k, _scalars_as_vectors(v)) for k, v in output.items())  # type: ignore[call-arg]  # as torch gathers
+        # As torch gathers.
+        return type(output)((k, _scalars_as_vectors(v)) for k, v in output.items())  # type: ignore[call-arg]
     return output
 
 

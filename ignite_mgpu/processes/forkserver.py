@@ -22,7 +22,8 @@ from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
 METHOD = "forkserver"
-_IGNORES = "IGNITE_MGPU_SERVER"  # in the server's own environment only: "launcher pid:signals it ignores"
+# In the server's own environment only: "launcher pid:signals it ignores"
+_IGNORES = "IGNITE_MGPU_SERVER"
 # What every worker of the process layer imports: ignite.distributed (worker.run_in_group) and torch; torch._dynamo
 # is the largest part, imported when the first optimizer is built (torch.optim's add_param_group).
 PRELOAD = ("torch", "torch._dynamo", "ignite.distributed", "ignite_mgpu.processes.worker")
@@ -40,7 +41,8 @@ def preload_for(fn: Callable[..., Any], args: tuple) -> list[str]:
     function's, and the default job's when the function is ``launcher.run_named``). A user's module is imported by
     each worker after the fork, as a spawned worker imports it: what it runs at import (a CUDA query, reading the
     environment) runs where it would there."""
-    modules = [__name__, *PRELOAD]  # this module first: the server ignores the stop signals while it imports
+    # This module first: the server ignores the stop signals while it imports.
+    modules = [__name__, *PRELOAD]
     named = getattr(fn, "__qualname__", "") == "run_named" and args and isinstance(args[0], str)
     for module in (str(getattr(fn, "__module__", "")), str(args[0]).partition(":")[0] if named else ""):
         if module == DEFAULT_JOB[0]:
@@ -82,11 +84,13 @@ def start(preload: list[str], preempt_signal: int | None = None) -> int:
         try:
             with _environment_for_the_server({"PYTHONPATH": paths, _IGNORES: told}):
                 forkserver.ensure_running()
-            _started[:] = [int(server._forkserver_pid)]  # before the unblock, whose pending Ctrl-C raises here
+            # Before the unblock, whose pending Ctrl-C raises here.
+            _started[:] = [int(server._forkserver_pid)]
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     else:
-        forkserver.ensure_running()  # ours, alive; or another part's, which multiprocessing restarts if it died
+        # Ours, alive; or another part's, which multiprocessing restarts if it died.
+        forkserver.ensure_running()
     return int(server._forkserver_pid)
 
 
@@ -184,4 +188,5 @@ if _IGNORES in os.environ and _in_the_server():  # preloaded first, in the serve
     _ignored = [int(n) for n in _numbers.split(",")]
     for _number in _ignored:
         signal.signal(_number, signal.SIG_IGN)  # a forked worker sets its own handlers for these
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _ignored)  # blocked since the server started (``start``)
+    # Blocked since the server started (``start``)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _ignored)

@@ -80,7 +80,8 @@ def _run_job(
         supervisor = Supervisor(plan, fn, args, restart, report)
         supervisor.run()
         ended, value = supervisor.outcome, supervisor.value
-        if supervisor.note and not report:  # "gave up after 1 restart(s)": the caller's message says it too
+        # "gave up after 1 restart(s)": the caller's message says it too.
+        if supervisor.note and not report:
             ended = dataclasses.replace(ended, advice=" ".join(filter(None, [ended.advice, supervisor.note])))
         first = plan.node_rank == 0
     else:

@@ -16,7 +16,8 @@ from typing import Any
 
 from ignite_mgpu.errors import ConfigError
 
-_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"  # torch.cuda.is_available() asks NVML instead of CUDA: fork stays safe
+# torch.cuda.is_available() asks NVML instead of CUDA: fork stays safe.
+_NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 _WHY_FORK = (
     "launch() starts the workers by fork from this session, since a fresh process cannot import a function "
     "defined in a notebook cell or at the prompt, and a forked process cannot use CUDA once its parent has "
@@ -117,7 +118,8 @@ def fork_is_poisoned() -> bool:
     (torch keeps the answer in the child, only, behind a private name: tests/test_private_apis.py guards it)."""
     torch = sys.modules["torch"]
     pid = os.fork()
-    if pid == 0:  # the child: one flag read, then out, without running any of the parent's exit handlers
+    # The child: one flag read, then out, without running any of the parent's exit handlers.
+    if pid == 0:
         os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) == 1

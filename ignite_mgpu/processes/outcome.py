@@ -9,7 +9,8 @@ from typing import Any
 
 from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, USAGE, signal_exit_code
 
-Failure = dict[str, Any]  # a worker's failure file (worker.failure_record): rank, time, type, message, traceback, code
+# A worker's failure file (worker.failure_record): rank, time, type, message, traceback, code.
+Failure = dict[str, Any]
 
 
 @dataclass
@@ -66,7 +67,8 @@ def outcome(
         return Outcome(SUCCESS)
     if len(stopped) == len(exit_codes):  # every worker was signalled directly (e.g. by a scheduler)
         return Outcome(int(stopped[0]["code"]), f"{stopped[0]['message']}.")
-    usage = [f for f in failures if f["code"] == USAGE]  # a script rejected its arguments (ignite-mgpu run)
+    # A script rejected its arguments (ignite-mgpu run)
+    usage = [f for f in failures if f["code"] == USAGE]
     if usage:
         first = min(usage, key=lambda f: f["time"])
         where = "" if len(usage) == len(exit_codes) else f"rank {first['rank']}: "
@@ -76,7 +78,8 @@ def outcome(
         return Outcome(DIVERGED, f"training diverged: {diverged[0]['message']}")
     if first_failure and first_failure[1] == -signal.SIGABRT and not failures:
         return _watchdog_abort(exit_codes, rank_offset, timeout)
-    if first_failure and first_failure[1] < 0:  # killed (OOM killer, kill -9): no failure file of its own
+    # Killed (OOM killer, kill -9): no failure file of its own.
+    if first_failure and first_failure[1] < 0:
         return _killed(first_failure, rank_offset)
     return _raised([f for f in failures if f["code"] == FAILED], exit_codes, rank_offset, timeout)
 

@@ -32,26 +32,32 @@ class LaunchPlan:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
-    rendezvous_file: str | None = None  # a file store's path (private rendezvous on one node) or None (env://)
+    # A file store's path (private rendezvous on one node) or None (env://)
+    rendezvous_file: str | None = None
     env: dict[str, str] = field(default_factory=dict)  # set in every worker before torch starts
     timeout: float = 300.0
     stop_grace: float = 60.0
     strategy: str = "ddp"
     external: bool = False  # started by torchrun / SLURM: join, spawn nothing
-    gpus: list[int] | None = None  # physical GPU ids in CUDA order (None: as the environment has them)
+    # Physical GPU ids in CUDA order (None: as the environment has them)
+    gpus: list[int] | None = None
     device: str = "cpu"  # what the workers train on: "cuda" or "cpu"
-    spawn_one: bool = False  # run even a single process in a spawned worker, whose CUDA starts fresh
+    # Run even a single process in a spawned worker, whose CUDA starts fresh.
+    spawn_one: bool = False
     messages: list[str] = field(default_factory=list)
     binding: BindingPlan = field(default_factory=BindingPlan)  # CPUs and threads of each local rank
-    max_restarts: int = 0  # restarts of the whole group after a failure a restart can cure (supervisor.py)
-    preempt_signal: int | None = None  # the pre-emption signal: checkpoint, stop, requeue the SLURM job
+    # Restarts of the whole group after a failure a restart can cure (supervisor.py)
+    max_restarts: int = 0
+    # The pre-emption signal: checkpoint, stop, requeue the SLURM job.
+    preempt_signal: int | None = None
     # The job's GPU claims, held by the launching process until the job ends (run_plan releases them).
     claims: GpuClaims = field(default_factory=GpuClaims, compare=False, repr=False)
     # "forkserver" (launch/forkserver.py): a job joining the group; "spawn": a user's script (ignite-mgpu run),
     # started in a fresh interpreter as python would run it; "fork": from a notebook (its function, a fresh process
     # cannot import).
     start_method: str = "spawn"
-    join_group: bool = True  # False: the job creates its own process group (ignite-mgpu run: a user's script)
+    # False: the job creates its own process group (ignite-mgpu run: a user's script)
+    join_group: bool = True
     # When the command started (and, for a restart, when the previous attempt failed): goodput's anchors.
     clock: JobClock = field(default_factory=lambda: JobClock(process_start()), compare=False, repr=False)
 
@@ -65,10 +71,13 @@ class Restart:
     """What a job's restart hook returns for restart k: the new arguments of ``fn`` and where they resume."""
 
     args: tuple
-    checkpoint: str | None = None  # the checkpoint the restarted job resumes from (None: from its beginning)
+    # The checkpoint the restarted job resumes from (None: from its beginning)
+    checkpoint: str | None = None
     iteration: int = 0  # that checkpoint's iteration
-    resumes: bool = True  # False: a plain function run again (launch()), nothing known about its progress
-    name: str = "the job function"  # what runs again from its start when it does not resume (a script's name)
+    # False: a plain function run again (launch()), nothing known about its progress.
+    resumes: bool = True
+    # What runs again from its start when it does not resume (a script's name)
+    name: str = "the job function"
 
 
 @dataclass(frozen=True)
@@ -122,7 +131,8 @@ def make_plan(
             selection.check_cuda_not_initialized(gpu_plan.physical_ids, environ)
             environ.update(gpu_plan.env)
         plan = decide(cfg, gpu_plan, probe_machine(), environ, join_group)
-        if cfg.gpus is None and plan.device == "cuda" and not external:  # the GPUs as the environment has them
+        # The GPUs as the environment has them.
+        if cfg.gpus is None and plan.device == "cuda" and not external:
             held = acquire.acquire(cfg, environ)[1]
         if plan.backend is not None and not plan.external and cfg.master_port is not None and cfg.node_rank == 0:
             check_port_free(cfg.master_addr, cfg.master_port)
@@ -278,7 +288,8 @@ def _group_environment(
         plan.device = "cpu"
         plan.messages.append(f"--backend gloo with {plan.nproc} processes and {n_cuda} GPU(s): training on the CPU.")
     if backend == "gloo" and "OMP_NUM_THREADS" not in environ:
-        plan.env["OMP_NUM_THREADS"] = str(max(1, machine.cpu_count // plan.nproc))  # no oversubscription
+        # No oversubscription.
+        plan.env["OMP_NUM_THREADS"] = str(max(1, machine.cpu_count // plan.nproc))
 
 
 def _check_fsdp_processes(cfg: DistConfig, nproc: int, chosen: list[int] | None, messages: list[str]) -> None:

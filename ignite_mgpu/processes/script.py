@@ -38,7 +38,8 @@ def run_script_job(
     validate(Config(dist=cfg))
     plan = make_plan(cfg, os.environ, join_group=False)
     args = (target, script_args, module)
-    again = Restart(args, resumes=False, name=target)  # for the restart's line; TORCHELASTIC_RESTART_COUNT counts
+    # For the restart's line; TORCHELASTIC_RESTART_COUNT counts.
+    again = Restart(args, resumes=False, name=target)
     return launcher.run_plan(plan, run_script, *args, restart=lambda attempt: again)
 
 
@@ -56,7 +57,8 @@ def check_not_nested(environ: Mapping[str, str]) -> None:
 def check_target(target: str, module: bool) -> None:
     """The script exists (or the module can be found), checked once here rather than failing on every rank."""
     if module:
-        sys.path.insert(0, os.getcwd())  # where python -m looks first (the ignite-mgpu command does not)
+        # Where python -m looks first (the ignite-mgpu command does not)
+        sys.path.insert(0, os.getcwd())
         try:
             found = importlib.util.find_spec(target) is not None
         except (ImportError, ValueError):
@@ -95,7 +97,8 @@ def run_script(local_rank: int, target: str, argv: list[str], module: bool) -> N
     except SystemExit as err:
         failure = _exited(target, err)
         if failure is not None:
-            failure.__traceback__ = _script_frames(err.__traceback__)  # where the script called sys.exit
+            # Where the script called sys.exit.
+            failure.__traceback__ = _script_frames(err.__traceback__)
             raise failure from None
     except BaseException as err:
         err.__traceback__ = _script_frames(err.__traceback__)

@@ -32,7 +32,8 @@ from ignite_mgpu.processes.worker import RESULT_FILE, worker_main
 # After the first failure the other ranks get this long to exit by themselves (a peer that lost its connection
 # does at once; the failing rank's failure file is written by then); longer only while one of them writes a checkpoint.
 FAILURE_SETTLE = 1.0
-BACKOFF, MAX_BACKOFF = 1.0, 30.0  # seconds before restart k: BACKOFF * 2**(k-1), at most MAX_BACKOFF
+# Seconds before restart k: BACKOFF * 2**(k-1), at most MAX_BACKOFF.
+BACKOFF, MAX_BACKOFF = 1.0, 30.0
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -62,15 +63,20 @@ class Supervisor:
         self.error_dir = tempfile.mkdtemp(prefix="ignite-mgpu-")  # 0700: private to this user
         self.signal_received = 0
         self.starting = False  # while the attempt's workers are being started
-        self.stopped_while_starting = False  # the stop signal came then: _attempt kills what it started
+        # The stop signal came then: _attempt kills what it started.
+        self.stopped_while_starting = False
         self.procs: list[Any] = []
-        self.first_failure: tuple[int, int] | None = None  # (local rank, exit code) of the first rank that failed
-        self.died: list[int] = []  # local ranks killed by a signal before this process signalled any
+        # (local rank, exit code) of the first rank that failed.
+        self.first_failure: tuple[int, int] | None = None
+        # Local ranks killed by a signal before this process signalled any.
+        self.died: list[int] = []
         self.signalled = False  # whether this process has signalled the attempt's workers
-        self.server: int | None = None  # the fork server's pid, once started (it outlives the attempts)
+        # The fork server's pid, once started (it outlives the attempts)
+        self.server: int | None = None
         self.deadline = self.failure_deadline = self.failure_time = float("inf")
         self.failed_at: float | None = None  # time.time() of the attempt's first failure
-        self.clock = plan.clock  # the next attempt's anchors: a restart adds the failure's time and progress
+        # The next attempt's anchors: a restart adds the failure's time and progress.
+        self.clock = plan.clock
 
     def _signal_all(self, sig: int) -> None:
         self.signalled = True
@@ -94,11 +100,13 @@ class Supervisor:
         preempt = signum not in _STOP_SIGNALS
         name_of = signal.Signals(signum).name
         within = f" (up to {self.plan.stop_grace:.0f} s)"
-        if preempt:  # a script's own handler decides what the signal does (by default, it ends the process)
+        # A script's own handler decides what the signal does (by default, it ends the process)
+        if preempt:
             what = "stops and writes a checkpoint at the next check" if self.plan.join_group else f"is sent {name_of}"
             what += f"{within}; the job then requeues itself"
         else:
-            what = "stops at the next check" if self.plan.join_group else "is sent SIGTERM"  # a script: as torchrun
+            # A script: as torchrun.
+            what = "stops at the next check" if self.plan.join_group else "is sent SIGTERM"
             what += within
         name = f"{name_of} received{' (pre-emption)' if preempt else ''}"
         self.stopped_while_starting = self.starting
@@ -153,7 +161,8 @@ class Supervisor:
         plan = dataclasses.replace(self.plan, clock=self.clock)
         folder = Path(self.error_dir, f"attempt{attempt}")
         folder.mkdir()
-        if plan.nnodes == 1 and plan.master_port is None:  # no TCP port at all; a fresh store for every attempt
+        # No TCP port at all; a fresh store for every attempt.
+        if plan.nnodes == 1 and plan.master_port is None:
             plan.rendezvous_file = os.path.join(self.error_dir, "rendezvous" + (str(attempt) if attempt else ""))
             if not plan.join_group:
                 # A script rendezvous through MASTER_PORT (env://): a port free now, a fresh one for every attempt.
@@ -168,7 +177,8 @@ class Supervisor:
                     break  # stopped while starting: start no more workers
                 self.procs.append(self._start(plan, local_rank, args, str(folder), attempt))
             self.starting = False
-            if self.stopped_while_starting:  # (the first waits for the fork server's imports): none has begun,
+            # (the first waits for the fork server's imports): none has begun,.
+            if self.stopped_while_starting:
                 self._signal_all(signal.SIGKILL)  # and one started after the signal never got it
             self._watch(folder)
         except KeyboardInterrupt:
@@ -184,10 +194,12 @@ class Supervisor:
         result = outcome(failures, exit_codes, self.first_failure, self.signal_received, offset, plan.timeout)
         reason = no_restart_reason(failures, exit_codes, self.first_failure, self.signal_received)
         if self.died == [self.first_failure[0] if self.first_failure else -1] and result.rank is not None:
-            result = dataclasses.replace(result, died=True)  # one rank's death: its first restart need not wait
+            # One rank's death: its first restart need not wait.
+            result = dataclasses.replace(result, died=True)
         reached = min((status[0] for status in self._statuses(folder)), default=0)
         failed_at = self.failed_at if self.failed_at is not None else time.time()
-        self.clock = JobClock(plan.clock.started, failed_at, reached)  # used only if the job restarts
+        # Used only if the job restarts.
+        self.clock = JobClock(plan.clock.started, failed_at, reached)
         self.value = self._read_value(folder) if result.code == SUCCESS else None
         return result, reason, reached
 
@@ -255,7 +267,8 @@ class Supervisor:
             now = time.monotonic()
             if alive and now > self.failure_deadline:
                 living = [self.plan.node_rank * self.plan.nproc + self.procs.index(p) for p in alive.values()]
-                saving = any(status[1] for status in self._statuses(folder, living))  # a dead rank's flag is stale
+                # A dead rank's flag is stale.
+                saving = any(status[1] for status in self._statuses(folder, living))
                 if not saving or now > self.failure_time + self.plan.stop_grace:
                     self._signal_all(signal.SIGKILL)
                     self.failure_deadline = float("inf")

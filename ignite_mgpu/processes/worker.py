@@ -28,8 +28,10 @@ from ignite_mgpu.processes import forkserver
 if TYPE_CHECKING:
     from ignite_mgpu.processes.plan import LaunchPlan
 
-RESULT_FILE = "result.pkl"  # what the job function returned on global rank 0, beside the failure files
-_raised_at: list[float] = []  # when the job function raised in this process (the failure file's time)
+# What the job function returned on global rank 0, beside the failure files.
+RESULT_FILE = "result.pkl"
+# When the job function raised in this process (the failure file's time)
+_raised_at: list[float] = []
 
 
 def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> Any:
@@ -39,7 +41,8 @@ def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> Any:
 
     stop.set_collective_timeout(plan.timeout)
     for name in ("launcher.Parallel", "auto.auto_dataloader", "auto.auto_model", "auto.auto_optim"):
-        logging.getLogger(f"ignite.distributed.{name}").setLevel(logging.WARNING)  # ignite keeps existing loggers
+        # ignite keeps existing loggers.
+        logging.getLogger(f"ignite.distributed.{name}").setLevel(logging.WARNING)
     before_group = thread_ids()
     own_group = _create_group(plan)
     returned = []  # Parallel.run drops what the function returns
@@ -241,6 +244,19 @@ def write_result(path: Path, value: Any) -> None:
         ) from None
 
 
+def _set_signals(plan: LaunchPlan) -> None:
+    """Ctrl-C is the launcher's; SIGTERM and the pre-emption signal stop the job (a script's: its own handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The fork server starts with these blocked until it ignores them: a worker never keeps them blocked.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM, *filter(None, [plan.preempt_signal])])
+    # A script knows nothing of our stop requests: SIGTERM ends it, as torchrun's SIGTERM does.
+    signal.signal(signal.SIGTERM, _on_signal if plan.join_group else signal.SIG_DFL)
+    # SLURM signals every process of the step, the workers too: the same stop.
+    if plan.preempt_signal:
+        # (a script's own handler, installed when it starts, or the default action: the script ends)
+        signal.signal(plan.preempt_signal, _on_signal if plan.join_group else signal.SIG_DFL)
+
+
 def worker_main(
     local_rank: int,
     plan: LaunchPlan,
@@ -258,34 +274,32 @@ def worker_main(
     started)."""
     forkserver.leave_server()
     forkserver.die_with(parent)  # the supervisor's, or the server's death
-    os.setpgid(0, 0)  # own process group: Ctrl-C reaches only the launcher, which then stops the workers
+    # Own process group: Ctrl-C reaches only the launcher, which then stops the workers.
+    os.setpgid(0, 0)
     binding = plan.binding.rank(local_rank)
     if environ is not None:
         _from_the_server({**environ, **plan.env}, binding.threads)
     for var in cluster.slurm_task_variables():
-        del os.environ[var]  # inside an allocation ignite would read the launcher's SLURM task, not this rank
+        # Inside an allocation ignite would read the launcher's SLURM task, not this rank.
+        del os.environ[var]
     rank = plan.node_rank * plan.nproc + local_rank
     os.environ.update(plan.env)
     # Before anything imports torch here (unless unpickling the job function already did: then it resizes the pool).
     apply_binding(binding)
     _blas_threads_as_torch(binding.threads)
     address = plan.master_addr, plan.master_port or 29500
-    restarts = cluster.outer_restarts() + attempt  # a requeued SLURM job's restarts count too (SLURM_RESTART_COUNT)
+    # A requeued SLURM job's restarts count too (SLURM_RESTART_COUNT)
+    restarts = cluster.outer_restarts() + attempt
     os.environ.update(
         cluster.worker_environment(
             rank, local_rank, plan.world_size, plan.nproc, plan.node_rank, *address, restarts, plan.max_restarts
         )
     )
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # The fork server starts with these blocked until it ignores them: a worker never keeps them blocked.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM, *filter(None, [plan.preempt_signal])])
-    # A script knows nothing of our stop requests: SIGTERM ends it, as torchrun's SIGTERM does.
-    signal.signal(signal.SIGTERM, _on_signal if plan.join_group else signal.SIG_DFL)
-    if plan.preempt_signal:  # SLURM signals every process of the step, the workers too: the same stop
-        # (a script's own handler, installed when it starts, or the default action: the script ends)
-        signal.signal(plan.preempt_signal, _on_signal if plan.join_group else signal.SIG_DFL)
-    stop.set_status_file(Path(error_dir, f"status{rank}"))  # how far it got, and whether it is saving
-    clock.set_clock(plan.clock)  # when the command started, when the previous attempt failed: goodput's anchors
+    _set_signals(plan)
+    # How far it got, and whether it is saving.
+    stop.set_status_file(Path(error_dir, f"status{rank}"))
+    # When the command started, when the previous attempt failed: goodput's anchors.
+    clock.set_clock(plan.clock)
     code = 0
     try:
         if environ is not None:

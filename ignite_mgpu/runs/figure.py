@@ -97,9 +97,11 @@ def draw_report(runs: list[Run]) -> Figure:
         wait = [100 * v for v in run.series("data_wait_share")]
         axes["wait"].plot(epochs, wait, "o-", color=color, label=run.label)
     losses = [v for r in runs for key in ("train_loss", "val_loss") for v in r.series(key) if math.isfinite(v)]
-    if losses and min(losses) > 0:  # the first epoch's loss would flatten every later one on a linear axis
+    # The first epoch's loss would flatten every later one on a linear axis.
+    if losses and min(losses) > 0:
         axes["loss"].set(yscale="log", ylabel="mean loss per sample (log scale)")
-    axes["speed"].set_ylim(bottom=0)  # a throughput axis from zero: small changes do not look like collapses
+    # A throughput axis from zero: small changes do not look like collapses.
+    axes["speed"].set_ylim(bottom=0)
     axes["wait"].set_ylim(0, max(10.0, axes["wait"].get_ylim()[1]))  # a 2 % wait should look small
     if not axes["accuracy"].lines:
         axes["accuracy"].text(0.5, 0.5, "no validation accuracy in these runs", ha="center", va="center")
@@ -117,7 +119,8 @@ def draw_report(runs: list[Run]) -> Figure:
 def _memory_bars(ax: Axes, runs: list[Run], colors: list[str]) -> None:
     """Grouped bars: one group per GPU or rank index, one bar per run, each labelled with its MB."""
     width = 0.6 / len(runs)
-    crowded = sum(len(r.memory) for r in runs) > 16  # 8 GPUs x 3 runs: labels side by side would overlap
+    # 8 GPUs x 3 runs: labels side by side would overlap.
+    crowded = sum(len(r.memory) for r in runs) > 16
     for i, (run, color) in enumerate(zip(runs, colors, strict=True)):
         offset = (i - (len(runs) - 1) / 2) * width
         bars = ax.bar([k + offset for k in range(len(run.memory))], run.memory, width, color=color, label=run.label)

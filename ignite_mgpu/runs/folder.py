@@ -7,18 +7,22 @@ from pathlib import Path
 
 RUNS = Path("runs")  # where runs without an output_dir go, each into a folder of its own
 DEFAULT_RUN = RUNS / "default"  # training() called directly, without output_dir
-RUN_NAME = re.compile(r"(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d)(?:-(\d+))?")  # 2026-11-30_08-12-03[-2]: when it started
+# 2026-11-30_08-12-03[-2]: when it started.
+RUN_NAME = re.compile(r"(\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d)(?:-(\d+))?")
 CONFIG = "config.yaml"  # the fully resolved config, written by rank 0
 METRICS = "metrics.jsonl"  # one JSON line per epoch
-GOODPUT = "goodput.json"  # where the wall time went, for the run: its totals and the progress a restart resumes
+# Where the wall time went, for the run: its totals and the progress a restart resumes.
+GOODPUT = "goodput.json"
 LOCK = ".lock"  # held by the job writing there (lock.output_lock)
 TENSORBOARD = "tb"  # the tensorboard tracker's event files
 TRACKING_CSV = "tracking.csv"  # the csv tracker: one row per number logged
 TRACKER_RUNS = "trackers.json"  # the MLflow and W&B runs of this folder, continued by a resumed run
 MLFLOW_DB = "mlflow.db"  # the mlflow tracker's default store (sqlite:///<run folder>/mlflow.db)
 MLFLOW_ARTIFACTS = "mlartifacts"  # its artifacts (config.yaml), with that default store
-WANDB = "wandb"  # where the wandb tracker writes its run files (unless WANDB_DIR or logger_args.wandb.dir)
-MICRO_BATCH = "micro_batch.json"  # train.micro_batch=auto: the size it found, read back by a restart or a resume
+# Where the wandb tracker writes its run files (unless WANDB_DIR or logger_args.wandb.dir)
+WANDB = "wandb"
+# train.micro_batch=auto: the size it found, read back by a restart or a resume.
+MICRO_BATCH = "micro_batch.json"
 REPORT_IMAGE = "report.png"  # ignite-mgpu report's figure of one run
 # The best model: best_model_<epoch>_val_<metric>=<score>.pt (or .safetensors: checkpoint.best_format); a loss used
 # to be written negated (val_loss=-2.4889).

@@ -14,11 +14,13 @@ from ignite_mgpu.runs.folder import GOODPUT
 
 # Disjoint parts of the wall time, each measured on rank 0's clock between event boundaries (never per iteration):
 PARTS = (
-    "startup",  # the command's start to the first iteration: interpreter, imports, process group, data, model
+    # The command's start to the first iteration: interpreter, imports, process group, data, model.
+    "startup",
     "train",  # inside the epochs' iterations, less the data wait and the checkpoint stalls there
     "data_wait",  # waiting for the data loader (the slowest rank's wait)
     "eval",  # from the end of an epoch's iterations to its line in metrics.jsonl: the validation
-    "checkpoint",  # the training loop inside the checkpoint handlers (periodic, epoch-end, on stop, best model)
+    # The training loop inside the checkpoint handlers (periodic, epoch-end, on stop, best model)
+    "checkpoint",
     "restart",  # a restart: from the failure to the first iteration of the restarted group
     "lost",  # a restart: from the last saved progress to the failure (the iterations it re-does)
     "other",  # between epochs, after the line: the trackers and the other epoch-end handlers

@@ -73,7 +73,8 @@ def _take_lock(lock: Path, output_dir: Path) -> int | None:
                 return fd
         except FileNotFoundError:
             pass
-        os.close(fd)  # locked a file that a finishing job has just removed: lock the one at the path now
+        # Locked a file that a finishing job has just removed: lock the one at the path now.
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -90,5 +91,6 @@ def output_lock(output_dir: Path) -> Iterator[None]:
         os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode())
         yield
     finally:
-        lock.unlink(missing_ok=True)  # before the unlock: a waiting job then re-checks and locks a new file
+        # Before the unlock: a waiting job then re-checks and locks a new file.
+        lock.unlink(missing_ok=True)
         os.close(fd)

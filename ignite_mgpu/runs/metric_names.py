@@ -10,12 +10,16 @@ from typing import Any
 
 from ignite_mgpu.errors import ConfigError
 
-CLASSIFICATION = ("accuracy", "precision", "recall", "f1")  # and top<k>: they read class scores (cross_entropy)
+# And top<k>: they read class scores (cross_entropy)
+CLASSIFICATION = ("accuracy", "precision", "recall", "f1")
 LOWER_IS_BETTER = ("loss", "perplexity")  # every other built-in: higher is better
-NAMES = ("loss", "accuracy", "perplexity", "precision", "recall", "f1")  # the built-ins, with top<k>
-METRIC_ARGS = {"perplexity": ("shift",)}  # the built-ins that take eval.metric_args.<name>, and their keys
+# The built-ins, with top<k>.
+NAMES = ("loss", "accuracy", "perplexity", "precision", "recall", "f1")
+# The built-ins that take eval.metric_args.<name>, and their keys.
+METRIC_ARGS = {"perplexity": ("shift",)}
 TOP_K = re.compile(r"top([1-9][0-9]*)")  # top5: the target is among the 5 highest scores
-FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")  # package.module:factory (the factory may be dotted)
+# package.module:factory (the factory may be dotted)
+FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 CHOICES = (
     "use loss, accuracy, top<k> (top5: the target among the 5 highest scores), perplexity, precision, recall or f1 "
     "(macro averages over the classes), or 'package.module:factory' for a factory that returns an ignite Metric"
@@ -129,7 +133,8 @@ def _check_args(args: Mapping[str, Any], entries: Sequence[str], names: list[str
                 "the arguments are keyed by the metric's name. Fix the name, or add the metric to eval.metrics."
             )
         if name in factories:
-            continue  # a factory's own parameters: checked against its signature before anything starts
+            # A factory's own parameters: checked against its signature before anything starts.
+            continue
         unknown = sorted(set(given) - set(METRIC_ARGS.get(name, ())))
         if unknown:
             takes = ", ".join(METRIC_ARGS.get(name, ())) or "nothing"

@@ -27,7 +27,8 @@ class Run:
     incomplete_lines: int = 0  # lines of metrics.jsonl that are not a complete JSON object
     name: str = ""  # the folder's name, or its path where two runs share a name (set by read_runs)
     config_note: str = ""  # why dist is empty: "no config.yaml" or "config.yaml unreadable"
-    goodput: dict[str, Any] = field(default_factory=dict)  # the run's totals (runs/goodput_parts.py); {}: none recorded
+    # The run's totals (runs/goodput_parts.py); {}: none recorded.
+    goodput: dict[str, Any] = field(default_factory=dict)
 
     def series(self, key: str) -> list[float]:
         """``key`` of every epoch as floats; NaN where it is missing, null or not a number (a gap in a plot)."""

@@ -34,7 +34,8 @@ def _row(row: dict[str, Any], extra: list[str]) -> list[str]:
 
 
 COLUMNS = ("epoch", "train_loss", "val_loss", "val_acc", "samples/s", "ms/it", "data_wait_%", "peak_MB", "max/min")
-SHOWN = ("val_loss", "val_accuracy")  # every other validation metric (eval.metrics) gets a column after val_acc
+# Every other validation metric (eval.metrics) gets a column after val_acc.
+SHOWN = ("val_loss", "val_accuracy")
 
 
 def validation_columns(run: Run) -> list[str]:

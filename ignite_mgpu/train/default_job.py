@@ -83,7 +83,8 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
     t = cfg.train
     train_loader, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
     model = _create_model(cfg, train_loader)
-    optimizer = _create_optimizer(cfg, model)  # after prepare_model: FSDP2's parameters are the sharded ones
+    # After prepare_model: FSDP2's parameters are the sharded ones.
+    optimizer = _create_optimizer(cfg, model)
     lr_scheduler = _create_lr_scheduler(cfg, optimizer, len(train_loader))
     loss_fn = create_loss(t.loss, t.loss_args)
     trainer = _create_trainer(cfg, model, optimizer, lr_scheduler, loss_fn, out)
@@ -91,10 +92,12 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
     parts = trainer.step.micro_batching  # the evaluation's parts follow the training's
     evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=t.precision, micro_batch=parts)
     goodput = Goodput(out / folder.GOODPUT, job_clock(), writer=rank == 0)
-    goodput.attach(trainer)  # before the validation: an epoch's iterations end where its evaluation starts
+    # Before the validation: an epoch's iterations end where its evaluation starts.
+    goodput.attach(trainer)
     trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda: evaluator.run(val_loader))
 
-    model_state, optimizer_state = checkpoint_objects(model, optimizer)  # FSDP: gathered into plain state dicts
+    # FSDP: gathered into plain state dicts.
+    model_state, optimizer_state = checkpoint_objects(model, optimizer)
     to_save = {
         "model": model_state,
         "optimizer": optimizer_state,
@@ -107,18 +110,22 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
     devices = model_devices(model)
     epoch_log = EpochLog(out / folder.METRICS, cfg.data.batch_size, evaluator, devices, restarts, goodput)
     epoch_log.attach(trainer)
-    with goodput.timing_checkpoints(trainer, evaluator):  # the time in these handlers is the checkpoint stall
+    # The time in these handlers is the checkpoint stall.
+    with goodput.timing_checkpoints(trainer, evaluator):
         full, best = attach_checkpoints(trainer, evaluator, to_save, cfg.checkpoint, out, best_metric(cfg))
     _attach_extras(cfg, trainer, rank)
     if cfg.resume:
         if not resume(cfg, to_save, world_size):
             return
-        if to_save["run"].loaded or not weights_only_resume(cfg.resume):  # from weights: a new run, no files yet
+        # From weights: a new run, no files yet.
+        if to_save["run"].loaded or not weights_only_resume(cfg.resume):
             adopt_existing(full, best, out, cfg.checkpoint.metric_mode)
             if rank == 0:
-                epoch_log.drop_epochs_after(trainer.state.epoch)  # one row per epoch, also across restarts
+                # One row per epoch, also across restarts.
+                epoch_log.drop_epochs_after(trainer.state.epoch)
 
-    with Trackers(cfg, trainer, evaluator, optimizer, epoch_log, out), writes_awaited(full):  # the last write too
+    # The last write too.
+    with Trackers(cfg, trainer, evaluator, optimizer, epoch_log, out), writes_awaited(full):
         trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
     if rank == 0:
         best_model = str(best.last_checkpoint) if best.last_checkpoint else None
@@ -159,9 +166,11 @@ def _start(cfg: Config, rank: int, world_size: int) -> Path:
     setup_cpu_memory(cfg.train.keep_cpu_memory, idist.device().type, sharded=sharding(cfg, world_size))
     manual_seed(cfg.seed)
     if cfg.train.deterministic:
-        use_deterministic_algorithms()  # before anything runs on the GPU: cuBLAS reads its setting when it starts
+        # Before anything runs on the GPU: cuBLAS reads its setting when it starts.
+        use_deterministic_algorithms()
     elif idist.device().type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fixed-size inputs: cuDNN picks its fastest kernels once
+        # Fixed-size inputs: cuDNN picks its fastest kernels once.
+        torch.backends.cudnn.benchmark = True
     out = run_dir(cfg.output_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -186,7 +195,8 @@ def _create_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
 def _create_lr_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, loader_length: int) -> LRScheduler:
     """``optim.scheduler`` after ``optim.warmup_epochs``, stepped once per optimizer step (accumulation windows)."""
     t, o = cfg.train, cfg.optim
-    steps_per_epoch = math.ceil((t.epoch_length or loader_length) / t.grad_accum_steps)  # windows per epoch
+    # Windows per epoch.
+    steps_per_epoch = math.ceil((t.epoch_length or loader_length) / t.grad_accum_steps)
     total_steps, warmup_steps = math.ceil(steps_per_epoch * t.epochs), round(steps_per_epoch * o.warmup_epochs)
     return create_lr_scheduler(
         optimizer, total_steps, warmup_steps, scheduler=o.scheduler, scheduler_args=o.scheduler_args
@@ -214,12 +224,14 @@ def scoring(local_rank: int, cfg: Config, checkpoint_path: str, as_json: bool) -
     _, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
     model = create_model(cfg.model, example_inputs(val_loader.dataset, val_loader.collate_fn))
     load_checkpoint(checkpoint_path, {"model": model}, map_location="cpu")
-    model = prepare_model(model, cfg.dist.strategy, **fsdp_options(cfg))  # as training: never a silent DataParallel
+    # As training: never a silent DataParallel.
+    model = prepare_model(model, cfg.dist.strategy, **fsdp_options(cfg))
     loss_fn = create_loss(cfg.train.loss, cfg.train.loss_args)
     metrics = validation_metrics(loss_fn, idist.device(), cfg.eval.metrics, cfg.eval.metric_args)
     evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=cfg.train.precision)
     state = evaluator.run(val_loader)
     scores = {name: value for name, v in state.metrics.items() if (value := jsonable(v)) is not None}
-    result = {"checkpoint": checkpoint_path, "samples": len(val_loader.dataset), **scores}  # type: ignore[arg-type]  # sized
+    # Sized.
+    result = {"checkpoint": checkpoint_path, "samples": len(val_loader.dataset), **scores}  # type: ignore[arg-type]
     if rank == 0:
         print(json.dumps(result) if as_json else "  ".join(f"{k}: {v}" for k, v in result.items()))

@@ -33,7 +33,8 @@ def _peak_memory_mb(model_devices: list[torch.device]) -> list[float]:
     return [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]  # Linux reports KiB
 
 
-SHOWN = ("val_loss", "val_accuracy")  # the log line's own columns; other validation metrics follow them
+# The log line's own columns; other validation metrics follow them.
+SHOWN = ("val_loss", "val_accuracy")
 
 
 def _is_number(value: Any) -> bool:
@@ -83,7 +84,8 @@ class EpochLog:
         self.last: dict[str, Any] = {}
         self._wait = 0.0
         self._fetch_start = 0.0
-        self._timed: tuple[Any, float] | None = None  # (loader, its wait_seconds) when the epoch started
+        # (loader, its wait_seconds) when the epoch started.
+        self._timed: tuple[Any, float] | None = None
         self._timer_attached = False
 
     def memory_tags(self) -> list[str]:
@@ -131,7 +133,8 @@ class EpochLog:
             if d.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(d)
 
-    def _fetch_started(self) -> None:  # no engine argument: ignite then calls it without resolving a weak reference
+    # No engine argument: ignite then calls it without resolving a weak reference.
+    def _fetch_started(self) -> None:
         self._fetch_start = time.perf_counter()
 
     def _fetch_completed(self) -> None:
@@ -147,7 +150,8 @@ class EpochLog:
         return now.wait_seconds - (before if now is loader else 0.0)
 
     def _epoch_completed(self, engine: Engine) -> None:
-        seconds = engine.state.times["EPOCH_COMPLETED"] or 1e-9  # training time of this epoch, without handlers
+        # Training time of this epoch, without handlers.
+        seconds = engine.state.times["EPOCH_COMPLETED"] or 1e-9
         iterations = engine.state.iteration - self._first_iteration
         wait = self._epoch_wait(engine)
         local = torch.tensor([wait / seconds, wait, *_peak_memory_mb(self.devices)], dtype=torch.float64)
@@ -162,7 +166,8 @@ class EpochLog:
             "epoch": engine.state.epoch,
             "iteration": engine.state.iteration,
             "train_loss": engine.state.metrics.get("train_loss", math.nan),
-            **validation_fields(metrics),  # val_loss, then val_<name> of every other metric (eval.metrics)
+            # val_loss, then val_<name> of every other metric (eval.metrics)
+            **validation_fields(metrics),
             "samples_per_s": round(iterations * self.global_batch / seconds, 1),
             "time_per_iter_ms": round(1000 * seconds / max(1, iterations), 3),
             "data_wait_share": round(float(rows[:, 0].max()), 4),

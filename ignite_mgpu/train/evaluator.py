@@ -58,7 +58,8 @@ def create_evaluator(
 
     forward = under_autocast(output, precision if precision != "fp16" or device.type == "cuda" else "fp32", device)
     fsdp = find_fsdp(model) is not None and idist.get_world_size() > 1
-    if micro_batch is not None and not fsdp:  # FSDP: as many forwards on every rank, so whole batches
+    # FSDP: as many forwards on every rank, so whole batches.
+    if micro_batch is not None and not fsdp:
         forward = in_parts(forward, micro_batch, model_loss)
 
     @torch.no_grad()
@@ -66,7 +67,8 @@ def create_evaluator(
         return forward(batches.to_device(batch, device, non_blocking))
 
     evaluator = Engine(eval_step)
-    evaluator.add_event_handler(Events.STARTED, lambda: net.eval())  # once per run: eval() visits every submodule
+    # Once per run: eval() visits every submodule.
+    evaluator.add_event_handler(Events.STARTED, lambda: net.eval())
     evaluator.logger.setLevel("CRITICAL")
     if fsdp:  # its forward is a collective: as many on every rank, before the metrics reduce
         attach_even_forwards(evaluator, eval_step)
@@ -91,7 +93,8 @@ def reduce_together(evaluator: Engine, metrics: Mapping[str, Metric]) -> None:
     reduced states, which are put back afterwards, as ignite's ``sync_all_reduce`` does. Any other set of metrics
     reduces itself, one collective per state, as before."""
     joint = {n: m for n, m in metrics.items() if _reducible(m)}
-    if idist.get_world_size() == 1 or not joint or len(joint) < len(metrics):  # all of them: the same key order
+    # All of them: the same key order.
+    if idist.get_world_size() == 1 or not joint or len(joint) < len(metrics):
         return
     for metric in joint.values():
         evaluator.remove_event_handler(metric.completed, Events.EPOCH_COMPLETED)
@@ -105,7 +108,8 @@ def reduce_together(evaluator: Engine, metrics: Mapping[str, Metric]) -> None:
             setattr(m, attr, value.to(old.dtype) if isinstance(old, torch.Tensor) else type(old)(value.item()))
         try:
             for name, m in joint.items():
-                engine.state.metrics[name] = inspect.unwrap(type(m).compute)(m)  # undecorated: no all-reduce
+                # Undecorated: no all-reduce.
+                engine.state.metrics[name] = inspect.unwrap(type(m).compute)(m)
         finally:
             for (m, attr), old in zip(states, local, strict=True):
                 setattr(m, attr, old)
@@ -161,7 +165,8 @@ def validation_metrics(
     ``create_evaluator(model_loss=True)``); then accuracy for cross-entropy, or with ``names`` (``eval.metrics``:
     accuracy, top5, f1, perplexity, ``package.module:factory``, ...) those, ``args`` by name
     (``eval.metric_args``)."""
-    if loss_fn is None:  # outputs are (mean loss of the batch, its size): the metric sums loss x size over ranks
+    # Outputs are (mean loss of the batch, its size): the metric sums loss x size over ranks.
+    if loss_fn is None:
         metrics: dict[str, Metric] = {"loss": Loss(lambda loss, n: loss, batch_size=lambda n: n, device=device)}
     else:
         metrics = {"loss": Loss(loss_fn, device=device)}

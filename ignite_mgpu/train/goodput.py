@@ -18,7 +18,8 @@ from ignite_mgpu.env.clock import JobClock
 from ignite_mgpu.runs.goodput_parts import summary, zero
 from ignite_mgpu.train.step.guard import GuardEvents
 
-KEPT_RECORDS = 8  # the progress at the last boundaries: a restart resumes the newest complete checkpoint's
+# The progress at the last boundaries: a restart resumes the newest complete checkpoint's.
+KEPT_RECORDS = 8
 
 
 class Goodput:
@@ -30,8 +31,10 @@ class Goodput:
 
     def __init__(self, path: str | Path, clock: JobClock, writer: bool) -> None:
         self.path, self.clock, self.writer = Path(path), clock, writer
-        self.epoch, self.run = zero(), zero()  # the parts since the last line, and up to the last line
-        self.redone, self.run_redone = 0, 0  # iterations re-done after a restart: since the last line, in all
+        # The parts since the last line, and up to the last line.
+        self.epoch, self.run = zero(), zero()
+        # Iterations re-done after a restart: since the last line, in all.
+        self.redone, self.run_redone = 0, 0
         self._state, self._mark = "startup", clock.started
         self._paused: list[str] = []  # the states a checkpoint handler interrupted
         self._records: list[dict[str, Any]] = []
@@ -39,7 +42,8 @@ class Goodput:
     def attach(self, trainer: Engine) -> None:
         trainer.add_event_handler(Events.STARTED, self._started)
         trainer.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
-        trainer.add_event_handler(Events.EPOCH_COMPLETED, self._switch, "eval")  # the iterations ended
+        # The iterations ended.
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, self._switch, "eval")
         trainer.add_event_handler(Events.COMPLETED, self._completed)
 
     @contextlib.contextmanager
@@ -52,7 +56,8 @@ class Goodput:
         yield
         trainer.add_event_handler(GuardEvents.CHECKPOINT, self._checkpoint_completed)
         trainer.add_event_handler(GuardEvents.STOPPING, self._checkpoint_completed)
-        evaluator.add_event_handler(Events.COMPLETED, self._checkpoint_ended)  # the epoch's line saves the progress
+        # The epoch's line saves the progress.
+        evaluator.add_event_handler(Events.COMPLETED, self._checkpoint_ended)
 
     def _close(self) -> float:
         """The time since the last switch goes to the current part; returns now."""
@@ -61,7 +66,8 @@ class Goodput:
         self._mark = now
         return now
 
-    def _switch(self, state: str) -> None:  # no engine argument: ignite calls it with the state only
+    # No engine argument: ignite calls it with the state only.
+    def _switch(self, state: str) -> None:
         self._close()
         self._state = state
 
@@ -72,14 +78,16 @@ class Goodput:
     def _checkpoint_ended(self) -> None:
         self._switch(self._paused.pop() if self._paused else "other")
 
-    def _checkpoint_completed(self, engine: Engine) -> None:  # the trainer's: its progress is what was saved
+    # The trainer's: its progress is what was saved.
+    def _checkpoint_completed(self, engine: Engine) -> None:
         self._checkpoint_ended()
         self._record(engine.state.iteration)
 
     def _epoch_started(self, engine: Engine) -> None:
         first = self._state in ("startup", "restart")
         self._switch("train")
-        if first:  # the attempt's progress at its first iteration: a restart without a checkpoint goes on from it
+        # The attempt's progress at its first iteration: a restart without a checkpoint goes on from it.
+        if first:
             self._record(engine.state.iteration)
 
     def _started(self, engine: Engine) -> None:
@@ -91,10 +99,12 @@ class Goodput:
             self.run, self.epoch = dict(saved["run"]), dict(saved["epoch"])
             self.redone, self.run_redone = saved["redone"], saved["run_redone"]
         failed_at = self.clock.failed_at
-        if failed_at is not None:  # restarted by the supervisor: the failed attempt's time after its progress
+        # Restarted by the supervisor: the failed attempt's time after its progress.
+        if failed_at is not None:
             if saved is not None:
                 self.epoch["lost"] += max(0.0, failed_at - saved["at"])
-            self.redone += max(0, self.clock.reached - resumed)  # counted into the run's at the epoch's line
+            # Counted into the run's at the epoch's line.
+            self.redone += max(0, self.clock.reached - resumed)
             self._state, self._mark = "restart", failed_at
 
     def _resumed_record(self, iteration: int) -> dict[str, Any] | None:

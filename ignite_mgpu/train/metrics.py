@@ -19,7 +19,8 @@ from ignite_mgpu.runs import metric_names
 from ignite_mgpu.train import plugins
 from ignite_mgpu.train.data import batches
 
-IGNORE_INDEX = -100  # the label of a position that is not predicted (PyTorch's cross_entropy, Hugging Face)
+# The label of a position that is not predicted (PyTorch's cross_entropy, Hugging Face)
+IGNORE_INDEX = -100
 
 
 class TopK(TopKCategoricalAccuracy):
@@ -60,7 +61,8 @@ class Perplexity(Metric):
         device: str | torch.device = torch.device("cpu"),
     ) -> None:
         self.model_loss, self.shift = model_loss, shift
-        self.transform, self.device = output_transform, torch.device(device)  # ignite's copies are private
+        # ignite's copies are private.
+        self.transform, self.device = output_transform, torch.device(device)
         super().__init__(output_transform, device=device)
 
     @reinit__is_reduced
@@ -78,7 +80,8 @@ class Perplexity(Metric):
     def update(self, output: Sequence[torch.Tensor]) -> None:
         predictions, targets = output[0].detach(), output[1].detach()
         losses = torch.nn.functional.cross_entropy(predictions, targets, ignore_index=IGNORE_INDEX, reduction="none")
-        self._sum += losses.double().sum().to(self.device)  # float64: the sum does not depend on the sharding
+        # Float64: the sum does not depend on the sharding.
+        self._sum += losses.double().sum().to(self.device)
         self._tokens += (targets != IGNORE_INDEX).sum().to(self.device)
 
     @reinit__is_reduced
@@ -133,7 +136,8 @@ def create_metric(entry: str, model_loss: bool, device: torch.device, args: Mapp
         return Precision(average="macro", device=device)
     if entry == "recall":
         return Recall(average="macro", device=device)
-    if entry == "f1":  # F1 of every class from per-class precision and recall (their counts all-reduced), averaged
+    # F1 of every class from per-class precision and recall (their counts all-reduced), averaged.
+    if entry == "f1":
         return Fbeta(beta=1.0, average=True, device=device)
     if entry == "perplexity":
         return Perplexity(model_loss, bool(args.get("shift", False)), device=device)

@@ -71,7 +71,8 @@ def _resolve(name: str) -> Callable[..., nn.Module]:
 
     available = torchvision.models.list_models(module=torchvision.models)
     if name in available:
-        return functools.partial(torchvision.models.get_model_builder(name), weights=None)  # never downloads
+        # Never downloads.
+        return functools.partial(torchvision.models.get_model_builder(name), weights=None)
     import difflib
 
     close = difflib.get_close_matches(name, list(BUILTIN) + available, n=1)
@@ -98,7 +99,8 @@ def create_model(cfg: ModelConfig, example: Any = None) -> nn.Module:
     such as ``nn.LazyLinear``: DDP refuses uninitialised parameters.
     """
     factory = _resolve(cfg.name)
-    model = factory(**_kwargs(cfg, factory))  # in a worker: its exception is reported once, with its traceback
+    # In a worker: its exception is reported once, with its traceback.
+    model = factory(**_kwargs(cfg, factory))
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"model.name={cfg.name} returned a {type(model).__name__}; a model factory returns an nn.Module."

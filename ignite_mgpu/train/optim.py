@@ -176,7 +176,8 @@ def check_optim(o: OptimConfig) -> None:
         plugins.resolve(o.param_groups, "optim.param_groups")
     if o.scheduler not in BUILTIN_SCHEDULES:
         schedule, sargs = scheduler_factory(o.scheduler), dict(o.scheduler_args)
-        filled = _filled(schedule, o.scheduler, sargs, 1, [o.lr])  # the names only: the steps are the workers'
+        # The names only: the steps are the workers'
+        filled = _filled(schedule, o.scheduler, sargs, 1, [o.lr])
         _check_call(schedule, filled, sargs, f"optim.scheduler={o.scheduler}", "optim.scheduler_args")
 
 

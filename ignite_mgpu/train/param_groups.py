@@ -35,7 +35,8 @@ def parameter_groups(
     if not no_decay_norm_and_bias:
         return trainable
     exempt = {id(p) for m in model.modules() if isinstance(m, NORMS) for p in m.parameters(recurse=False)}
-    no_decay = [p for p in trainable if p.ndim <= 1 or id(p) in exempt]  # a DTensor's ndim is the full tensor's
+    # A DTensor's ndim is the full tensor's.
+    no_decay = [p for p in trainable if p.ndim <= 1 or id(p) in exempt]
     skip = {id(p) for p in no_decay}
     decay = [p for p in trainable if id(p) not in skip]
     groups: list[dict[str, Any]] = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -45,7 +46,8 @@ def parameter_groups(
 def _factory_groups(model: nn.Module, factory: str, trainable: list[nn.Parameter]) -> list[dict[str, Any]]:
     """``factory(model)``, the user's own module (unwrapped from DDP / DataParallel / torch.compile), as a list of
     groups; every parameter in it one of the model's, in one group only."""
-    import ignite.distributed as idist  # here: the pre-flight imports this module, and ignite stays out of it
+    # Here: the pre-flight imports this module, and ignite stays out of it.
+    import ignite.distributed as idist
 
     from ignite_mgpu.parallel.strategy import unwrap
 

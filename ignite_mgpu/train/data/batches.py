@@ -14,7 +14,8 @@ from torch import nn
 from ignite_mgpu.errors import ConfigError
 
 Batch = Any  # a sequence (inputs, targets, *extra) or a mapping, of tensors and other values
-TARGET_KEYS = ("labels", "targets")  # where a mapping batch holds its targets (Hugging Face names them "labels")
+# Where a mapping batch holds its targets (Hugging Face names them "labels")
+TARGET_KEYS = ("labels", "targets")
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -27,7 +28,8 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     """
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, (list, tuple)):  # tensors on the device are kept here, without a call per entry
+    # Tensors on the device are kept here, without a call per entry.
+    if isinstance(batch, (list, tuple)):
         moved = [
             v if isinstance(v, torch.Tensor) and v.device == device else to_device(v, device, non_blocking)
             for v in batch

@@ -166,5 +166,6 @@ def _builtin(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Dataset, Dat
             cls(str(root), train=True, transform=tf, download=cfg.download),
             cls(str(root), train=False, transform=tf, download=cfg.download),
         )
-    except RuntimeError as err:  # torchvision: "Dataset not found. You can use download=True to download it"
+    # Torchvision: "Dataset not found. You can use download=True to download it"
+    except RuntimeError as err:
         raise ConfigError(f"data.name={cfg.name}: {err} (looked in data.root={root}).") from None

@@ -43,7 +43,8 @@ class TimedDataLoader(DataLoader):
     def wait_seconds(self) -> float:
         return self.__dict__.get("_waited", [0.0])[0]
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator; ignite only calls next() on it
+    # A generator; ignite only calls next() on it.
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         # A list, not a float attribute: DataLoader.__setattr__ is Python code, this runs for every batch.
         waited = self.__dict__.setdefault("_waited", [0.0])
         batches = super().__iter__()
@@ -74,10 +75,12 @@ class UnpaddedDistributedSampler(DistributedSampler):
     """
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]  # sized
+        # Sized.
+        return iter(range(self.rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]
 
     def __len__(self) -> int:
-        return len(range(self.rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]  # sized
+        # Sized.
+        return len(range(self.rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]
 
 
 def most_batches(loader: Any, epoch_length: int | None) -> int | None:
@@ -89,7 +92,8 @@ def most_batches(loader: Any, epoch_length: int | None) -> int | None:
         return None
     if loader.batch_size is None or epoch_length != len(loader):
         return None
-    first = len(range(0, len(sampler.dataset), sampler.num_replicas))  # type: ignore[arg-type]  # sized
+    # Sized.
+    first = len(range(0, len(sampler.dataset), sampler.num_replicas))  # type: ignore[arg-type]
     return first // loader.batch_size if loader.drop_last else -(-first // loader.batch_size)
 
 
@@ -144,13 +148,15 @@ def create_dataloader(
     kwargs.setdefault("persistent_workers", num_workers > 0)
     # idist.auto_dataloader divides the batch (and the node's workers) by the processes: exact, as checked above.
     loader = idist.auto_dataloader(dataset, sampler=sampler, batch_size=batch_size, num_workers=num_workers, **kwargs)
-    return loader  # type: ignore[return-value]  # a DataLoader: the XLA loader is only built on TPUs
+    # A DataLoader: the XLA loader is only built on TPUs.
+    return loader  # type: ignore[return-value]
 
 
 def create_dataloaders(cfg: DataConfig, num_classes: int, seed: int) -> tuple[DataLoader, DataLoader]:
     """Train and validation loaders of the default job for this rank (``create_dataloader`` on the config's
     datasets); ``cfg.batch_size`` is the global batch, the same data on 1 and N processes."""
-    import ignite.distributed as idist  # here, not at the top: the launching process imports this module
+    # Here, not at the top: the launching process imports this module.
+    import ignite.distributed as idist
 
     # torchvision datasets write caches on first use; generated data (synthetic, fake) is built in parallel.
     first = contextlib.nullcontext() if cfg.name in GENERATED else idist.one_rank_first(local=True)
@@ -159,7 +165,8 @@ def create_dataloaders(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Da
     check_sizes(train_ds, val_ds, cfg.batch_size, idist.get_world_size())
     if isinstance(cfg.num_workers, int):
         workers = cfg.num_workers
-    else:  # auto: per process; loader workers inherit the process's CPU binding (fork keeps the affinity mask)
+    # auto: per process; loader workers inherit the process's CPU binding (fork keeps the affinity mask)
+    else:
         cuda = "cuda" in idist.device().type
         local = idist.get_nproc_per_node()
         share, threads = cpu_share(local), torch.get_num_threads()
@@ -171,7 +178,8 @@ def create_dataloaders(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Da
             threads,
             ", CUDA" if cuda else ", synthetic data in memory" if cfg.name == "synthetic" else "",
         )
-        workers = mine * local  # per node: idist.auto_dataloader divides by the local processes again
+        # Per node: idist.auto_dataloader divides by the local processes again.
+        workers = mine * local
     if collate_fn is None and cfg.skip_bad_samples:
         collate_fn = collate_skipping_none
     common: dict[str, Any] = {"num_workers": workers, "collate_fn": collate_fn}
@@ -188,7 +196,8 @@ def attach_skip_counter(trainer: Engine) -> None:
     skipped = [0]
 
     def count(engine: Engine) -> None:
-        skipped[0] += int(engine.state.batch[2])  # type: ignore[index]  # the skip collate adds a 3rd entry
+        # The skip collate adds a 3rd entry.
+        skipped[0] += int(engine.state.batch[2])  # type: ignore[index]
 
     def log_skipped(engine: Engine) -> None:
         total = int(idist.all_reduce(torch.tensor(skipped[0])))

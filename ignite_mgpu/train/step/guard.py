@@ -20,8 +20,10 @@ from ignite_mgpu.errors import TrainingDiverged, TrainingInterrupted
 
 
 class GuardEvents(EventEnum):
-    STOPPING = "stopping"  # fired on every rank before a stop on a signal: attach the last checkpoint here
-    CHECKPOINT = "checkpoint"  # a periodic checkpoint is due: every rank, the same iteration, a window's end
+    # Fired on every rank before a stop on a signal: attach the last checkpoint here.
+    STOPPING = "stopping"
+    # A periodic checkpoint is due: every rank, the same iteration, a window's end.
+    CHECKPOINT = "checkpoint"
 
 
 class RankCheck(NamedTuple):
@@ -121,7 +123,8 @@ class TrainingGuard:
         self.checkpoint_seconds = 60.0 * minutes if minutes else 0.0
         self._saved_at = time.monotonic()  # the last periodic checkpoint (or the start)
         self._saved_iteration = -1
-        self._at_epoch_end: tuple[bool, int] = (False, 0)  # (checkpoint, stop signal) due once the epoch has ended
+        # (checkpoint, stop signal) due once the epoch has ended.
+        self._at_epoch_end: tuple[bool, int] = (False, 0)
         self._late = False
         self._next = 0  # iteration of the next scheduled check, set when an epoch starts
         self._since = 0.0  # perf_counter() at the last check or epoch start
@@ -140,7 +143,8 @@ class TrainingGuard:
         # reference (a third of the cost of calling a handler); the guard keeps its own.
         self._engine = weakref.ref(engine)
         engine.register_events(*GuardEvents)
-        engine.state.running_loss = math.nan  # type: ignore[attr-defined]  # shown by the progress bar
+        # Shown by the progress bar.
+        engine.state.running_loss = math.nan  # type: ignore[attr-defined]
         engine.add_event_handler(Events.STARTED, self._started)
         engine.add_event_handler(GuardEvents.CHECKPOINT, self._checkpointed)
         engine.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
@@ -150,7 +154,8 @@ class TrainingGuard:
     def _started(self, engine: Engine) -> None:  # every run(), also a second one on the same engine
         self._next, self._losses, self._stacked = 0, [], []
         self._saved_at, self._at_epoch_end = time.monotonic(), (False, 0)
-        if not self._late:  # attached now, so it runs after every epoch-end handler attached before run()
+        # Attached now, so it runs after every epoch-end handler attached before run()
+        if not self._late:
             self._late = True
             engine.add_event_handler(Events.EPOCH_COMPLETED, self._after_epoch_end)
 
@@ -160,7 +165,8 @@ class TrainingGuard:
     def _after_epoch_end(self, engine: Engine) -> None:
         checkpoint, signum = self._at_epoch_end
         self._at_epoch_end = (False, 0)
-        if checkpoint and self._saved_iteration != engine.state.iteration:  # not saved by the epoch schedule
+        # Not saved by the epoch schedule.
+        if checkpoint and self._saved_iteration != engine.state.iteration:
             engine.fire_event(GuardEvents.CHECKPOINT)
         if signum:
             self._stop(engine, signum)
@@ -171,8 +177,10 @@ class TrainingGuard:
 
     def _epoch_started(self, engine: Engine) -> None:
         self._epoch_sum, self._epoch_count = 0.0, 0.0
-        self._since = time.perf_counter()  # the time between epochs (validation, checkpoints) is not training
-        if self._next <= engine.state.iteration:  # a new run, or resumed: the same iteration on every rank
+        # The time between epochs (validation, checkpoints) is not training.
+        self._since = time.perf_counter()
+        # A new run, or resumed: the same iteration on every rank.
+        if self._next <= engine.state.iteration:
             # Check right after the first step: it shows that every rank is alive and times a step.
             self._next = self._schedule(engine.state.iteration, 1, engine.state.epoch_length)
 
@@ -193,7 +201,8 @@ class TrainingGuard:
         return ends and iteration // self.checkpoint_every_iters > (iteration - length) // self.checkpoint_every_iters
 
     def _on_iteration(self) -> None:  # every iteration: as little as possible
-        engine: Engine = self._engine()  # type: ignore[misc, assignment]  # set by attach; it runs this, so it lives
+        # Set by attach; it runs this, so it lives.
+        engine: Engine = self._engine()  # type: ignore[misc, assignment]
         state, losses = engine.state, self._losses
         losses.append(state.output)  # type: ignore[arg-type]  # the trainer returns the loss tensor
         if len(losses) == self.STACK_EVERY:

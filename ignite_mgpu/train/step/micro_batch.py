@@ -82,7 +82,8 @@ class MicroBatching:
             raise ValueError(f"micro_batch={setting!r}: use None, 'auto' or a number of samples >= 1.")
         self.auto = setting == "auto"
         self.path = Path(path) if path is not None else None
-        self.size: int | None = None if self.auto else int(setting)  # None: the whole batch (auto, no OOM yet)
+        # None: the whole batch (auto, no OOM yet)
+        self.size: int | None = None if self.auto else int(setting)
         self.stable = 0  # auto: successful iterations since the size last changed
         if self.auto and self.path is not None and self.path.is_file():
             self.size = remembered_size(self.path)

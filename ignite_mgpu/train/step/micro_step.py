@@ -42,7 +42,8 @@ class _Retry(Exception):
 
 def takes_num_items(model: nn.Module) -> bool:
     """Whether the model's forward takes Hugging Face's ``num_items_in_batch`` (by name, or ``**loss_kwargs``)."""
-    if isinstance(model, nn.DataParallel):  # each replica would divide by the whole count: not combined
+    # Each replica would divide by the whole count: not combined.
+    if isinstance(model, nn.DataParallel):
         return False
     params = inspect.signature(unwrap(model).forward).parameters
     return "num_items_in_batch" in params or "loss_kwargs" in params
@@ -112,7 +113,8 @@ class _Attempt:
         # While the size settles, every part skips DDP's sync and the gradients are all-reduced once the ranks
         # agreed: an out-of-memory error anywhere in forward or backward is then retried on every rank.
         manual = self.agree and last and self.ddp is not None and self.sizing.stable < SETTLE_ITERATIONS
-        if self.agree and self.ddp is not None:  # the buffers' broadcast in the first forward, on every rank alike
+        # The buffers' broadcast in the first forward, on every rank alike.
+        if self.agree and self.ddp is not None:
             self.ddp.require_forward_param_sync = True
         self.agreed = self.in_collective = False
         proposal = size
@@ -147,10 +149,12 @@ class _Attempt:
         total: torch.Tensor | None = None
         for i, (part, k) in enumerate(parts):
             final = i == len(parts) - 1
-            share = 1.0 if items is not None else k / n  # with the whole count the model divided by it itself
+            # With the whole count the model divided by it itself.
+            share = 1.0 if items is not None else k / n
             with contextlib.nullcontext() if final and sync_last else self.no_sync():
                 loss = self.compute_loss({**part, "num_items_in_batch": items} if items is not None else part)
-                if final and sync_last:  # its backward all-reduces: every rank must be fine before it
+                # Its backward all-reduces: every rank must be fine before it.
+                if final and sync_last:
                     if self.agree:
                         self.agreed = True
                         smallest = _agree(size, self.group)

@@ -17,14 +17,17 @@ from ignite_mgpu.config.schema import PRECISIONS
 from ignite_mgpu.parallel.strategy import no_sync, reduce_replica_losses, unwrap
 from ignite_mgpu.train.data import batches
 from ignite_mgpu.train.data.batches import Batch
-from ignite_mgpu.train.losses import create_loss as create_loss  # its home before losses.py: still importable here
+
+# Its home before losses.py: still importable here.
+from ignite_mgpu.train.losses import create_loss as create_loss
 from ignite_mgpu.train.step.core import Step, optimizer_step
 from ignite_mgpu.train.step.deterministic import PortableDeterministicEngine, use_deterministic_algorithms
 from ignite_mgpu.train.step.guard import TrainingGuard, accumulation_window
 from ignite_mgpu.train.step.micro_batch import MicroBatching
 from ignite_mgpu.train.step.micro_step import micro_batch_step
 
-FP16_DEVICE_TYPES = ("cuda",)  # fp16 needs a GradScaler, which PyTorch ships for CUDA; bf16 is the CPU's choice
+# Fp16 needs a GradScaler, which PyTorch ships for CUDA; bf16 is the CPU's choice.
+FP16_DEVICE_TYPES = ("cuda",)
 
 
 class Scaler(torch.amp.GradScaler):
@@ -41,7 +44,8 @@ def under_autocast(forward: Callable[..., Any], precision: str, device: torch.de
     if precision == "fp32":
         return forward
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)(forward)  # an autocast also decorates
+    # An autocast also decorates.
+    return torch.autocast(device_type=device.type, dtype=dtype)(forward)
 
 
 class Trainer(Engine):
@@ -127,7 +131,8 @@ def _engine(
 def _attach_guard(
     trainer: Engine, check_every: int, grad_accum_steps: int, every_iters: int, every_minutes: float | None
 ) -> None:
-    if check_every:  # a stop must fall on an optimizer step, never inside a gradient-accumulation window
+    # A stop must fall on an optimizer step, never inside a gradient-accumulation window.
+    if check_every:
         check_every = max(grad_accum_steps, check_every // grad_accum_steps * grad_accum_steps)
     guard = TrainingGuard(
         check_every,
@@ -151,10 +156,12 @@ def _loss_of_batch(model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None
     """The loss of one batch: ``loss_fn`` over the model's output, or the loss the model computes itself."""
 
     def compute_loss(batch: Batch) -> torch.Tensor:
-        if loss_fn is None:  # the model computes its own loss; DataParallel returns one per GPU: weigh them exactly
+        # The model computes its own loss; DataParallel returns one per GPU: weigh them exactly.
+        if loss_fn is None:
             out = batches.loss_of(batches.model_loss(model, batch))
             return reduce_replica_losses(out, model, batches.size(batch))
-        if not isinstance(batch, (list, tuple)) and isinstance(batch, Mapping):  # the Mapping ABC check is slower
+        # The Mapping ABC check is slower.
+        if not isinstance(batch, (list, tuple)) and isinstance(batch, Mapping):
             inputs, targets = batches.split(batch)
             return loss_fn(batches.logits(model(**inputs)), targets)
         out = model(batch[0])

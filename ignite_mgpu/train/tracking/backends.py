@@ -78,7 +78,8 @@ class TensorBoard(Backend):
         self.logger.writer.flush()
 
     def record_run(self, params: dict[str, str], config_file: Path, facts: dict[str, Any]) -> None:
-        indented = "".join(f"    {line}\n" for line in config_file.read_text().splitlines())  # a Markdown code block
+        # A Markdown code block.
+        indented = "".join(f"    {line}\n" for line in config_file.read_text().splitlines())
         self.logger.writer.add_text("config", indented)
         self.logger.writer.add_text("run", "\n\n".join(f"**{k}**: {v}" for k, v in facts.items()))
 
@@ -88,7 +89,8 @@ class _WandBLogger(WandBLogger):
     warn at each), so the iterations redone after a checkpoint keep their first values there."""
 
     def log(self, data: dict[str, Any], step: int | None = None) -> None:
-        import wandb  # the module ignite's logger started the run with (it keeps it in a private attribute)
+        # The module ignite's logger started the run with (it keeps it in a private attribute)
+        import wandb
 
         run = wandb.run
         if step is None or run is None or step >= run.step:
@@ -109,7 +111,8 @@ class WandB(Backend):
 
         kwargs = dict(args)
         mode = kwargs.get("mode") or os.environ.get("WANDB_MODE") or "online"
-        quiet_login = "prompt" in inspect.signature(wandb.login).parameters  # older wandb: no way to ask quietly
+        # Older wandb: no way to ask quietly.
+        quiet_login = "prompt" in inspect.signature(wandb.login).parameters
         if mode not in ("offline", "dryrun", "disabled") and quiet_login:
             if not wandb.login(prompt=False, verify=False):
                 raise RuntimeError(
@@ -117,7 +120,8 @@ class WandB(Backend):
                     "(or train.logger_args.wandb.mode=offline) and upload later with `wandb sync`"
                 )
         defaults = {"name": out.name, "id": (resumed or {}).get("id") or uuid.uuid4().hex[:8], "resume": "allow"}
-        defaults |= {} if "WANDB_DIR" in os.environ else {"dir": str(out)}  # its wandb/ folder in the run folder
+        # Its wandb/ folder in the run folder.
+        defaults |= {} if "WANDB_DIR" in os.environ else {"dir": str(out)}
         defaults |= {} if "WANDB_PROJECT" in os.environ else {"project": DEFAULT_PROJECT}
         kwargs = defaults | kwargs
         kwargs["config"] = {**params, **(kwargs.get("config") or {})}
@@ -139,7 +143,8 @@ class WandB(Backend):
     def close(self, status: str) -> None:
         code = 0 if status == "FINISHED" else 1
         self.logger.finish(exit_code=code)
-        if self.own_service:  # the wandb-core process this run started, and its WANDB_SERVICE variable, go too
+        # The wandb-core process this run started, and its WANDB_SERVICE variable, go too.
+        if self.own_service:
             self.logger.teardown(exit_code=code)
 
 

@@ -37,13 +37,15 @@ class _MLflowOutputHandler(mlflow_logger.OutputHandler):
 
     def __call__(self, engine: Engine, logger: MLflowLogger, event_name: str | Events) -> None:
         metrics = self._setup_output_metrics_state_attrs(engine, key_tuple=False)
-        valid = {k: v for k, v in metrics.items() if _valid_name(k)}  # MLflow refuses a whole batch for one bad name
+        # MLflow refuses a whole batch for one bad name.
+        valid = {k: v for k, v in metrics.items() if _valid_name(k)}
         logger.log_metrics(valid, step=self.global_step_transform(engine, event_name))
 
 
 def _valid_name(name: str) -> bool:
     try:
-        from mlflow.utils.validation import validate_param_and_metric_name  # what ignite's handler checks too
+        # What ignite's handler checks too.
+        from mlflow.utils.validation import validate_param_and_metric_name
     except ImportError:  # not in every MLflow release: let the store judge
         return True
     return bool(validate_param_and_metric_name(name))
@@ -94,7 +96,8 @@ class _MLflowClientLogger(MLflowLogger):
     and keep an active run per thread (both seen by the user's own MLflow code in a notebook, and by the next run
     started there)."""
 
-    def __init__(self, client: Any, run_id: str) -> None:  # not MLflowLogger's: it starts a fluent run
+    # Not MLflowLogger's: it starts a fluent run.
+    def __init__(self, client: Any, run_id: str) -> None:
         self.client, self.run_id = client, run_id
         self.sender = _Sender("ignite-mgpu mlflow")
 
@@ -155,7 +158,8 @@ class MLflow(Backend):
     ) -> None:
         import mlflow
 
-        for noisy in ("mlflow", "alembic"):  # their INFO lines (creating the database) would fill rank 0's log
+        # Their INFO lines (creating the database) would fill rank 0's log.
+        for noisy in ("mlflow", "alembic"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
         given = args.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI")
         self.uri: str = given or f"sqlite:///{(out / folder.MLFLOW_DB).resolve()}"
@@ -163,14 +167,16 @@ class MLflow(Backend):
         self.client: Any = _BoundedClient(client) if self.uri.startswith(("http:", "https:")) else client
         remembered = resumed or {}
         run_id = remembered.get("run_id") if remembered.get("tracking_uri") == self.uri else None
-        self.resumed = run_id is not None and self._exists(run_id)  # deleted, or another store: a new run
+        # Deleted, or another store: a new run.
+        self.resumed = run_id is not None and self._exists(run_id)
         if run_id is not None and self.resumed:
             self.client.update_run(run_id, status="RUNNING")
         else:
             artifacts = (out / folder.MLFLOW_ARTIFACTS).resolve().as_uri() if given is None else None
             run_id = self._new_run(args, artifacts, out.name)
         self.run_id: str = run_id
-        self.logger = _MLflowClientLogger(client, self.run_id)  # its thread waits as long as MLflow's own limits
+        # Its thread waits as long as MLflow's own limits.
+        self.logger = _MLflowClientLogger(client, self.run_id)
 
     def _new_run(self, args: dict[str, Any], artifacts: str | None, default_name: str) -> str:
         """A run in ``args["experiment"]`` (or MLFLOW_EXPERIMENT_NAME, or ignite-mgpu), created with its artifacts
@@ -185,7 +191,8 @@ class MLflow(Backend):
     def _exists(self, run_id: str) -> bool:
         try:
             self.client.get_run(run_id)
-        except Exception:  # mlflow's RESOURCE_DOES_NOT_EXIST, whatever its class in this mlflow version
+        # mlflow's RESOURCE_DOES_NOT_EXIST, whatever its class in this mlflow version.
+        except Exception:
             return False
         return True
 
@@ -196,12 +203,14 @@ class MLflow(Backend):
         logged = self.client.get_run(self.run_id).data.params if self.resumed else {}
         params = {k: v[:MAX_PARAM_LENGTH] for k, v in params.items()}
         changed = [f"{k}: {logged[k]} -> {v}" for k, v in params.items() if k in logged and logged[k] != v]
-        self.logger.log_params({k: v for k, v in params.items() if k not in logged})  # a parameter never changes
+        # A parameter never changes.
+        self.logger.log_params({k: v for k, v in params.items() if k not in logged})
         tags = {f"ignite_mgpu.{k}": str(v) for k, v in facts.items()}
         if changed:
             tags["ignite_mgpu.changed_on_resume"] = "; ".join(changed)[:MAX_PARAM_LENGTH]
         if facts.get("git_commit") not in (None, "unknown"):
-            tags["mlflow.source.git.commit"] = str(facts["git_commit"])  # what MLflow's UI shows as the version
+            # What MLflow's UI shows as the version.
+            tags["mlflow.source.git.commit"] = str(facts["git_commit"])
         self.logger.set_tags(tags)
         self.logger.log_artifact(str(config_file))
 

@@ -8,5 +8,6 @@ TRACKER_PACKAGES = {
     "mlflow": (("mlflow",), "mlflow", "mlflow-skinny (or mlflow)"),
     "wandb": (("wandb",), "wandb", "wandb"),
 }
-MLFLOW_DATABASES = ("sqlite", "postgresql", "mysql", "mssql")  # tracking URIs of a database: SQLAlchemy and Alembic
+# Tracking URIs of a database: SQLAlchemy and Alembic.
+MLFLOW_DATABASES = ("sqlite", "postgresql", "mysql", "mssql")
 TRACKER_ARGS = {"mlflow": ("tracking_uri", "experiment", "run_name", "tags"), "tensorboard": (), "csv": ()}

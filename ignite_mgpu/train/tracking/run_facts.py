@@ -17,7 +17,8 @@ import ignite_mgpu
 from ignite_mgpu.config.schema import Config
 from ignite_mgpu.gpus.inventory import query_gpus
 
-GIT_TIMEOUT = 5.0  # seconds: a slow file system or a huge repository must not hold the start of training
+# Seconds: a slow file system or a huge repository must not hold the start of training.
+GIT_TIMEOUT = 5.0
 
 
 def flat_config(cfg: Config) -> dict[str, str]:
@@ -28,7 +29,8 @@ def flat_config(cfg: Config) -> dict[str, str]:
     def walk(node: Any, prefix: str) -> dict[str, str]:
         if isinstance(node, dict) and node:
             return {k: v for key, value in node.items() for k, v in walk(value, f"{prefix}{key}.").items()}
-        return {prefix[:-1]: node if isinstance(node, str) else json.dumps(node)}  # null, true, 0.05, [1, 2]
+        # Null, true, 0.05, [1, 2].
+        return {prefix[:-1]: node if isinstance(node, str) else json.dumps(node)}
 
     return walk(OmegaConf.to_container(OmegaConf.structured(cfg)), "")
 
@@ -44,7 +46,8 @@ def this_process_gpus(devices: list[torch.device]) -> list[dict[str, Any]]:
         index = device.index or 0
         props = torch.cuda.get_device_properties(index)
         uuid = str(props.uuid)
-        physical = visible[index] if index < len(visible) else str(index)  # replaced by the snapshot's on rank 0
+        # Replaced by the snapshot's on rank 0.
+        physical = visible[index] if index < len(visible) else str(index)
         found.append(
             {
                 "rank": idist.get_rank(),
@@ -61,7 +64,8 @@ def this_process_gpus(devices: list[torch.device]) -> list[dict[str, Any]]:
 def job_gpus(devices: list[torch.device]) -> list[dict[str, Any]]:
     """Every rank's GPUs, gathered (a collective: every rank calls it), with the physical ids of this machine's
     snapshot (NVML / nvidia-smi) where the UUIDs match. [] on the CPU, where no rank has a GPU."""
-    if not any(d.type == "cuda" for d in devices):  # the same device type on every rank: all skip together
+    # The same device type on every rank: all skip together.
+    if not any(d.type == "cuda" for d in devices):
         return []
     local = json.dumps(this_process_gpus(devices))
     rows = cast(list[str], idist.all_gather(local)) if idist.get_world_size() > 1 else [local]

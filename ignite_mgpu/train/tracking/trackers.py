@@ -112,7 +112,8 @@ class Trackers:
             args = self.cfg.train.logger_args.get(name, {})
             try:
                 backend = BACKENDS[name](args, self.out, self.trainer, resumed, params)
-            except Exception as err:  # a bad URI, a server that does not answer, no credentials, ...
+            # A bad URI, a server that does not answer, no credentials, ...
+            except Exception as err:
                 logger.warning(
                     "train.loggers: the %s tracker did not start (%s); training goes on without it.", name, _reason(err)
                 )
@@ -146,7 +147,8 @@ class Trackers:
             numbers = epoch_numbers(self.epoch_log) | ({} if backend.epochs_as_steps else {"epoch": engine.state.epoch})
             tracker.call("to log", backend.scalars, numbers, per_epoch())
 
-        trainer.add_event_handler(Events.EPOCH_COMPLETED, log_epoch)  # after the epoch log's row: it reads that
+        # After the epoch log's row: it reads that.
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, log_epoch)
 
     def _train_numbers(self, loss: torch.Tensor) -> dict[str, Any]:
         rates = [group["lr"] for group in self.optimizer.param_groups]
