@@ -114,7 +114,7 @@ def test_one_process_runs_in_process_without_group(captured, tmp_path):
         (["train", "model.name=resnet181"], "Did you mean 'resnet18'"),
         (["train", "--backend", "nccl"], "nccl needs CUDA"),
         (["train", "--strategy", "dp"], "needs GPUs"),
-        (["train", "--nproc", "3", "data.batch_size=128"], "must split evenly over 3 processes"),
+        (["train", "--nproc", "3", "data.batch_size=2"], "each needs at least one sample of it"),
         (["train", "--nproc", "2", "data.train_size=8", "data.batch_size=64"], "only has 4 training samples"),
         (["train", "--gpus", "2,3"], "no NVIDIA GPU"),
         (["train", "--gpus", "two"], "--gpus"),
@@ -155,7 +155,7 @@ def test_bad_input_exits_2_before_spawning(captured, tmp_path, args, message):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--nproc", "3", "data.batch_size=128"], "must split evenly over 3 processes"),
+        (["--nproc", "3", "data.batch_size=2"], "each needs at least one sample of it"),
         (["--nproc", "2", "data.train_size=8", "data.batch_size=64"], "only has 4 training samples"),
         (["train.loss=nope_pkg.losses:make"], "train.loss=nope_pkg.losses:make"),
         (["--epochs", "1"], "did you mean train.epochs=1?"),

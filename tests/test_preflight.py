@@ -40,7 +40,7 @@ def test_fit_runs_the_default_job_under_the_lock(launched, tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["dist.nproc=3"], "must split evenly over 3 processes"),
+        (["dist.nproc=3", "data.batch_size=2"], "each needs at least one sample of it"),
         (["resume=nope.pt"], "no such file"),
         (["model.name=resnet181"], "Did you mean 'resnet18'"),
     ],

@@ -101,13 +101,14 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
     saved = to_save["run"].loaded
     logger.info("resumed from %s at iteration %d", path, to_save["trainer"].state.iteration)
     if saved.get("world_size", world_size) != world_size:
+        shares = [len(range(r, cfg.data.batch_size, world_size)) for r in range(world_size)]
         logger.warning(
-            "checkpoint was written with %d processes, resuming with %d: the global batch stays %d, each process "
-            "now takes %d per step; the resumed epoch restarts its data order for the new process count",
+            "checkpoint was written with %d processes, resuming with %d: the same run goes on (the global batch stays "
+            "%d, now %s per process; the epoch's data order and position are kept)",
             saved["world_size"],
             world_size,
             cfg.data.batch_size,
-            cfg.data.batch_size // world_size,
+            " + ".join(map(str, shares)),
         )
     state = to_save["trainer"].state
     if state.epoch >= cfg.train.epochs and state.iteration % state.epoch_length == 0:

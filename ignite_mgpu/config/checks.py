@@ -259,17 +259,17 @@ def check_loss_args(name: str, loss_args: Mapping[str, Any]) -> None:
 
 
 def check_global_batch(batch_size: int, world_size: int, key: str = "data.batch_size") -> None:
-    """Raise ConfigError unless the global ``batch_size`` (named ``key`` in the message) splits evenly."""
-    if batch_size < 1 or batch_size % world_size:
+    """Raise ConfigError unless the global ``batch_size`` (named ``key`` in the message) gives every process a share:
+    at least one sample each (the shares may be uneven: 64 over 3 processes is 22 + 21 + 21)."""
+    if batch_size < max(1, world_size):
         raise ConfigError(
-            f"{key}={batch_size} is the global batch and must split evenly over {world_size} processes "
-            f"(each would get {batch_size / world_size:.2f}); use a multiple of {world_size}, "
-            f"e.g. {key}={max(1, batch_size // world_size) * world_size}."
+            f"{key}={batch_size} is the global batch, split over {world_size} processes: each needs at least one "
+            f"sample of it; use {key}={world_size} or more, or run fewer processes."
         )
 
 
 def check_sizes(train: Any, val: Any, batch_size: int, world_size: int, key: str = "data.batch_size") -> None:
-    """Raise ConfigError for an empty split, a global batch that does not split evenly, or one too large. The splits
+    """Raise ConfigError for an empty split, a global batch smaller than the processes, or one too large. The splits
     are sized: map-style datasets, or ranges of their sizes."""
     check_global_batch(batch_size, world_size, key)
     for split, ds in (("training", train), ("validation", val)):
@@ -283,8 +283,8 @@ def check_sizes(train: Any, val: Any, batch_size: int, world_size: int, key: str
             "fewer processes."
         )
     per_process = math.ceil(len(train) / world_size)
-    if batch_size // world_size > per_process:
+    if math.ceil(batch_size / world_size) > per_process:
         raise ConfigError(
-            f"{key}={batch_size} gives {batch_size // world_size} samples per process, but each of the "
+            f"{key}={batch_size} gives {math.ceil(batch_size / world_size)} samples per process, but each of the "
             f"{world_size} processes only has {per_process} training samples; lower {key}."
         )

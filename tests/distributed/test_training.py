@@ -413,7 +413,7 @@ def test_resume_with_another_world_size_but_not_other_settings(tmp_path, determi
         ["train", *args, "--nproc", "1", "--output-dir", str(out), "--resume", "auto", "train.epochs=3"], tmp_path
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "written with 2 processes, resuming with 1: the global batch stays 32" in result.stderr
+    assert "written with 2 processes, resuming with 1: the same run goes on (the global batch stays 32" in result.stderr
     assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]
     assert not (out / ".tmp-killed-writer.pt").exists()
 

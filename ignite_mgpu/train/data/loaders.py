@@ -8,8 +8,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sized
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -24,6 +24,7 @@ from ignite_mgpu.train.data.datasets import (
     check_sizes,
     collate_skipping_none,
 )
+from ignite_mgpu.train.data.sampler import GlobalBatchSampler
 
 if TYPE_CHECKING:
     from ignite.engine import Engine
@@ -123,30 +124,44 @@ def create_dataloader(
 ) -> DataLoader:
     """This process's loader of a map-style ``dataset``, with the CLI's semantics. Call it in every process.
 
-    ``batch_size`` is the global batch: each of the N processes loads ``batch_size / N``. With ``train=True`` the
-    sampler is a ``DistributedSampler`` shuffled with ``seed`` (one permutation for any process count);
-    ``create_trainer`` sets its epoch at every epoch start (in a loop of your own: ``loader.sampler.set_epoch``).
-    With ``train=False`` every sample goes to exactly one process, unpadded, so metrics reduced over the processes
-    equal a one-process evaluation. ``num_workers`` are per node, split over its processes; other keyword
-    arguments reach ``DataLoader``.
+    ``batch_size`` is the global batch, whatever the number of processes M: each process loads its share of it
+    (``batch_size / M``, or uneven shares when M does not divide it: 64 over 3 is 22 + 21 + 21). With ``train=True``
+    the sampler is a ``GlobalBatchSampler`` (a ``DistributedSampler``) shuffled with ``seed``: the same samples form
+    the same global batch on any M, so a run resumed on another process count goes on with the same data order;
+    ``create_trainer`` sets its epoch at every epoch start, resumes its position in a resumed epoch and weights
+    uneven shares (in a loop of your own: ``loader.sampler.set_epoch``, and scale each rank's mean loss by
+    ``loader.sampler.weights()[k]`` for batch k when ``loader.sampler.even`` is False). ``drop_last=True`` drops the
+    epoch's short last global batch. With ``train=False`` every sample goes to exactly one process, unpadded, so
+    metrics reduced over the processes equal a one-process evaluation. ``num_workers`` are per node, split over its
+    processes; other keyword arguments reach ``DataLoader``.
 
     Raises:
-        ConfigError: ``batch_size`` does not split evenly over the processes, or ``dataset`` is empty.
+        ConfigError: ``batch_size`` is smaller than the number of processes, or ``dataset`` is empty.
     """
     import ignite.distributed as idist
 
     world_size, rank = idist.get_world_size(), idist.get_rank()
+    sampler: DistributedSampler
     if train:
         check_sizes(dataset, dataset, batch_size, world_size, key="batch_size")
-        sampler: DistributedSampler = DistributedSampler(dataset, world_size, rank, shuffle=shuffle, seed=seed)
+        # Of whole global batches: the same on every rank.
+        drop_last = bool(kwargs.pop("drop_last", False))
+        sized = cast(Sized, dataset)  # map-style: check_sizes took its length
+        global_batches = GlobalBatchSampler(
+            sized, world_size, rank, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
+        sampler, per_process = global_batches, global_batches.loader_batch
     else:
         check_global_batch(batch_size, world_size, key="batch_size")
         sampler = UnpaddedDistributedSampler(dataset, world_size, rank, shuffle=False)
+        per_process = max(1, batch_size // world_size)
     if collate_fn is not None:
         kwargs["collate_fn"] = collate_fn
     kwargs.setdefault("pin_memory", "cuda" in idist.device().type)
     kwargs.setdefault("persistent_workers", num_workers > 0)
-    # idist.auto_dataloader divides the batch (and the node's workers) by the processes: exact, as checked above.
+    # idist.auto_dataloader divides the batch (and the node's workers) by the processes: given this process's share
+    # times the processes, it divides back to the share exactly.
+    batch_size = per_process * world_size
     loader = idist.auto_dataloader(dataset, sampler=sampler, batch_size=batch_size, num_workers=num_workers, **kwargs)
     # A DataLoader: the XLA loader is only built on TPUs.
     return loader  # type: ignore[return-value]

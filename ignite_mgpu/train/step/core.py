@@ -15,6 +15,20 @@ from ignite_mgpu.train.data.batches import Batch
 from ignite_mgpu.train.step.micro_batch import MicroBatching
 
 
+class Shares:
+    """How much each batch's mean loss of this rank counts when the ranks' shares of the global batch are uneven
+    (``GlobalBatchSampler.weights()``: batch k of the epoch counts ``weights[k]``); None while they are even, the
+    step then multiplies nothing. Set at every epoch's start from the loader the trainer runs."""
+
+    def __init__(self) -> None:
+        self.weights: list[float] | None = None
+
+    def weight(self, iteration: int) -> float:
+        """The weight of ``iteration`` (1-based, counted over the run), with uneven shares."""
+        assert self.weights is not None
+        return self.weights[(iteration - 1) % len(self.weights)]
+
+
 @dataclass(frozen=True, eq=False)
 class Step:
     """The parts of ``create_trainer``'s training step, chosen once (``trainer.step``): the steps read them when they
@@ -39,6 +53,8 @@ class Step:
     no_sync: Callable[[], AbstractContextManager[None]]
     # train.micro_batch's part size (micro_step.py runs the step); None: whole batches (trainer.py's step).
     micro_batching: MicroBatching | None
+    # Uneven shares of the global batch (more processes than divide it): each rank's loss weight per batch.
+    shares: Shares = field(default_factory=Shares, repr=False)
 
 
 def optimizer_step(step: Step) -> Callable[[], None]:

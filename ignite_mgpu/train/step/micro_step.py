@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,6 +66,7 @@ def micro_batch_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
     finish = optimizer_step(step)
     inner, move = unwrap(model), device.type != "cpu"
     keep_window = sizing.auto and grad_accum_steps > 1
+    shares = step.shares
 
     def train_step(engine: Engine, batch: Batch) -> torch.Tensor:
         if not inner.training:
@@ -80,8 +82,11 @@ def micro_batch_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
         if earlier:
             for p in parameters:
                 p.grad = None
+        # Uneven shares of the global batch: this rank's loss counts by its share (0: a repeat that counts nothing).
+        weight = shares.weight(engine.state.iteration) if shares.weights is not None else 1.0
+        divisor = window / weight if weight else math.inf
         while True:
-            result = attempt(batch, n, sizing.current(n), last, window, earlier)
+            result = attempt(batch, n, sizing.current(n), last, divisor, earlier)
             if isinstance(result, torch.Tensor):
                 break
             _undo(model, parameters)
@@ -89,7 +94,7 @@ def micro_batch_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
         sizing.stable += 1
         if last:
             finish()
-        return result
+        return result * weight if weight != 1.0 else result
 
     return train_step
 
@@ -109,7 +114,7 @@ class _Attempt:
         # The ranks agree on host integers: over gloo, so that a CUDA job does not wait for its device there.
         self.group = dist.new_group(backend="gloo") if self.agree and idist.backend() != "gloo" else None
 
-    def __call__(self, batch: Batch, n: int, size: int, last: bool, window: int, earlier: list[Any]) -> Any:
+    def __call__(self, batch: Batch, n: int, size: int, last: bool, window: float, earlier: list[Any]) -> Any:
         # While the size settles, every part skips DDP's sync and the gradients are all-reduced once the ranks
         # agreed: an out-of-memory error anywhere in forward or backward is then retried on every rank.
         manual = self.agree and last and self.ddp is not None and self.sizing.stable < SETTLE_ITERATIONS
@@ -142,7 +147,9 @@ class _Attempt:
             _all_reduce_gradients(self.parameters, self.world)
         return total
 
-    def _parts(self, batch: Batch, n: int, size: int, sync_last: bool, window: int, earlier: list[Any]) -> torch.Tensor:
+    def _parts(
+        self, batch: Batch, n: int, size: int, sync_last: bool, window: float, earlier: list[Any]
+    ) -> torch.Tensor:
         """Every part's forward and backward (weighted by its samples); the last one syncs when ``sync_last``."""
         items = counted_items(batch) if self.pass_items else None
         parts = split_batch(batch, n, size)
@@ -162,7 +169,7 @@ class _Attempt:
                             raise _Retry(smallest)
                     _give_back(self.parameters, earlier)
                     self.in_collective = self.world > 1
-                scaled = loss * (share / window) if share != 1.0 or window > 1 else loss
+                scaled = loss * (share / window) if share != 1.0 or window != 1 else loss
                 (self.scaler.scale(scaled) if self.scaler.is_enabled() else scaled).backward()
             total = loss.detach() * share if total is None else total + loss.detach() * share
         assert total is not None

@@ -17,6 +17,7 @@ from ignite_mgpu.config.schema import PRECISIONS
 from ignite_mgpu.parallel.strategy import no_sync, reduce_replica_losses, unwrap
 from ignite_mgpu.train.data import batches
 from ignite_mgpu.train.data.batches import Batch
+from ignite_mgpu.train.data.sampler import GlobalBatchSampler
 
 # Its home before losses.py: still importable here.
 from ignite_mgpu.train.losses import create_loss as create_loss
@@ -175,14 +176,16 @@ def _train_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
     # The parts as the closure's own variables: train_step reads no attribute of ``step`` per iteration.
     model, compute_loss, scaler, no_sync = step.model, step.compute_loss, step.scaler, step.no_sync
     device, non_blocking, grad_accum_steps = step.device, step.non_blocking, step.grad_accum_steps
-    fp16 = scaler.is_enabled()
+    fp16, shares = scaler.is_enabled(), step.shares
     finish = optimizer_step(step)
     inner = unwrap(model)  # the evaluator switches the unwrapped module to eval mode
     # A CPU job's batches are in CPU memory already: no per-step walk to find that out.
     move = device.type != "cpu"
 
-    def forward_backward(batch: Batch, window: int) -> torch.Tensor:
+    def forward_backward(batch: Batch, window: int, iteration: int) -> torch.Tensor:
         loss = compute_loss(batch)
+        if shares.weights is not None:
+            loss = loss * shares.weight(iteration)
         # The window's gradient is the mean over its micro-batches.
         scaled = loss / window if window > 1 else loss
         (scaler.scale(scaled) if fp16 else scaled).backward()
@@ -198,6 +201,9 @@ def _train_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
             batch = batches.to_device(batch, device, non_blocking)
         if grad_accum_steps == 1:
             loss = compute_loss(batch)
+            # Uneven shares: this rank's mean counts by its share, so that DDP's average is the global batch's mean.
+            if shares.weights is not None:
+                loss = loss * shares.weight(engine.state.iteration)
             (scaler.scale(loss) if fp16 else loss).backward()
         else:
             # Windows restart every epoch: an epoch-end checkpoint or stop never holds half a window's gradients.
@@ -205,8 +211,8 @@ def _train_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
             if not last:
                 # An accumulation step: gradients stay local until the last micro-batch.
                 with no_sync():
-                    return forward_backward(batch, window).detach()
-            loss = forward_backward(batch, window)
+                    return forward_backward(batch, window, engine.state.iteration).detach()
+            loss = forward_backward(batch, window, engine.state.iteration)
         finish()
         return loss.detach()
 
@@ -220,3 +226,16 @@ def _set_sampler_epoch(engine: Engine) -> None:
     set_epoch = getattr(sampler, "set_epoch", None)
     if set_epoch is not None:
         set_epoch(engine.state.epoch - 1)
+    if isinstance(sampler, GlobalBatchSampler) and isinstance(engine, Trainer):
+        _follow_global_batches(engine, sampler)
+
+
+def _follow_global_batches(trainer: Trainer, sampler: GlobalBatchSampler) -> None:
+    """A resumed epoch goes on from its position in the epoch's global batches (on any process count: the same
+    samples); the step weights this rank's loss by its share when the shares of the global batch are uneven."""
+    state = trainer.state
+    position = state.iteration % state.epoch_length if state.epoch_length else 0
+    # The DeterministicEngine skips the resumed epoch's first batches itself.
+    if position and state.epoch_length == sampler.batches and not isinstance(trainer, DeterministicTrainer):
+        sampler.set_start(position)
+    trainer.step.shares.weights = None if sampler.even else sampler.weights()

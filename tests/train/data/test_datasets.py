@@ -23,8 +23,9 @@ def test_synthetic_is_deterministic_and_class_dependent():
 def test_size_checks():
     train, val = list(range(100)), list(range(10))
     check_sizes(train, val, batch_size=64, world_size=2)
-    with pytest.raises(ConfigError, match=r"split evenly over 3 processes.*data.batch_size=63"):
-        check_sizes(train, val, batch_size=64, world_size=3)
+    check_sizes(train, val, batch_size=64, world_size=3)  # uneven shares: 22 + 21 + 21
+    with pytest.raises(ConfigError, match=r"split over 3 processes: each needs at least one.*data.batch_size=3 or"):
+        check_sizes(train, val, batch_size=2, world_size=3)
     with pytest.raises(ConfigError, match="only has 50 training samples"):
         check_sizes(train, val, batch_size=128, world_size=2)
     with pytest.raises(ConfigError, match="validation dataset is empty"):
