@@ -45,8 +45,9 @@ def run(local_rank: int, args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     train_ds, val_ds = make_data(args.samples, seed=1), make_data(512, seed=2)
     rank = idist.get_rank()
-    # batch_size is the global batch (each of N processes loads 64 / N; one that does not divide is a ConfigError);
-    # the training order is seeded and changes every epoch, validation scores every sample on exactly one process.
+    # batch_size is the global batch (each of N processes loads its share of 64, weighted by the trainer when N does
+    # not divide it); the training order is seeded and changes every epoch, the same global batches on any N;
+    # validation scores every sample on exactly one process.
     train_loader = create_dataloader(train_ds, 64, train=True, seed=args.seed)
     val_loader = create_dataloader(val_ds, 256, train=False)
 

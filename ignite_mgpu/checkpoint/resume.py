@@ -100,7 +100,7 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
         load_checkpoint(path, to_save, map_location="cpu" if cpu else None, check=same_run)
     saved = to_save["run"].loaded
     logger.info("resumed from %s at iteration %d", path, to_save["trainer"].state.iteration)
-    if saved.get("world_size", world_size) != world_size:
+    if saved.get("world_size", world_size) != world_size and _first_rank():
         shares = [len(range(r, cfg.data.batch_size, world_size)) for r in range(world_size)]
         logger.warning(
             "checkpoint was written with %d processes, resuming with %d: the same run goes on (the global batch stays "
@@ -121,6 +121,12 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
         )
         return False
     return True
+
+
+def _first_rank() -> bool:
+    import ignite.distributed as idist
+
+    return idist.get_rank() == 0
 
 
 def _same_run_check(cfg: Config, path: Path) -> Callable[[dict[str, Any]], None]:
