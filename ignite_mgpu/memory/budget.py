@@ -152,7 +152,8 @@ def make_memory_plan(cfg: Config, cap: Capacity) -> MemoryPlan:
     """Measure the step (two batch sizes give the activations per sample) and fit it into ``cap``."""
     nproc, batch = len(cap.free), cfg.data.batch_size
     check_global_batch(batch, nproc)
-    local = batch // nproc
+    # The largest share sets the peak (uneven shares: 64 over 3 is 22 + 21 + 21)
+    local = -(-batch // nproc)
     example = example_batch(cfg)
     full = measure(cfg, example, local, nproc, "ddp")
     other = max(1, local // 2) if local > 1 else 2

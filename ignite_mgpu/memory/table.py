@@ -23,7 +23,7 @@ def _cells(r: Row) -> list[str]:
 def format_plan(plan: MemoryPlan) -> str:
     """The plan as a table, with the memory it was fitted into, the notes of each strategy and the advice."""
     cap = plan.capacity
-    local = plan.global_batch // plan.processes
+    local = -(-plan.global_batch // plan.processes)  # the largest share
     head = (
         f"memory plan: model {plan.model}, optimizer {plan.optimizer}, {plan.precision}, global batch "
         f"{plan.global_batch} over {plan.processes} process{'es' if plan.processes > 1 else ''} ({local} each)"

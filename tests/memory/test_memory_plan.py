@@ -191,7 +191,7 @@ def test_the_command_prints_the_table_and_json():
     ("args", "message"),
     [
         (["model.name=no_such_model"], "model.name=no_such_model is not a known model"),
-        ([*STACK, "data.batch_size=15", "--nproc", "2"], "data.batch_size=15 is the global batch"),
+        ([*STACK, "data.batch_size=1", "--nproc", "2"], "data.batch_size=1 is the global batch, split over 2"),
         (["optim.name=Nope"], "optim.name=Nope"),
     ],
 )
