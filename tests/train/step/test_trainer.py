@@ -399,3 +399,31 @@ def test_accumulation_skips_the_gradient_sync_inside_a_window_only(monkeypatch):
     trainer = create_trainer(model, opt, nn.CrossEntropyLoss(), device="cpu", grad_accum_steps=3)
     trainer.run(data(n=40, batch=4), max_epochs=2)
     assert entered == [1, 2, 4, 5, 7, 8, 11, 12, 14, 15, 17, 18]
+
+
+@pytest.mark.parametrize("options", [{}, {"grad_accum_steps": 2}, {"micro_batch": 2}])
+def test_uneven_shares_weigh_each_ranks_loss_into_the_global_batchs_mean(options):
+    """Three ranks' shares of global batches of 8 (3 + 3 + 2; the short last batch of 6: 2 + 2 + 2), run in one
+    process with lr=0: the ranks' weighted losses average to each global batch's mean loss, for both steps."""
+    from ignite_mgpu.train.data.sampler import GlobalBatchSampler
+
+    x, y = torch.randn(30, 6, generator=torch.Generator().manual_seed(1)), torch.randint(0, 3, (30,))
+    ds, model = TensorDataset(x, y), linear()
+    outputs = []
+    for rank in range(3):
+        sampler = GlobalBatchSampler(ds, 3, rank, 8, seed=2)
+        trainer = create_trainer(
+            model, torch.optim.SGD(model.parameters(), lr=0.0), nn.CrossEntropyLoss(), device="cpu", **options
+        )
+        seen: list[float] = []
+        trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e, seen=seen: seen.append(e.state.output.item()))
+        trainer.run(DataLoader(ds, batch_size=sampler.loader_batch, sampler=sampler), max_epochs=1)
+        assert trainer.step.shares.weights == sampler.weights() != [1.0] * 4
+        outputs.append(seen)
+    sampler.set_epoch(0)
+    order = GlobalBatchSampler(ds, 1, 0, 8, seed=2)._order()
+    with torch.no_grad():
+        for k, ranks in enumerate(zip(*outputs, strict=True)):
+            batch = order[8 * k : 8 * k + 8]
+            expected = nn.functional.cross_entropy(model(x[batch]), y[batch]).item()
+            assert sum(ranks) / 3 == pytest.approx(expected, rel=1e-6), k
