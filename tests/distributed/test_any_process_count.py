@@ -1,6 +1,6 @@
-"""A run stopped mid-epoch on 2 processes and resumed on 1, 2 or 3 is the same run: the same global batches (64,
-uneven over 3: 22 + 21 + 21), the same schedule, weights within 1e-5 of the uninterrupted run (bit-identical on 2),
-for DDP (whole batches and in parts) and FSDP, full and sharded checkpoints.
+"""A run stopped mid-epoch on 2 processes and resumed on 1, 2 or 3 (and one of 1 on 2) is the same run: the same
+global batches (64, uneven over 3: 22 + 21 + 21), the same schedule, weights within 1e-5 of the uninterrupted run
+(bit-identical on 2), for DDP (whole batches and in parts) and FSDP, full and sharded checkpoints.
 `python -m pytest tests/distributed/test_any_process_count.py`."""
 
 from __future__ import annotations
@@ -83,3 +83,14 @@ def test_a_run_resumed_mid_epoch_on_another_process_count_is_the_same_run(refere
                 assert torch.equal(got[key], value), key
             else:  # the same samples, summed in another order
                 torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5, msg=f"{setting} on {nproc}: {key}")
+
+
+@pytest.mark.timeout(300)
+def test_a_one_process_run_resumed_on_two_is_the_same_run(tmp_path):
+    with cpu_only(tmp_path / "claims"):
+        alone = tmp_path / "alone"
+        result = run_cli(["train", *ARGS, "--nproc", "1", "--output-dir", str(alone)], tmp_path, timeout=180)
+        assert result.returncode == 0, result.stderr[-3000:]
+        want, got = final_weights(alone), final_weights(resumed(alone, [], 2, tmp_path))
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5, msg=f"1 -> 2: {key}")
