@@ -76,11 +76,13 @@ class GlobalBatchSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         order, start, self.start = self._order(), self.start, 0
+        mine: list[int] = []
         for k in range(start, self.batches):
             first, size = k * self.batch_size, self.global_sizes[k]
-            mine = order[first + self.rank : first + size : self.num_replicas]
             # An empty share of the short last batch: one sample again, weighted 0 (weights()).
-            yield from mine or order[first : first + 1]
+            mine += order[first + self.rank : first + size : self.num_replicas] or order[first : first + 1]
+        # A list's iterator: the loader takes every index without a Python frame per sample.
+        return iter(mine)
 
     def __len__(self) -> int:
         """A whole epoch's (a resumed pass serves less: ignite counts its iterations from the resumed one)."""
