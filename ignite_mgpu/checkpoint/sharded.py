@@ -219,13 +219,13 @@ def load_sharded(
     """Restore ``to_load`` from ``folder`` on this process count, whatever the count that wrote it (the shards are
     read as this rank needs them). Keys and shapes, and ``check`` (given ``train_state.pt``), are checked before
     anything is loaded. Every rank must call it. Returns ``train_state.pt``'s contents."""
-    import ignite.distributed as idist
     import torch.distributed.checkpoint as dcp
 
     from ignite_mgpu.checkpoint.load import check_model_state
     from ignite_mgpu.checkpoint.state import load_sharded_state, module_and_optimizer, sharded_state
 
-    state = read_checkpoint(folder / TRAIN_STATE, idist.device())
+    # On the CPU: each load_state_dict places its tensors (RNG states must stay there; see checkpoint/load.py).
+    state = read_checkpoint(folder / TRAIN_STATE, "cpu")
     absent = [k for k in to_load if k not in SHARDED and k not in state]
     if absent:
         raise CheckpointError(f"{folder / TRAIN_STATE} has no {', '.join(absent)} (it holds: {', '.join(state)}).")
