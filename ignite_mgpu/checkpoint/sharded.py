@@ -22,6 +22,7 @@ from ignite_mgpu.checkpoint.files import (
     TRAIN_STATE,
     fsync_dir,
     list_checkpoints,
+    on_cpu,
     read_checkpoint,
 )
 from ignite_mgpu.errors import CheckpointError
@@ -137,7 +138,7 @@ def _prepare(to_save: Mapping[str, Any], folder: Path) -> dict[str, Any]:
     if idist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a killed writer's shards must not mix with these
         tmp.mkdir(parents=True)
-        torch.save(rest, tmp / TRAIN_STATE)
+        torch.save(on_cpu(rest), tmp / TRAIN_STATE)  # loads without a GPU
     idist.barrier()  # the folder exists and is empty of old shards before any rank writes into it
     return state
 
