@@ -79,10 +79,13 @@ class MemoryPlan:
 
 
 def capacity(cfg: Config, environ: Mapping[str, str] = os.environ, gpus: list[GpuInfo] | None = None) -> Capacity:
-    """The selected GPUs' free memory (``--gpus`` as ``train`` reads it, nothing claimed), else the RAM."""
+    """The selected GPUs' free memory (``--gpus`` as ``train`` reads it, nothing claimed; with ``--nproc``, the
+    first ``nproc`` of them, as ``train`` uses them), else the RAM."""
     snapshot = query_gpus() if gpus is None else gpus
     spec = cfg.dist.gpus
     chosen = selection.plan_gpus(spec, snapshot, environ, cfg.dist.nproc).physical_ids if snapshot else None
+    if chosen and cfg.dist.nproc and cfg.dist.strategy != "dp":
+        chosen = chosen[: cfg.dist.nproc]  # as the launch: local rank i on the i-th GPU, the others idle
     # Each process holds what this one holds (torch and the job's code imported); on GPUs CUDA's runtime on top.
     available, runtime = _available_ram(), _resident_bytes()
     if chosen:
