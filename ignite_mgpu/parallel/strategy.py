@@ -100,10 +100,12 @@ def no_sync(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[
 
 
 def model_devices(model: nn.Module) -> list[torch.device]:
-    """The devices a model runs on: every GPU of a DataParallel, else the device of its parameters."""
+    """The devices a model runs on: every GPU of a DataParallel, else this rank's device (``prepare_model`` placed it
+    there). Not its parameters' device: under FSDP's CPU offload they live on the CPU while the step runs on the GPU
+    (the memory report and the run's facts would read the RAM and "no GPUs")."""
     if isinstance(model, nn.DataParallel):
         return [torch.device("cuda", i) for i in model.device_ids]
-    return [next(model.parameters()).device]
+    return [idist.device()]
 
 
 class LossDataParallel(nn.DataParallel):

@@ -12,6 +12,7 @@ from torch import nn
 from ignite_mgpu.parallel.strategy import (
     LossDataParallel,
     find_ddp,
+    model_devices,
     no_sync,
     prepare_model,
     reduce_replica_losses,
@@ -174,3 +175,11 @@ def test_dataparallel_bf16_replicas_compute_in_bf16():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         dp(torch.ones(8, 4, device="cuda"))
     assert seen == [torch.bfloat16] * 2
+
+
+def test_a_model_runs_on_the_ranks_device_not_its_parameters(monkeypatch):
+    # Issue #44 (5): under FSDP's CPU offload the parameters are on the CPU while the step runs on the rank's GPU;
+    # the memory report and the run's facts read model_devices. A device object needs no CUDA to exist.
+    monkeypatch.setattr("ignite.distributed.device", lambda: torch.device("cuda", 3))
+    assert model_devices(linear()) == [torch.device("cuda", 3)]
+    assert model_devices(fake_data_parallel(2)) == [torch.device("cuda", 0), torch.device("cuda", 1)]
