@@ -163,8 +163,8 @@ def reduce_replica_losses(out: torch.Tensor, model: nn.Module, batch_size: int) 
     if isinstance(model, nn.DataParallel) and out.dim() == 1:
         sizes = [len(c) for c in torch.arange(batch_size).chunk(len(model.device_ids))]
         if len(sizes) == out.numel():
-            weights = torch.tensor(sizes, dtype=out.dtype, device=out.device) / batch_size
-            return (out * weights).sum()
+            # Python floats as weights: a tensor of them built on the GPU would be a host-to-device copy per step.
+            return sum((loss * (k / batch_size) for loss, k in zip(out, sizes, strict=True)), out.new_zeros(()))
     raise TypeError(
         f"with loss_fn=None the model's forward(x, y) must return the loss as a 0-dim tensor, but it returned "
         f"shape {tuple(out.shape)}. Return loss.mean() from forward, or pass a loss_fn and return the logits."

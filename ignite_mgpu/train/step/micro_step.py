@@ -69,6 +69,8 @@ def micro_batch_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
     def train_step(engine: Engine, batch: Batch) -> torch.Tensor:
         if not inner.training:
             model.train()
+        # Counted before the batch moves: on the device, int() would wait for the GPU at every iteration.
+        items = counted_items(batch) if attempt.pass_items else None
         if move:
             batch = batches.to_device(batch, device, non_blocking)
         last, window = True, 1
@@ -81,7 +83,7 @@ def micro_batch_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
             for p in parameters:
                 p.grad = None
         while True:
-            result = attempt(batch, n, sizing.current(n), last, window, earlier)
+            result = attempt(batch, n, sizing.current(n), last, window, earlier, items)
             if isinstance(result, torch.Tensor):
                 break
             _undo(model, parameters)
@@ -109,7 +111,9 @@ class _Attempt:
         # The ranks agree on host integers: over gloo, so that a CUDA job does not wait for its device there.
         self.group = dist.new_group(backend="gloo") if self.agree and idist.backend() != "gloo" else None
 
-    def __call__(self, batch: Batch, n: int, size: int, last: bool, window: int, earlier: list[Any]) -> Any:
+    def __call__(
+        self, batch: Batch, n: int, size: int, last: bool, window: int, earlier: list[Any], items: int | None
+    ) -> Any:
         # While the size settles, every part skips DDP's sync and the gradients are all-reduced once the ranks
         # agreed: an out-of-memory error anywhere in forward or backward is then retried on every rank.
         manual = self.agree and last and self.ddp is not None and self.sizing.stable < SETTLE_ITERATIONS
@@ -119,7 +123,7 @@ class _Attempt:
         self.agreed = self.in_collective = False
         proposal = size
         try:
-            total = self._parts(batch, n, size, last and not manual, window, earlier)
+            total = self._parts(batch, n, size, last and not manual, window, earlier, items)
         except _Retry as retry:
             return retry.size
         except Exception as err:
@@ -142,9 +146,11 @@ class _Attempt:
             _all_reduce_gradients(self.parameters, self.world)
         return total
 
-    def _parts(self, batch: Batch, n: int, size: int, sync_last: bool, window: int, earlier: list[Any]) -> torch.Tensor:
-        """Every part's forward and backward (weighted by its samples); the last one syncs when ``sync_last``."""
-        items = counted_items(batch) if self.pass_items else None
+    def _parts(
+        self, batch: Batch, n: int, size: int, sync_last: bool, window: int, earlier: list[Any], items: int | None
+    ) -> torch.Tensor:
+        """Every part's forward and backward (weighted by its samples); the last one syncs when ``sync_last``.
+        ``items``: the batch's counted labels, passed as ``num_items_in_batch``."""
         parts = split_batch(batch, n, size)
         total: torch.Tensor | None = None
         for i, (part, k) in enumerate(parts):

@@ -145,3 +145,35 @@ def test_evaluation_in_parts_scores_like_whole_batches():
     assert scores[0]["accuracy"] == scores[1]["accuracy"]
     assert scores[0]["loss"] == pytest.approx(scores[1]["loss"], abs=1e-6)
     assert max(model.seen[-9:]) == 4
+
+
+class CountingLM(nn.Module):
+    """A Hugging Face-style model: a mapping batch, its own loss summed over the labels and divided by the count."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.counts = nn.Embedding(8, 8), []
+
+    def forward(self, input_ids, labels, num_items_in_batch=None):
+        self.counts.append(num_items_in_batch)
+        loss = nn.functional.cross_entropy(self.emb(input_ids).flatten(0, 1), labels.flatten(), reduction="sum")
+        return {"loss": loss / num_items_in_batch}
+
+
+def test_num_items_are_counted_before_the_batch_moves(monkeypatch):
+    # Issue #44 (6): counting the labels on the GPU (int(...)) waited for it at every iteration. Here the step's
+    # device is "meta" (a move that is seen, not made): the count comes first, and the model gets a Python int.
+    import dataclasses
+
+    from ignite_mgpu.train.step import micro_step
+
+    model = CountingLM()
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None, device="cpu", micro_batch=2)
+    events = []
+    monkeypatch.setattr(micro_step, "counted_items", lambda b: events.append("count") or counted_items(b))
+    monkeypatch.setattr(micro_step.batches, "to_device", lambda b, d, nb: events.append(f"move to {d}") or b)
+    step = micro_step.micro_batch_step(dataclasses.replace(trainer.step, device=torch.device("meta")))
+    labels = torch.tensor([[1, 2, -100], [3, -100, -100], [4, 5, 6], [7, -100, 1]])
+    step(Engine(lambda e, b: None), {"input_ids": torch.zeros(4, 3, dtype=torch.long), "labels": labels})
+    assert events == ["count", "move to meta"]
+    assert model.counts == [8, 8] and all(type(c) is int for c in model.counts)  # two parts, the whole count
