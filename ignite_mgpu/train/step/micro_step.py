@@ -5,6 +5,7 @@ out-of-memory error that every rank agreed on. ``trainer.py``'s own step runs wh
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -206,6 +207,7 @@ def _undo(model: nn.Module, parameters: Sequence[nn.Parameter]) -> None:
         if isinstance(module, FSDPModule):
             module.reshard()
     if torch.cuda.is_available():
+        gc.collect()  # the failed attempt's tensors that only reference cycles still hold, before the cache goes
         torch.cuda.empty_cache()
 
 

@@ -38,6 +38,11 @@ def test_out_of_memory_is_recognised_by_type_and_by_the_allocators_message():
     assert is_out_of_memory(real_cpu_oom())  # "DefaultCPUAllocator: can't allocate memory: you tried to ..."
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert is_out_of_memory(RuntimeError("not enough memory: you tried to allocate 8 bytes"))
+    # Issue #44 (12): as Lightning counts them: cuDNN's and cuBLAS's failures, CUDA's own error outside the allocator
+    assert is_out_of_memory(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if ..."))
+    assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert is_out_of_memory(RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be ..."))
+    assert not is_out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_out_of_memory(ValueError("can't allocate memory"))  # only the allocators' RuntimeErrors
     assert not is_out_of_memory(KeyboardInterrupt())
@@ -177,3 +182,17 @@ def test_num_items_are_counted_before_the_batch_moves(monkeypatch):
     step(Engine(lambda e, b: None), {"input_ids": torch.zeros(4, 3, dtype=torch.long), "labels": labels})
     assert events == ["count", "move to meta"]
     assert model.counts == [8, 8] and all(type(c) is int for c in model.counts)  # two parts, the whole count
+
+
+def test_a_failed_attempt_is_collected_before_the_cuda_cache_is_emptied(monkeypatch):
+    # Issue #44 (12): tensors that only reference cycles hold (the failed attempt's frames) go back to the cache first.
+    from ignite_mgpu.train.step import micro_step
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(micro_step.gc, "collect", lambda: calls.append("collect"))
+    model = nn.Linear(2, 2)
+    model.weight.grad = torch.ones(2, 2)
+    micro_step._undo(model, tuple(model.parameters()))
+    assert calls == ["collect", "empty_cache"] and model.weight.grad is None
