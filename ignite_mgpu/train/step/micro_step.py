@@ -105,9 +105,11 @@ class _Attempt:
         self.parameters, self.sizing, self.pass_items = step.parameters, sizing, pass_items
         self.world = world = idist.get_world_size()
         self.ddp, fsdp = find_ddp(step.model), find_fsdp(step.model)
-        # FSDP's every forward and backward gathers and scatters parameters: a rank out of memory there leaves the
-        # others inside a collective, so the ranks cannot retry together; the job restarts from the smaller size.
-        self.in_place = fsdp is None or world == 1
+        # FSDP's every forward and backward gathers and scatters parameters, and SyncBatchNorm's all-gather their
+        # statistics (no_sync does not stop them): a rank out of memory there leaves the others inside a
+        # collective, so the ranks cannot retry together; the job restarts from the smaller size.
+        collective = fsdp is not None or any(isinstance(m, nn.SyncBatchNorm) for m in step.model.modules())
+        self.in_place = not collective or world == 1
         self.agree = sizing.auto and world > 1 and self.in_place
         # The ranks agree on host integers: over gloo, so that a CUDA job does not wait for its device there.
         self.group = dist.new_group(backend="gloo") if self.agree and idist.backend() != "gloo" else None

@@ -196,3 +196,18 @@ def test_a_failed_attempt_is_collected_before_the_cuda_cache_is_emptied(monkeypa
     model.weight.grad = torch.ones(2, 2)
     micro_step._undo(model, tuple(model.parameters()))
     assert calls == ["collect", "empty_cache"] and model.weight.grad is None
+
+
+def test_sync_batchnorm_takes_the_restart_path(monkeypatch):
+    # Issue #44 (8): SyncBatchNorm all-gathers in every training forward, also under no_sync: a rank out of memory
+    # there leaves the other inside the collective, so auto cannot agree and retry in place; the job restarts.
+    from ignite_mgpu.train.step import micro_step
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4), nn.Linear(4, 2))
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), device="cpu")
+    sizing = MicroBatching("auto")
+    alone = micro_step._Attempt(trainer.step, sizing, False)
+    assert alone.in_place  # one process: no collective to leave unmatched
+    monkeypatch.setattr("ignite.distributed.get_world_size", lambda: 2)
+    two = micro_step._Attempt(trainer.step, sizing, False)
+    assert not two.in_place and not two.agree and two.group is None
