@@ -157,20 +157,22 @@ class _Attempt:
         parts = split_batch(batch, n, size)
         total: torch.Tensor | None = None
         for i, (part, k) in enumerate(parts):
-            final = i == len(parts) - 1
+            synced = i == len(parts) - 1 and sync_last
             # With the whole count the model divided by it itself.
             share = 1.0 if items is not None else k / n
-            with contextlib.nullcontext() if final and sync_last else self.no_sync():
+            if synced:
+                # Agreed before the synced forward: DDP's forward arms its reducer for the backward's all-reduces,
+                # and no_sync does not disarm it, so a rank retrying after it would mix bucket all-reduces with its
+                # peer's per-parameter ones. An out-of-memory error from here on takes the restart path.
+                if self.agree:
+                    self.agreed = True
+                    smallest = _agree(size, self.group)
+                    if smallest < size:
+                        raise _Retry(smallest)
+                _give_back(self.parameters, earlier)
+                self.in_collective = self.world > 1
+            with contextlib.nullcontext() if synced else self.no_sync():
                 loss = self.compute_loss({**part, "num_items_in_batch": items} if items is not None else part)
-                # Its backward all-reduces: every rank must be fine before it.
-                if final and sync_last:
-                    if self.agree:
-                        self.agreed = True
-                        smallest = _agree(size, self.group)
-                        if smallest < size:
-                            raise _Retry(smallest)
-                    _give_back(self.parameters, earlier)
-                    self.in_collective = self.world > 1
                 scaled = loss * (share / window) if share != 1.0 or window > 1 else loss
                 (self.scaler.scale(scaled) if self.scaler.is_enabled() else scaled).backward()
             total = loss.detach() * share if total is None else total + loss.detach() * share

@@ -211,3 +211,51 @@ def test_sync_batchnorm_takes_the_restart_path(monkeypatch):
     monkeypatch.setattr("ignite.distributed.get_world_size", lambda: 2)
     two = micro_step._Attempt(trainer.step, sizing, False)
     assert not two.in_place and not two.agree and two.group is None
+
+
+@pytest.fixture
+def one_rank_ddp(tmp_path, monkeypatch):
+    """A DDP model in a one-process gloo group that auto treats as one of 2 ranks (the conftest tears it down)."""
+    import torch.distributed as dist
+
+    from ignite_mgpu.train.step import micro_step
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    monkeypatch.setattr("ignite.distributed.get_world_size", lambda: 2)
+    events = []
+    monkeypatch.setattr(micro_step, "_agree", lambda size, group: events.append("agree") or size)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(6, 3))
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), device="cpu")
+    return trainer.step, events
+
+
+def test_auto_agrees_before_the_synced_forward_and_restarts_after_an_oom_in_it(one_rank_ddp):
+    # Issue #44 (7): once the size held for SETTLE_ITERATIONS, the last part syncs through DDP. Its forward arms
+    # DDP's reducer, which no_sync does not disarm: the ranks must agree before that forward, and an out-of-memory
+    # error in it cannot be retried in place (the job restarts from the smaller size).
+    import dataclasses
+
+    from ignite_mgpu.train.step import micro_step
+    from ignite_mgpu.train.step.micro_batch import SETTLE_ITERATIONS, MicroBatchTooLarge
+
+    step, events = one_rank_ddp
+    sizing = MicroBatching("auto")
+    sizing.size, sizing.stable = 2, SETTLE_ITERATIONS
+    fail_at = []
+
+    def forward(batch):
+        events.append("forward")
+        if len(events) in fail_at:
+            raise real_cpu_oom()
+        return step.compute_loss(batch)
+
+    attempt = micro_step._Attempt(dataclasses.replace(step, compute_loss=forward), sizing, False)
+    batch = (torch.randn(4, 6), torch.randint(0, 3, (4,)))
+    assert isinstance(attempt(batch, 4, 2, True, 1, [], None), torch.Tensor)
+    assert events == ["forward", "agree", "forward"]
+    events.clear()
+    fail_at.append(3)  # the synced forward runs out of memory
+    with pytest.raises(MicroBatchTooLarge, match="inside a collective"):
+        attempt(batch, 4, 2, True, 1, [], None)
+    assert events == ["forward", "agree", "forward"]
