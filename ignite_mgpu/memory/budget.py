@@ -156,13 +156,13 @@ def make_memory_plan(cfg: Config, cap: Capacity) -> MemoryPlan:
     nproc, batch = len(cap.free), cfg.data.batch_size
     check_global_batch(batch, nproc)
     local = batch // nproc
-    example = example_batch(cfg)
-    full = measure(cfg, example, local, nproc, "ddp")
+    example, cuda = example_batch(cfg), cap.device == "cuda"
+    full = measure(cfg, example, local, nproc, "ddp", cuda)
     other = max(1, local // 2) if local > 1 else 2
-    per_sample = max(0.0, (full.peak - measure(cfg, example, other, nproc, "ddp").peak) / (local - other))
+    per_sample = max(0.0, (full.peak - measure(cfg, example, other, nproc, "ddp", cuda).peak) / (local - other))
     rows = [_row("ddp", full, per_sample, cap, snapshot=snapshot_bytes(cfg.checkpoint, full, full, cap.device))]
     if nproc > 1:
-        sharded = measure(cfg, example, local, nproc, "fsdp")
+        sharded = measure(cfg, example, local, nproc, "fsdp", cuda)
         snapshot = snapshot_bytes(cfg.checkpoint, full, sharded, cap.device)
         rows.append(_row("fsdp", sharded, per_sample, cap, block=sharded.block, snapshot=snapshot))
     else:

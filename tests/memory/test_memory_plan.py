@@ -274,3 +274,26 @@ def test_estimate_is_within_15_percent_of_a_measured_cpu_step():
     estimate = measure(cfg, example_batch(cfg), 256).peak
     (measured,) = real_peak.measure(cfg, "ddp", 1, 256)
     assert abs(estimate - measured) <= 0.15 * measured, (estimate, measured)
+
+
+def test_on_cuda_the_optimizer_runs_its_foreach_path_and_cublas_has_its_workspaces(monkeypatch):
+    # Issue #44 (10): fake CPU tensors take torch.optim's single-tensor path; CUDA takes foreach, whose AdamW holds
+    # a temporary of every parameter at once (the single-tensor path: two of the largest). cuBLAS's workspaces are
+    # counted by CUDA's allocator too.
+    import torch.optim.adam as adam
+
+    from ignite_mgpu.memory.estimate import CUBLAS_WORKSPACES
+
+    ran = []
+    for path in ("_single_tensor_adam", "_multi_tensor_adam"):
+        real = getattr(adam, path)
+        monkeypatch.setattr(adam, path, lambda *a, _real=real, _path=path, **k: ran.append(_path) or _real(*a, **k))
+    cfg = load_config(None, [*STACK, "optim.name=adamw"])
+    example = example_batch(cfg)
+    cpu = measure(cfg, example, 8)
+    assert set(ran) == {"_single_tensor_adam"}
+    ran.clear()
+    cuda = measure(cfg, example, 8, cuda=True)
+    assert set(ran) == {"_multi_tensor_adam"}
+    assert (cpu.workspaces, cuda.workspaces) == (0, CUBLAS_WORKSPACES) and cuda.peak != cpu.peak + CUBLAS_WORKSPACES
+    assert (cuda.params, cuda.optimizer) == (cpu.params, cpu.optimizer)
