@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import ignite.distributed as idist
 import pytest
 import torch
 from ignite.engine import Engine, Events
@@ -215,7 +216,7 @@ def test_sync_batchnorm_takes_the_restart_path(monkeypatch):
 
 @pytest.fixture
 def one_rank_ddp(tmp_path, monkeypatch):
-    """A DDP model in a one-process gloo group that auto treats as one of 2 ranks (the conftest tears it down)."""
+    """A DDP model in a one-process gloo group that auto treats as one of 2 ranks."""
     import torch.distributed as dist
 
     from ignite_mgpu.train.step import micro_step
@@ -227,7 +228,8 @@ def one_rank_ddp(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Linear(6, 3))
     trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), device="cpu")
-    return trainer.step, events
+    yield trainer.step, events
+    idist.finalize()  # ignite's own view of the group too, not only torch's (later tests run without one)
 
 
 def test_auto_agrees_before_the_synced_forward_and_restarts_after_an_oom_in_it(one_rank_ddp):
