@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The one-shot GPU check, for the day a GPU machine is lent (about 15 minutes, once): every `gpu`-marked test, then
 # the default job's throughput per precision on one GPU and, with 2+ GPUs, peak memory per GPU for DDP vs DP and
-# DDP vs FSDP vs DP (fsdp/bench_fsdp_memory.py), into one report file. Two stages, each bounded to fit one device
-# command (at most 10 minutes): `tests` (pytest -m gpu, cut at 330 s) and `jobs` (the runs; estimated at about 2
+# DDP vs FSDP vs DP (fsdp/bench_fsdp_memory.py), into one report file. Three stages, each bounded to fit one device
+# command (at most 10 minutes): `one` (gpu_check_one.py: what one GPU can show, one line per check, each in a fresh
+# process; about 5 minutes), `tests` (pytest -m gpu, cut at 330 s) and `jobs` (the runs; estimated at about 2
 # minutes on one GPU, at most 8 with two: benchmarks/README.md says what has been run).
 #
-#   bash benchmarks/gpu_check.sh tests [REPORT]    # default REPORT: gpu_check_<stage>.txt (in $OUT if set)
+#   bash benchmarks/gpu_check.sh one [REPORT]      # default REPORT: gpu_check_<stage>.txt (in $OUT if set)
+#   bash benchmarks/gpu_check.sh tests [REPORT]
 #   bash benchmarks/gpu_check.sh jobs [REPORT]
-#   bash benchmarks/gpu_check.sh all [REPORT]      # both, one after the other
+#   bash benchmarks/gpu_check.sh all [REPORT]      # tests and jobs, one after the other
 set -u
 cd "$(dirname "$0")/.."
 stage=${1:-all}
-case "$stage" in tests|jobs|all) ;; *) echo "usage: $0 tests|jobs|all [REPORT]" >&2; exit 2 ;; esac
+case "$stage" in one|tests|jobs|all) ;; *) echo "usage: $0 one|tests|jobs|all [REPORT]" >&2; exit 2 ;; esac
 report=${2:-${OUT:-.}/gpu_check_$stage.txt}
 work=$(mktemp -d)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -36,13 +38,18 @@ EOF
 torch.cuda.device_count(), 'ignite', ignite.__version__)"
   ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
 
-  if [ "$stage" != jobs ]; then
+  if [ "$stage" = one ]; then
+    section "one GPU: NCCL, FSDP2, DCP, resumes, syncs, out of memory, the memory plan, files read without CUDA"
+    timeout 570 python benchmarks/gpu_check_one.py
+    section "done"
+  fi
+  if [ "$stage" = tests ] || [ "$stage" = all ]; then
     section "pytest -m gpu"
     timeout 330 python -m pytest -m gpu -v -rs -p no:cacheprovider tests 2>&1 | tail -60
   fi
   if [ "$stage" = tests ]; then
     section "done"
-  else
+  elif [ "$stage" != one ]; then
 
   section "default job on one GPU (2 epochs, 4096 + 1000 synthetic images, global batch 128)"
   echo "| run | samples/s | ms/iter | peak MB per GPU | max/min | val acc |"
@@ -78,4 +85,5 @@ torch.cuda.device_count(), 'ignite', ignite.__version__)"
   fi  # jobs
 } > "$report" 2>&1
 rm -rf "$work"
+if [ "$stage" = one ]; then cat "$report"; fi  # one line per check: short enough to read where it ran
 echo "wrote $report"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -155,6 +157,18 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 120, env: dict | None =
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(var, None)
     return run_in_session([sys.executable, "-m", "ignite_mgpu", *args], timeout, cwd, full_env)
+
+
+def run_fresh(target: str, *args: str, timeout: float = 240) -> Any:
+    """``module:function(*args)`` called in a fresh interpreter, its JSON-able result returned (with ``stderr``): no
+    CUDA context and no process group in this pytest process, where an earlier test's CUDA would make a later
+    ``launch(gpus=...)`` refuse. Fails with the child's output when it does."""
+    module, name = target.split(":")
+    code = f"import json, sys; from {module} import {name}; print(json.dumps({name}(*sys.argv[1:])))"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = run_in_session([sys.executable, "-c", code, *args], timeout, REPO, env)
+    assert out.returncode == 0, f"{target} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
 
 # Small, fast settings shared by the CLI tests: 256 + 101 synthetic 16x16 images.

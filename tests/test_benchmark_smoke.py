@@ -323,3 +323,21 @@ def test_not_training_takes_each_figure_from_the_run_that_measured_it(monkeypatc
     assert calls == bench.LONG_FSDP
     assert [(row.value, row.verdict) for row in rows] == [(0.998, "met"), (1.007, "met"), (1.019, "undecided")]
     assert "(tiny GPT-2)" in rows[0].what and "(cnn)" in rows[1].what and "(gpt2)" in rows[2].what
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_one_gpu_check_lists_its_checks_and_its_cpu_dry_run_passes():
+    # benchmarks/gpu_check_one.py (issue #44): its checks on gloo where they can run without CUDA, so that the
+    # script a lent GPU runs once is known to work up to the device.
+    script = BENCHMARKS / "gpu_check_one.py"
+    listed = subprocess.run([sys.executable, str(script), "--list"], capture_output=True, text=True, timeout=30)
+    from tests.gpu.test_one_gpu import CHECKS
+
+    assert [line.split(":")[0] for line in listed.stdout.splitlines()] == CHECKS
+    dry = ["nccl_ddp", "fsdp_offload", "dcp_sharded", "deterministic_resume"]
+    proc = subprocess.run(
+        [sys.executable, str(script), "--cpu", "--only", *dry], capture_output=True, text=True, timeout=220
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert [line.split()[:2] for line in proc.stdout.splitlines()] == [["PASS", name] for name in dry], proc.stdout

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -129,20 +129,24 @@ class AsyncDiskSaver(SafeDiskSaver):
     Every guarantee of ``SafeDiskSaver`` holds: the old files go only once the new one is complete, a failed write
     deletes nothing, and its ``CheckpointError`` is raised on the training thread at the next save or at
     ``finish()``. ``stall_seconds``: the training thread's time in the last save (waiting for the previous write,
-    and the snapshot).
+    and the snapshot). ``fresh``: the checkpoint's entries whose state dicts are new CPU tensors at every save (an
+    FSDP model's and optimizer's gathered state), written as they are: staging them would pin a second copy of the
+    whole state on rank 0 at every save, since the stager's buffers are kept per tensor and these are new each time.
     """
 
-    def __init__(self, dirname: str | Path, device_type: str = "cpu") -> None:
+    def __init__(self, dirname: str | Path, device_type: str = "cpu", fresh: Collection[str] = ()) -> None:
         super().__init__(dirname)
         self.writer = BackgroundWriter("ignite-mgpu checkpoint writer", device_type)
         self.stall_seconds = 0.0
+        self.fresh = frozenset(fresh)
 
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
         if idist.get_rank() != self.save_on_rank:
             return
         start = time.perf_counter()
         self.writer.wait()  # at most one in flight: the snapshot's buffers are the previous write's
-        staged = stage(self.writer.stager(), checkpoint)
+        staged = stage(self.writer.stager(), {k: v for k, v in checkpoint.items() if k not in self.fresh})
+        staged = {k: checkpoint[k] if k in self.fresh else staged[k] for k in checkpoint}
         path, pending = Path(self.dirname) / filename, self._pending
         self._pending = []  # what ignite removes from now on goes after the next write
 

@@ -12,7 +12,7 @@ import ignite.distributed as idist
 import torch
 from ignite.handlers import DiskSaver
 
-from ignite_mgpu.checkpoint.files import SAFETENSORS, TEMP_PREFIX, TEMP_SUFFIX, fsync_dir, list_checkpoints
+from ignite_mgpu.checkpoint.files import SAFETENSORS, TEMP_PREFIX, TEMP_SUFFIX, fsync_dir, list_checkpoints, on_cpu
 from ignite_mgpu.checkpoint.weights import write_safetensors
 from ignite_mgpu.errors import CheckpointError
 
@@ -24,7 +24,8 @@ class SafeDiskSaver(DiskSaver):
     ignite's Checkpoint asks to remove the oldest file *before* saving the new one (pytorch-ignite #1986): a crash
     or a full disk in between would leave no checkpoint. Removals are deferred until the next save succeeds.
     Files are created 0600 (ignite's DiskSaver adds group/other read bits). A ``.safetensors`` name is written as
-    safetensors (``weights.write_safetensors``, as atomic), with ``metadata``.
+    safetensors (``weights.write_safetensors``, as atomic), with ``metadata``. A GPU's tensors are written as CPU
+    tensors (``on_cpu``): the file loads with plain ``torch.load`` on a machine without a GPU, and never onto cuda:0.
     """
 
     def __init__(self, dirname: str | Path, metadata: Mapping[str, str] | None = None) -> None:
@@ -35,7 +36,7 @@ class SafeDiskSaver(DiskSaver):
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
         # ignite's rule (but for its TPU branch: every process, xm.save)
         if idist.get_rank() == self.save_on_rank:
-            self._commit(checkpoint, Path(self.dirname) / filename, torch.save, self._pending)
+            self._commit(on_cpu(checkpoint), Path(self.dirname) / filename, torch.save, self._pending)
 
     def _commit(self, checkpoint: Mapping, path: Path, func: Callable, pending: list[str]) -> None:
         """Write ``path`` atomically, then delete the files of ``pending`` (and clear it); on an error nothing is

@@ -1,5 +1,5 @@
 """Checkpoint files on disk: their names, which are complete, reading one safely (``weights_only=True``, or a
-safetensors file with its ties restored), wrapper prefixes. The leaf of the package.
+safetensors file with its ties restored), wrapper prefixes, a state's CPU copy to write. The leaf of the package.
 
 Imports neither torch nor ignite at import: the launching process checks the output folder with it before it spawns
 the workers, and only reading a file imports torch (about 3 s on a small machine, at every start otherwise).
@@ -16,7 +16,7 @@ import shutil
 import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ignite_mgpu.errors import CheckpointError
 
@@ -249,3 +249,38 @@ def is_state_dict(obj: Mapping[str, Any]) -> bool:
     import torch
 
     return bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def on_cpu(obj: Any) -> Any:
+    """``obj`` (dicts, lists, tuples of tensors and other values) with every tensor off the CPU copied to it, each
+    storage once: tensors that share one (tied weights; ``state_dict``'s detached views) still share it, as
+    ``torch.save`` would write them. A container with nothing to copy is returned as it is (a CPU run's state is
+    written unchanged, its ``state_dict``'s ``_metadata`` included)."""
+    return _to_cpu(obj, {})
+
+
+def _to_cpu(obj: Any, copies: dict[tuple[Any, int], torch.UntypedStorage]) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cpu":
+            return obj
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter):  # a subclass (DTensor) copies itself
+            return obj.cpu()
+        storage = obj.untyped_storage()
+        key = (obj.device, storage.data_ptr())
+        if key not in copies:
+            copies[key] = storage.cpu()
+        return torch.empty(0, dtype=obj.dtype).set_(copies[key], obj.storage_offset(), obj.shape, obj.stride())
+    if isinstance(obj, Mapping):
+        items = {k: _to_cpu(v, copies) for k, v in obj.items()}
+        if all(items[k] is v for k, v in obj.items()):
+            return obj
+        out = cast(Any, type(obj))(items)
+        if hasattr(obj, "_metadata"):  # a module's state_dict: the versions its load_state_dict reads
+            out._metadata = obj._metadata
+        return out
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        values = [_to_cpu(v, copies) for v in obj]
+        return obj if all(a is b for a, b in zip(values, obj, strict=True)) else type(obj)(values)
+    return obj

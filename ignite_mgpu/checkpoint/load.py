@@ -1,5 +1,5 @@
 """Loading a checkpoint (full or a bare state_dict) into live objects: every key and shape checked before anything is
-loaded, wrapper prefixes stripped, tensors mapped to this rank's device."""
+loaded, wrapper prefixes stripped, read onto the CPU (each ``load_state_dict`` places its own tensors)."""
 
 from __future__ import annotations
 
@@ -56,24 +56,23 @@ def with_ties_of(module: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
 def load_checkpoint(
     path: str | Path,
     to_load: Mapping[str, Any],
-    map_location: Any = None,
+    map_location: Any = "cpu",
     check: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Load ``path`` into the objects of ``to_load`` (e.g. ``{"model": model, "optimizer": opt}``).
 
     Accepts a full checkpoint, a bare state_dict or a ``.safetensors`` file (for the model: a name the model ties
-    to another one may be left out, as Hugging Face writes them), strips ``module.`` / ``_orig_mod.``, maps every
-    tensor to this rank's device (not cuda:0 for all ranks), and loads with ``weights_only=True``.
+    to another one may be left out, as Hugging Face writes them), strips ``module.`` / ``_orig_mod.`` and loads with
+    ``weights_only=True``. Tensors are read onto the CPU (``map_location``) and each ``load_state_dict`` places its
+    own: a model copies into its parameters, an optimizer moves its state to its parameters' device but keeps a
+    non-capturable ``step`` on the CPU (on a GPU, Adam would read it back with a sync per parameter per step), and
+    RNG states stay the CPU tensors their setters take.
     Everything is checked before anything is loaded, so a mismatch leaves the objects untouched; ``check``
     (called with the checkpoint dict) can add a test of its own.
 
     Returns:
         The checkpoint dict as read (after prefix stripping of its model entry).
     """
-    if map_location is None:
-        import ignite.distributed as idist
-
-        map_location = idist.device()
     ckpt = read_checkpoint(path, map_location)
     if is_state_dict(ckpt) or "model" not in ckpt:
         ckpt = {"model": ckpt}

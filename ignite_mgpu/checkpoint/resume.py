@@ -11,7 +11,6 @@ from typing import Any
 from ignite_mgpu.checkpoint.files import find_resumable, is_safetensors, weights_only_resume
 from ignite_mgpu.checkpoint.load import load_checkpoint
 from ignite_mgpu.checkpoint.sharded import load_sharded
-from ignite_mgpu.checkpoint.state import FullModelState
 from ignite_mgpu.config.schema import Config
 from ignite_mgpu.env.cluster import outer_restarts
 from ignite_mgpu.errors import CheckpointError
@@ -95,9 +94,9 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
     if path.is_dir():  # checkpoint.format=sharded: resharded for this process count as it is read
         load_sharded(path, to_save, check=same_run)
     else:
-        # A sharded model's full checkpoint stays in CPU memory: each rank copies only its shards to its GPU.
-        cpu = isinstance(to_save["model"], FullModelState)
-        load_checkpoint(path, to_save, map_location="cpu" if cpu else None, check=same_run)
+        # Read onto the CPU: a sharded model's full checkpoint stays there (each rank copies only its shards to its
+        # GPU), and every load_state_dict places its own tensors.
+        load_checkpoint(path, to_save, check=same_run)
     saved = to_save["run"].loaded
     logger.info("resumed from %s at iteration %d", path, to_save["trainer"].state.iteration)
     if saved.get("world_size", world_size) != world_size and _first_rank():
@@ -157,9 +156,7 @@ def continue_from_weights(path: Path, to_save: dict[str, Any]) -> None:
     the learning-rate schedule and the trainer start fresh, at epoch 0. Not an exact resume, and said so."""
     import ignite.distributed as idist
 
-    # As resume: each rank copies only its shards to its GPU.
-    cpu = isinstance(to_save["model"], FullModelState)
-    load_checkpoint(path, {"model": to_save["model"]}, map_location="cpu" if cpu else None)
+    load_checkpoint(path, {"model": to_save["model"]})  # onto the CPU, as resume
     if idist.get_rank() == 0:
         logger.warning(
             "--resume %s: weights only: the model starts from this file's weights; the optimizer, the learning-rate "

@@ -78,7 +78,9 @@ def create_checkpointers(
     ``objects["run"]`` as its metadata). ``async_save``: the full state is written in the background
     (``AsyncDiskSaver``); the best model always synchronously (``fit`` returns its file right after training)."""
     saver = SafeDiskSaver(dirname, _best_metadata(objects, metric))
-    full_saver = AsyncDiskSaver(dirname, idist.device().type) if async_save else saver
+    # A sharded model's full state is gathered into new CPU tensors at every save: a snapshot already.
+    fresh = ("model", "optimizer") if isinstance(objects.get("model"), FullModelState) else ()
+    full_saver = AsyncDiskSaver(dirname, idist.device().type, fresh) if async_save else saver
     full = Checkpoint(dict(objects), full_saver, n_saved=n_saved, global_step_transform=lambda e, _: e.state.iteration)
     safetensors, weights = best_format == "safetensors", cast(Any, model)
     # A wrapper's (DataParallel's) state_dict would carry its prefix: ignite unwraps only its own.

@@ -22,6 +22,7 @@ from ignite_mgpu.checkpoint.files import (
     TRAIN_STATE,
     fsync_dir,
     list_checkpoints,
+    on_cpu,
     read_checkpoint,
 )
 from ignite_mgpu.errors import CheckpointError
@@ -137,7 +138,7 @@ def _prepare(to_save: Mapping[str, Any], folder: Path) -> dict[str, Any]:
     if idist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a killed writer's shards must not mix with these
         tmp.mkdir(parents=True)
-        torch.save(rest, tmp / TRAIN_STATE)
+        torch.save(on_cpu(rest), tmp / TRAIN_STATE)  # loads without a GPU
     idist.barrier()  # the folder exists and is empty of old shards before any rank writes into it
     return state
 
@@ -219,13 +220,13 @@ def load_sharded(
     """Restore ``to_load`` from ``folder`` on this process count, whatever the count that wrote it (the shards are
     read as this rank needs them). Keys and shapes, and ``check`` (given ``train_state.pt``), are checked before
     anything is loaded. Every rank must call it. Returns ``train_state.pt``'s contents."""
-    import ignite.distributed as idist
     import torch.distributed.checkpoint as dcp
 
     from ignite_mgpu.checkpoint.load import check_model_state
     from ignite_mgpu.checkpoint.state import load_sharded_state, module_and_optimizer, sharded_state
 
-    state = read_checkpoint(folder / TRAIN_STATE, idist.device())
+    # On the CPU: each load_state_dict places its tensors (RNG states must stay there; see checkpoint/load.py).
+    state = read_checkpoint(folder / TRAIN_STATE, "cpu")
     absent = [k for k in to_load if k not in SHARDED and k not in state]
     if absent:
         raise CheckpointError(f"{folder / TRAIN_STATE} has no {', '.join(absent)} (it holds: {', '.join(state)}).")

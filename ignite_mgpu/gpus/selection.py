@@ -146,11 +146,7 @@ def plan_gpus(
             f"--nproc {nproc} needs {nproc} GPUs (one per process) but --gpus {spec} selected {len(selected)} "
             f"({wanted}); {more}, lower --nproc to {len(selected)}, or use --gpus none to run CPU processes."
         )
-    if environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID") != "PCI_BUS_ID":
-        messages.append(
-            f"Overriding CUDA_DEVICE_ORDER={environ['CUDA_DEVICE_ORDER']} with PCI_BUS_ID so --gpus ids "
-            "match nvidia-smi."
-        )
+    _pci_order(environ, messages)
     env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": wanted}
     env.update(_nccl_env([g for g in gpus if g.index in selected], environ, messages))
     return GpuPlan(selected, env, messages)
@@ -172,11 +168,25 @@ def _as_exported(gpus: list[GpuInfo], environ: Mapping[str, str]) -> GpuPlan:
     visible = visible_ids(gpus, environ)
     if not gpus or visible == []:
         return GpuPlan(None, {}, [])
+    env: dict[str, str] = {}
     if visible is None:
         visible = [g.index for g in gpus]
         exported = environ.get("CUDA_VISIBLE_DEVICES")
         messages.append(f"CUDA_VISIBLE_DEVICES={exported} is kept as exported; it names GPUs by UUID.")
-    return GpuPlan(visible, _nccl_env([g for g in gpus if g.index in visible], environ, messages), messages)
+    else:
+        # The ids were read as nvidia-smi's (claims, CPU binding): CUDA must count as it does, not fastest first.
+        _pci_order(environ, messages)
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    env.update(_nccl_env([g for g in gpus if g.index in visible], environ, messages))
+    return GpuPlan(visible, env, messages)
+
+
+def _pci_order(environ: Mapping[str, str], messages: list[str]) -> None:
+    """The line saying that an exported CUDA_DEVICE_ORDER other than PCI_BUS_ID is overridden."""
+    if environ.get("CUDA_DEVICE_ORDER", "PCI_BUS_ID") != "PCI_BUS_ID":
+        messages.append(
+            f"Overriding CUDA_DEVICE_ORDER={environ['CUDA_DEVICE_ORDER']} with PCI_BUS_ID so GPU ids match nvidia-smi."
+        )
 
 
 def _select(

@@ -79,10 +79,13 @@ class MemoryPlan:
 
 
 def capacity(cfg: Config, environ: Mapping[str, str] = os.environ, gpus: list[GpuInfo] | None = None) -> Capacity:
-    """The selected GPUs' free memory (``--gpus`` as ``train`` reads it, nothing claimed), else the RAM."""
+    """The selected GPUs' free memory (``--gpus`` as ``train`` reads it, nothing claimed; with ``--nproc``, the
+    first ``nproc`` of them, as ``train`` uses them), else the RAM."""
     snapshot = query_gpus() if gpus is None else gpus
     spec = cfg.dist.gpus
     chosen = selection.plan_gpus(spec, snapshot, environ, cfg.dist.nproc).physical_ids if snapshot else None
+    if chosen and cfg.dist.nproc and cfg.dist.strategy != "dp":
+        chosen = chosen[: cfg.dist.nproc]  # as the launch: local rank i on the i-th GPU, the others idle
     # Each process holds what this one holds (torch and the job's code imported); on GPUs CUDA's runtime on top.
     available, runtime = _available_ram(), _resident_bytes()
     if chosen:
@@ -152,15 +155,15 @@ def make_memory_plan(cfg: Config, cap: Capacity) -> MemoryPlan:
     """Measure the step (two batch sizes give the activations per sample) and fit it into ``cap``."""
     nproc, batch = len(cap.free), cfg.data.batch_size
     check_global_batch(batch, nproc)
-    # The largest share sets the peak (uneven shares: 64 over 3 is 22 + 21 + 21)
+    # The largest share sets the peak (uneven shares: 64 over 3 is 22 + 21 + 21).
     local = -(-batch // nproc)
-    example = example_batch(cfg)
-    full = measure(cfg, example, local, nproc, "ddp")
+    example, cuda = example_batch(cfg), cap.device == "cuda"
+    full = measure(cfg, example, local, nproc, "ddp", cuda)
     other = max(1, local // 2) if local > 1 else 2
-    per_sample = max(0.0, (full.peak - measure(cfg, example, other, nproc, "ddp").peak) / (local - other))
+    per_sample = max(0.0, (full.peak - measure(cfg, example, other, nproc, "ddp", cuda).peak) / (local - other))
     rows = [_row("ddp", full, per_sample, cap, snapshot=snapshot_bytes(cfg.checkpoint, full, full, cap.device))]
     if nproc > 1:
-        sharded = measure(cfg, example, local, nproc, "fsdp")
+        sharded = measure(cfg, example, local, nproc, "fsdp", cuda)
         snapshot = snapshot_bytes(cfg.checkpoint, full, sharded, cap.device)
         rows.append(_row("fsdp", sharded, per_sample, cap, block=sharded.block, snapshot=snapshot))
     else:

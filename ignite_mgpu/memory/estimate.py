@@ -34,6 +34,9 @@ from ignite_mgpu.train.models import create_model
 
 # The first step creates the optimizer state; the second runs its backward with that state held.
 STEPS = 2
+# On CUDA, what fake tensors never show but PyTorch's allocator counts: a cuBLAS workspace per handle and stream (32
+# MiB on Hopper and newer, PyTorch's default; less before), one for the step's thread and one for autograd's.
+CUBLAS_WORKSPACES = 2 * 32 * 2**20
 
 
 class _PeakOnly:
@@ -71,10 +74,11 @@ class Footprint:
     activations: int  # activations and backward temporaries at the peak
     inputs: int  # the batch itself
     buckets: int  # DDP's gradient buckets (a copy of every gradient, kept from construction on)
-    # The most held at once during the step: params + grads + state + activations + inputs + buckets.
+    # The most held at once during the step: params + grads + state + activations + inputs + buckets (+ workspaces).
     peak: int
     block: int = 0  # fsdp: the largest unit's unsharded parameters (in the compute dtype)
     outputs: int = 0  # the model's predictions for the batch (DataParallel gathers them on GPU 0)
+    workspaces: int = 0  # on CUDA: cuBLAS's workspaces (in peak)
 
 
 def fake_batch(example: Any, size: int) -> Any:
@@ -123,11 +127,18 @@ def _optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     return optimizer_from_config(cfg.optim, model, build_optimizer)
 
 
-def _run_steps(cfg: Config, model: nn.Module, tracker: MemTracker, batch: Any) -> tuple[torch.optim.Optimizer, int]:
+def _run_steps(
+    cfg: Config, model: nn.Module, tracker: MemTracker, batch: Any, cuda: bool
+) -> tuple[torch.optim.Optimizer, int]:
     """``STEPS`` training steps as the trainer runs them: forward and loss under autocast, backward, clipping,
     optimizer step, gradients set to None. Returns the optimizer and the predictions' bytes."""
     loss_fn = create_loss(cfg.train.loss, cfg.train.loss_args, device="cpu")
     optimizer = _optimizer(cfg, model)
+    for group in optimizer.param_groups if cuda else []:
+        # On CUDA torch.optim takes its foreach path (fake CPU tensors, the single-tensor one), whose temporaries
+        # (AdamW's: about the parameters' size) are part of the peak; a choice the user made stays.
+        if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+            group["foreach"] = True
     params = [p for p in model.parameters() if p.requires_grad]
     with tracker:
         for _ in range(STEPS):
@@ -154,10 +165,13 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(_bytes(v for v in s.values() if isinstance(v, torch.Tensor)) for s in optimizer.state.values())
 
 
-def measure(cfg: Config, example: Any, batch: int, world_size: int = 1, strategy: str = "ddp") -> Footprint:
+def measure(
+    cfg: Config, example: Any, batch: int, world_size: int = 1, strategy: str = "ddp", cuda: bool = False
+) -> Footprint:
     """One process's footprint: ``batch`` samples per step, ``world_size`` processes under ``strategy`` ("ddp":
     each process holds the whole model, plus DDP's buckets when there are several; "fsdp": sharded over
-    ``world_size``). The model, loss and optimizer are the configured ones, built on fake tensors."""
+    ``world_size``). The model, loss and optimizer are the configured ones, built on fake tensors; ``cuda``: as
+    the step runs on a GPU (the optimizer's foreach path, cuBLAS's workspaces)."""
     sharded = strategy == "fsdp" and world_size > 1
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with _fake_group(world_size if sharded else 1) as mesh, mode:
@@ -173,9 +187,10 @@ def measure(cfg: Config, example: Any, batch: int, world_size: int = 1, strategy
         else:
             tracker = StepTracker()
             tracker.track_external(model, *_tensors(data))
-        optimizer, outputs = _run_steps(cfg, model, tracker, data)
+        optimizer, outputs = _run_steps(cfg, model, tracker, data, cuda)
         found = _footprint(tracker, model, optimizer, batch, block, buckets=strategy == "ddp" and world_size > 1)
-        return dataclasses.replace(found, outputs=outputs)
+        workspaces = CUBLAS_WORKSPACES if cuda else 0
+        return dataclasses.replace(found, outputs=outputs, workspaces=workspaces, peak=found.peak + workspaces)
 
 
 def _footprint(

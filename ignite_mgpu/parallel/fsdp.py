@@ -8,7 +8,7 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -106,6 +106,7 @@ def shard_model(
     common: dict[str, Any] = {"mp_policy": mixed_precision(precision)}
     if cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy()
+        common["mesh"] = offload_mesh()
     units = [m for m in model.modules() if m is not model and type(m).__name__ in names]
     # modules() is outermost first: children must be sharded before their parents.
     for unit in reversed(units):
@@ -119,6 +120,25 @@ def shard_model(
         "parameters in " + str(common["mp_policy"].param_dtype or torch.float32).replace("torch.", ""),
     )
     return model
+
+
+def offload_backend(backend: str) -> str | None:
+    """The backends of the group that FSDP's CPU offload shards over, given the job's (None: the job's own group).
+    Offloaded gradients are CPU DTensors: clipping's norm and the GradScaler's found-inf check all-reduce them over
+    the mesh's group, which NCCL alone cannot do (torchtitan initialises "cuda:nccl,cpu:gloo" when offloading)."""
+    return "cuda:nccl,cpu:gloo" if backend == "nccl" else None
+
+
+def offload_mesh() -> Any:
+    """The device mesh of FSDP's CPU offload: every rank, over a group with a CPU backend (``offload_backend``);
+    None keeps fully_shard's default mesh (a gloo job's group has one already)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    backend = offload_backend(str(dist.get_backend()))
+    if backend is None:
+        return None
+    return DeviceMesh.from_group(cast(dist.ProcessGroup, dist.new_group(backend=backend)), "cuda")
 
 
 def find_fsdp(model: nn.Module) -> FSDPModule | None:

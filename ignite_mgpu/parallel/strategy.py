@@ -100,10 +100,12 @@ def no_sync(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[
 
 
 def model_devices(model: nn.Module) -> list[torch.device]:
-    """The devices a model runs on: every GPU of a DataParallel, else the device of its parameters."""
+    """The devices a model runs on: every GPU of a DataParallel, else this rank's device (``prepare_model`` placed it
+    there). Not its parameters' device: under FSDP's CPU offload they live on the CPU while the step runs on the GPU
+    (the memory report and the run's facts would read the RAM and "no GPUs")."""
     if isinstance(model, nn.DataParallel):
         return [torch.device("cuda", i) for i in model.device_ids]
-    return [next(model.parameters()).device]
+    return [idist.device()]
 
 
 class LossDataParallel(nn.DataParallel):
@@ -161,8 +163,8 @@ def reduce_replica_losses(out: torch.Tensor, model: nn.Module, batch_size: int) 
     if isinstance(model, nn.DataParallel) and out.dim() == 1:
         sizes = [len(c) for c in torch.arange(batch_size).chunk(len(model.device_ids))]
         if len(sizes) == out.numel():
-            weights = torch.tensor(sizes, dtype=out.dtype, device=out.device) / batch_size
-            return (out * weights).sum()
+            # Python floats as weights: a tensor of them built on the GPU would be a host-to-device copy per step.
+            return sum((loss * (k / batch_size) for loss, k in zip(out, sizes, strict=True)), out.new_zeros(()))
     raise TypeError(
         f"with loss_fn=None the model's forward(x, y) must return the loss as a 0-dim tensor, but it returned "
         f"shape {tuple(out.shape)}. Return loss.mean() from forward, or pass a loss_fn and return the logits."

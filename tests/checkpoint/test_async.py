@@ -304,3 +304,47 @@ def test_cuda_snapshot_is_pinned_and_the_file_equals_the_synchronous_one(tmp_pat
         torch.load(tmp_path / "sync" / "checkpoint_1.pt", weights_only=True),
         torch.load(tmp_path / "async" / "checkpoint_1.pt", weights_only=True),
     )
+
+
+class Gathered:
+    """As an FSDP model's full state: new CPU tensors at every save."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def state_dict(self):
+        return {k: v.clone() for k, v in self.model.state_dict().items()}
+
+
+def test_a_gathered_state_is_written_as_it_is_not_staged_again(tmp_path, monkeypatch):
+    # Issue #44 (11): staging a state gathered into new tensors at every save pinned a second copy of it each time.
+    from ignite_mgpu.checkpoint import background
+    from ignite_mgpu.checkpoint.save import create_checkpointers
+    from ignite_mgpu.checkpoint.state import FullModelState
+
+    staged, real = [], background.stage
+    monkeypatch.setattr(background, "stage", lambda stager, state: staged.append(list(state)) or real(stager, state))
+    a, b = objects(), objects()
+    sync = handler({**a, "model": Gathered(a["model"])}, SafeDiskSaver(tmp_path / "sync"))
+    saver = AsyncDiskSaver(tmp_path / "async", fresh={"model"})
+    background_handler = handler({**b, "model": Gathered(b["model"])}, saver)
+    for n in (2, 4):
+        step(a, n)
+        step(b, n)
+        sync(engine_at(n))
+        background_handler(engine_at(n))
+        step(b, n + 1)
+        step(a, n + 1)
+    saver.finish()
+    assert len(staged) == 2 and all("model" not in keys and "optimizer" in keys for keys in staged)
+    for name in ("checkpoint_4.pt", "checkpoint_2.pt"):
+        assert_same(
+            torch.load(tmp_path / "sync" / name, weights_only=True),
+            torch.load(tmp_path / "async" / name, weights_only=True),
+        )
+    full, _ = create_checkpointers(
+        {"model": FullModelState(a["model"]), "optimizer": a["optimizer"]}, a["model"], tmp_path, 1, "loss",
+        lambda e, _: 1, async_save=True,
+    )  # fmt: skip
+    assert full.save_handler.fresh == {"model", "optimizer"}
+    full.save_handler.finish()

@@ -75,3 +75,31 @@ def test_resume_auto_in_an_empty_folder_starts_a_new_run(tmp_path, caplog):
     assert fresh["trainer"].state.iteration == 0
     assert all(torch.equal(before[k], v) for k, v in fresh["model"].state_dict().items())
     assert f"--resume auto: no complete checkpoint in {tmp_path} yet: starting a new run" in caplog.text
+
+
+def test_a_resume_reads_onto_the_cpu_and_each_state_dict_places_its_tensors(tmp_path, monkeypatch):
+    # Issue #44 (1, 2): a checkpoint read onto this rank's GPU left AdamW's state["step"] there (a sync per
+    # parameter per step) and numpy's RNG key a CUDA tensor (.numpy() fails). Here the rank's device is "meta", which
+    # no tensor may reach: everything is read onto the CPU, and load_state_dict places it.
+    cfg = load_config(overrides=[f"output_dir={tmp_path}", "resume=auto", "train.epochs=2"])
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what deterministic mode sets: restored after the test
+    mode = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+    def adamw_objects():
+        model = linear(seed=1)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        trainer = create_trainer(model, optimizer, nn.CrossEntropyLoss(), device="cpu", deterministic=True)
+        return {"model": model, "optimizer": optimizer, "trainer": trainer, "run": RunInfo(1, 8, run_signature(cfg))}
+
+    saved = adamw_objects()
+    saved["trainer"].run(data(n=32, batch=8), max_epochs=1)
+    Checkpoint(saved, SafeDiskSaver(tmp_path), global_step_transform=lambda e, _: e.state.iteration)(saved["trainer"])
+    monkeypatch.setattr("ignite.distributed.device", lambda: torch.device("meta"))
+    fresh = adamw_objects()
+    assert resume(cfg, fresh, world_size=1)
+    states = list(fresh["optimizer"].state.values())
+    assert states and all(s["step"].device.type == "cpu" and s["step"].item() == 4 for s in states)
+    assert all(s["exp_avg"].device == p.device for s, p in zip(states, fresh["model"].parameters(), strict=True))
+    assert fresh["trainer"].state.iteration == 4
+    torch.testing.assert_close(fresh["optimizer"].state_dict(), saved["optimizer"].state_dict())
+    torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])

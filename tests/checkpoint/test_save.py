@@ -10,9 +10,10 @@ import torch
 import torchvision
 from ignite.engine import Engine
 from ignite.handlers import Checkpoint
+from safetensors.torch import load_file
 from torch import nn
 
-from ignite_mgpu.checkpoint.files import is_complete, list_checkpoints
+from ignite_mgpu.checkpoint.files import is_complete, list_checkpoints, on_cpu
 from ignite_mgpu.checkpoint.save import SafeDiskSaver, adopt_existing, create_checkpointers
 from ignite_mgpu.errors import CheckpointError
 from tests.helpers import small
@@ -55,6 +56,39 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     trainer.state.iteration = 6
     handler(trainer)  # the next good save removes the stale one only after writing
     assert sorted(os.listdir(tmp_path)) == ["checkpoint_6.pt"]
+
+
+@pytest.mark.parametrize("best_format", ["pt", "safetensors"])
+def test_every_saved_tensor_is_a_cpu_tensor(tmp_path, monkeypatch, best_format):
+    # Issue #44 (3): a GPU run's files load with plain torch.load on a machine without one. Here every state is on
+    # the CPU already, so the test sees the conversion called on each synchronous save, and what it returns written.
+    from ignite_mgpu.checkpoint import disk
+
+    converted = []
+    monkeypatch.setattr(disk, "on_cpu", lambda obj: converted.append(obj) or on_cpu(obj))
+    model = small()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    trainer = Engine(lambda e, b: None)
+    trainer.state.metrics = {"accuracy": 0.5}
+    objects = {"model": model, "optimizer": optimizer, "trainer": trainer}
+    full, best = create_checkpointers(objects, model, tmp_path, 1, "accuracy", lambda e, _: 1, best_format=best_format)
+    full(trainer)
+    best(trainer)
+    assert len(converted) == 2
+    assert [k for k in converted[0] if k != "checkpointer"] == ["model", "optimizer", "trainer"]
+    for path in tmp_path.iterdir():
+        state = torch.load(path, weights_only=True) if path.suffix == ".pt" else load_file(path)
+        tensors = [t for t in torch.utils._pytree.tree_leaves(state) if isinstance(t, torch.Tensor)]
+        assert tensors and all(t.device.type == "cpu" for t in tensors)
+
+
+def test_on_cpu_leaves_a_cpu_state_as_it_is():
+    shared = torch.arange(6.0)
+    state = {"a": shared, "b": shared.view(2, 3), "opt": [(1, "x", {"step": torch.tensor(3.0)})], "n": None}
+    out = on_cpu(state)
+    assert out is state and out["b"].data_ptr() == shared.data_ptr()
 
 
 def test_files_are_private(tmp_path):

@@ -70,6 +70,20 @@ def test_folders_are_written_whole_rotated_and_resumed(tmp_path):
         load_sharded(folder, other)
 
 
+def test_train_state_is_read_onto_the_cpu(tmp_path, monkeypatch):
+    # Issue #44 (1): train_state.pt's tensors (numpy's RNG key under train.deterministic) stay on the CPU whatever
+    # the rank's device ("meta" here, which no tensor may reach).
+    to_save = {**objects(), "rng": SimpleNamespace(state_dict=lambda: {"key": torch.arange(3)})}
+    train_step(to_save, 4)
+    save(to_save, tmp_path)
+    monkeypatch.setattr("ignite.distributed.device", lambda: torch.device("meta"))
+    loaded = []
+    fresh = {**objects(seed=1), "rng": SimpleNamespace(load_state_dict=loaded.append)}
+    load_sharded(tmp_path / "checkpoint_4", fresh)
+    assert fresh["trainer"].n == 4 and loaded[0]["key"].device.type == "cpu"
+    assert all(s["step"].device.type == "cpu" for s in fresh["optimizer"].state.values())
+
+
 def test_incomplete_folders_are_skipped_and_stale_ones_removed(tmp_path, caplog):
     to_save = objects()
     train_step(to_save, 4)

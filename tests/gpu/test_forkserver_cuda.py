@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ignite_mgpu.processes import forkserver, launcher
-from tests.conftest import needs_gpus
+from tests.conftest import needs_gpus, run_fresh
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # they start processes: not in the fast tier
 
@@ -35,9 +35,8 @@ def cuda_job(local_rank: int, folder: str) -> dict:
     }
 
 
-@pytest.mark.timeout(300)
-def test_a_cuda_worker_forked_by_the_server_and_restarted(tmp_path, capfd):
-    needs_gpus(1)
+def launched(folder: str) -> dict:
+    """The job launched, in the fresh interpreter of ``run_fresh``: its result and the fork servers started."""
     servers = []
     start = forkserver.start
 
@@ -47,7 +46,15 @@ def test_a_cuda_worker_forked_by_the_server_and_restarted(tmp_path, capfd):
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(forkserver, "start", noted)
-        result = launcher.launch(cuda_job, str(tmp_path), gpus="0", max_restarts=1)
+        result = launcher.launch(cuda_job, folder, gpus="0", max_restarts=1)
+    return {**result, "servers": servers}
+
+
+@pytest.mark.timeout(300)
+def test_a_cuda_worker_forked_by_the_server_and_restarted(tmp_path):
+    needs_gpus(1)
+    # In a fresh process: CUDA started in this one by an earlier test would make launch(gpus="0") refuse.
+    result, stderr = run_fresh("tests.gpu.test_forkserver_cuda:launched", str(tmp_path), timeout=280)
     assert result["started_fresh"] and result["total"] == 28.0 and result["device"]
-    assert result["parents"] == [servers[0], servers[0]]  # both attempts forked by the one server
-    assert "at once (one rank died)" in capfd.readouterr().err
+    assert result["parents"] == [result["servers"][0]] * 2  # both attempts forked by the one server
+    assert "at once (one rank died)" in stderr

@@ -48,6 +48,14 @@ def test_fsdp_cpu_offload_and_both_checkpoint_formats_resume_on_gpus(tmp_path):
         resumed = run_cli([*args, "--resume", "auto", "train.epochs=3"], tmp_path, timeout=300)
         assert resumed.returncode == 0 and "resumed from" in resumed.stderr, resumed.stderr[-3000:]
         assert [r["epoch"] for r in metrics(out)] == [1, 2, 3]
+        # Issue #44 (5): under CPU offload too, the memory figures are the GPUs' (the parameters are on the CPU).
+        assert all(r["peak_memory_per"] == "gpu" and len(r["peak_memory_mb"]) == 1 for r in metrics(out))
+    # Issue #44 (3): every file of the GPU run reads onto the CPU with plain torch.load (no map_location).
+    import torch
+
+    for path in tmp_path.rglob("*.pt"):
+        state = torch.load(path, weights_only=True, map_location=None)
+        assert all(t.device.type == "cpu" for t in torch.utils._pytree.tree_leaves(state) if torch.is_tensor(t))
     # The full FSDP checkpoint resumes under DDP on the GPUs, and its best model evaluates on one GPU.
     ddp = run_cli(["train", *TINY, "--gpus", "0,1", "model.name=resnet18", "--output-dir", str(tmp_path / "ddp"),
                    "--resume", str(sorted((tmp_path / "full").glob("checkpoint_*.pt"))[-1]), "train.epochs=4"],

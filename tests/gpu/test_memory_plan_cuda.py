@@ -24,7 +24,7 @@ def test_estimate_is_within_15_percent_of_max_memory_allocated(overrides):
     from ignite_mgpu.train.optim import build_optimizer
 
     cfg = load_config(None, [*overrides, "data.batch_size=512"])
-    estimate = measure(cfg, example_batch(cfg), 512).peak
+    estimate = measure(cfg, example_batch(cfg), 512, cuda=True).peak  # the foreach optimizer, cuBLAS's workspaces
     splits = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
     example = example_inputs(splits.train, splits.collate_fn)
     device = torch.device("cuda", 0)

@@ -15,7 +15,7 @@ from torch import nn
 
 from ignite_mgpu import launch
 from ignite_mgpu.train.step.trainer import create_trainer
-from tests.conftest import needs_gpus
+from tests.conftest import needs_gpus, run_fresh
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # they start processes: not in the fast tier
 
@@ -71,9 +71,13 @@ def ddp_worker(local_rank: int, out: str) -> None:
     Path(out, f"rank{idist.get_rank()}.json").write_text(json.dumps({"size": size, **state}))
 
 
+def launch_ddp(out: str) -> None:
+    launch(ddp_worker, out, nproc=2, backend="nccl")
+
+
 @pytest.mark.timeout(180)
 def test_one_ranks_cuda_out_of_memory_is_retried_on_both_ranks_without_a_hang(tmp_path):
     needs_gpus(2)
-    launch(ddp_worker, str(tmp_path), nproc=2, backend="nccl")
+    run_fresh("tests.gpu.test_micro_batch:launch_ddp", str(tmp_path), timeout=170)  # no CUDA in pytest's process
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0 == r1 and r0["size"] == 4  # the same size on both ranks, and the same weights

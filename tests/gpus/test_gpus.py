@@ -224,7 +224,15 @@ def test_plan_all_and_none(a100):
 
 
 def test_plan_without_spec_keeps_the_environment(a100):
-    assert plan_gpus(None, a100, {}) == GpuPlan([0, 1, 2, 3], {}, [])
+    # Issue #44 (13): the ids are read as nvidia-smi's, so CUDA counts in PCI order too (not fastest first).
+    assert plan_gpus(None, a100, {}) == GpuPlan([0, 1, 2, 3], {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, [])
+    fastest = plan_gpus(None, a100, {"CUDA_VISIBLE_DEVICES": "2", "CUDA_DEVICE_ORDER": "FASTEST_FIRST"})
+    assert fastest.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"} and fastest.physical_ids == [2]
+    assert fastest.messages == [
+        "Overriding CUDA_DEVICE_ORDER=FASTEST_FIRST with PCI_BUS_ID so GPU ids match nvidia-smi."
+    ]
+    by_uuid = plan_gpus(None, a100, {"CUDA_VISIBLE_DEVICES": "GPU-0f2c"})  # a UUID names one GPU in any order
+    assert "CUDA_DEVICE_ORDER" not in by_uuid.env
     assert plan_gpus(None, a100, {"CUDA_VISIBLE_DEVICES": "3,1"}).physical_ids == [3, 1]
     assert plan_gpus(None, a100, {"CUDA_VISIBLE_DEVICES": ""}).physical_ids is None
     assert plan_gpus(None, [], {}).physical_ids is None

@@ -6,6 +6,8 @@ Run: python -m pytest -q tests/memory/test_memory_plan.py"""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 
 import pytest
 from click.testing import CliRunner
@@ -14,11 +16,13 @@ from torch import nn
 from ignite_mgpu.cli import main
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.gpus import inventory
 from ignite_mgpu.gpus.inventory import GpuInfo
 from ignite_mgpu.memory import budget
 from ignite_mgpu.memory.budget import MIB, Capacity, capacity, largest_fit, make_memory_plan
 from ignite_mgpu.memory.estimate import example_batch, measure
 from ignite_mgpu.memory.table import format_plan, size, to_json
+from tests.conftest import REPO
 
 IN, HIDDEN, OUT = 3 * 8 * 8, 64, 10  # 8x8 synthetic images, flattened
 PARAMS = (IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT) * 4  # fp32 bytes
@@ -85,6 +89,20 @@ def test_capacity_reads_the_selected_gpus_free_memory(monkeypatch):
     assert capacity(load_config(None, ["dist.gpus=auto:1"]), {}, [gpu(0, 5000), gpu(1, 10)]).where == "GPU 1"
     cpu = capacity(load_config(None, ["dist.nproc=2"]), {}, [])
     assert cpu.device == "cpu" and len(cpu.free) == 2 and cpu.reserve > 0
+    # Issue #44 (4): --nproc 2 on more GPUs plans the 2 GPUs the job uses (the batch over 2, not over all).
+    two = capacity(load_config(None, ["dist.nproc=2"]), {}, [gpu(0, 0), gpu(1, 2048), gpu(2, 0), gpu(3, 0)])
+    assert two.where == "GPU 0,1" and two.free == [10240 * MIB - budget.CUDA_CONTEXT, 8192 * MIB - budget.CUDA_CONTEXT]
+
+
+def test_plan_with_nproc_on_the_four_gpu_stand_in_splits_the_batch_over_nproc(monkeypatch):
+    monkeypatch.setenv("PATH", f"{REPO / 'tests' / 'fake_gpus'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(inventory, "_run_nvidia_smi", lambda argv: subprocess.run(
+        [str(REPO / "tests" / "fake_gpus" / "nvidia-smi"), *argv[1:]], capture_output=True, text=True, check=True
+    ).stdout)  # fmt: skip
+    result = CliRunner().invoke(main, ["plan", *STACK, "--nproc", "2"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "global batch 16 over 2 processes (8 each)" in result.output and "GPU 0,1" in result.output
 
 
 def test_a_tight_gpu_gets_a_micro_batch_and_dp_its_gpu0_share(stack_cfg):
@@ -256,3 +274,26 @@ def test_estimate_is_within_15_percent_of_a_measured_cpu_step():
     estimate = measure(cfg, example_batch(cfg), 256).peak
     (measured,) = real_peak.measure(cfg, "ddp", 1, 256)
     assert abs(estimate - measured) <= 0.15 * measured, (estimate, measured)
+
+
+def test_on_cuda_the_optimizer_runs_its_foreach_path_and_cublas_has_its_workspaces(monkeypatch):
+    # Issue #44 (10): fake CPU tensors take torch.optim's single-tensor path; CUDA takes foreach, whose AdamW holds
+    # a temporary of every parameter at once (the single-tensor path: two of the largest). cuBLAS's workspaces are
+    # counted by CUDA's allocator too.
+    import torch.optim.adam as adam
+
+    from ignite_mgpu.memory.estimate import CUBLAS_WORKSPACES
+
+    ran = []
+    for path in ("_single_tensor_adam", "_multi_tensor_adam"):
+        real = getattr(adam, path)
+        monkeypatch.setattr(adam, path, lambda *a, _real=real, _path=path, **k: ran.append(_path) or _real(*a, **k))
+    cfg = load_config(None, [*STACK, "optim.name=adamw"])
+    example = example_batch(cfg)
+    cpu = measure(cfg, example, 8)
+    assert set(ran) == {"_single_tensor_adam"}
+    ran.clear()
+    cuda = measure(cfg, example, 8, cuda=True)
+    assert set(ran) == {"_multi_tensor_adam"}
+    assert (cpu.workspaces, cuda.workspaces) == (0, CUBLAS_WORKSPACES) and cuda.peak != cpu.peak + CUBLAS_WORKSPACES
+    assert (cuda.params, cuda.optimizer) == (cpu.params, cpu.optimizer)

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import fully_shard
 from ignite_mgpu.checkpoint.load import check_model_state
 from ignite_mgpu.checkpoint.state import FullModelState, FullOptimizerState, checkpoint_objects
 from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.parallel import fsdp
 from ignite_mgpu.parallel.fsdp import (
     check_blocks,
     default_blocks,
@@ -138,3 +139,22 @@ def test_accumulation_steps_turn_gradient_sync_off(one_rank):
     with no_sync_of(model)():
         calls.append("backward")
     assert calls == [False, "backward", True]
+
+
+def test_cpu_offload_shards_over_a_group_with_a_cpu_backend(monkeypatch):
+    # Issue #44 (9): offloaded gradients are CPU DTensors; clipping and fp16's found-inf check all-reduce them over
+    # the mesh's group, which needs a CPU backend beside NCCL. Seen here through stand-ins (NCCL needs a GPU).
+    from torch.distributed.device_mesh import DeviceMesh
+
+    made = []
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.distributed, "new_group", lambda backend=None, **_: made.append(backend) or "group")
+    monkeypatch.setattr(DeviceMesh, "from_group", staticmethod(lambda group, device_type: (group, device_type)))
+    assert fsdp.offload_mesh() == ("group", "cuda") and made == ["cuda:nccl,cpu:gloo"]
+    assert fsdp.offload_backend("gloo") is None  # gloo's own group handles CPU tensors
+    sharded = []
+    monkeypatch.setattr("ignite.distributed.get_world_size", lambda: 2)
+    monkeypatch.setattr(fsdp, "offload_mesh", lambda: "the offload mesh")
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: sharded.append(kw))
+    fsdp.shard_model(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), cpu_offload=True)
+    assert len(sharded) == 3 and all(kw["mesh"] == "the offload mesh" for kw in sharded)

@@ -12,6 +12,7 @@ from torch import nn
 from ignite_mgpu.parallel.strategy import (
     LossDataParallel,
     find_ddp,
+    model_devices,
     no_sync,
     prepare_model,
     reduce_replica_losses,
@@ -38,7 +39,10 @@ def test_uneven_replica_losses_reduce_to_the_batch_loss(batch, n_devices):
             for lc, yc in zip(logits.chunk(n_devices), y.chunk(n_devices), strict=True)
         ]
     )
-    reduced = reduce_replica_losses(per_replica, fake_data_parallel(n_devices), batch)
+    with pytest.MonkeyPatch.context() as patch:
+        # Issue #44 (6): no tensor built per step (on GPUs, a host-to-device copy): Python floats weight the losses.
+        patch.setattr(torch, "tensor", lambda *a, **k: pytest.fail("torch.tensor on the step path"))
+        reduced = reduce_replica_losses(per_replica, fake_data_parallel(n_devices), batch)
     torch.testing.assert_close(reduced, nn.functional.cross_entropy(logits, y))
     if batch % n_devices:
         assert not torch.allclose(per_replica.mean(), reduced)  # the plain mean would be wrong here
@@ -174,3 +178,11 @@ def test_dataparallel_bf16_replicas_compute_in_bf16():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         dp(torch.ones(8, 4, device="cuda"))
     assert seen == [torch.bfloat16] * 2
+
+
+def test_a_model_runs_on_the_ranks_device_not_its_parameters(monkeypatch):
+    # Issue #44 (5): under FSDP's CPU offload the parameters are on the CPU while the step runs on the rank's GPU;
+    # the memory report and the run's facts read model_devices. A device object needs no CUDA to exist.
+    monkeypatch.setattr("ignite.distributed.device", lambda: torch.device("cuda", 3))
+    assert model_devices(linear()) == [torch.device("cuda", 3)]
+    assert model_devices(fake_data_parallel(2)) == [torch.device("cuda", 0), torch.device("cuda", 1)]

@@ -40,7 +40,8 @@ def native_rng_states(states: list[Any]) -> list[Any]:
         import numpy as np
 
         name, keys, *rest = states[2]
-        states = [*states[:2], (name, keys.numpy().astype(np.uint32), *rest)]
+        # .cpu(): a state read onto a GPU by the caller's own map_location (load_checkpoint reads onto the CPU)
+        states = [*states[:2], (name, keys.cpu().numpy().astype(np.uint32), *rest)]
     return states
 
 

@@ -20,7 +20,15 @@ logger = logging.getLogger("ignite_mgpu")
 # What the allocators say when memory runs out: CUDA's OutOfMemoryError (also caught by type), PyTorch's CPU
 # allocator ("DefaultCPUAllocator: can't allocate memory: you tried to allocate ...") and the allocators that
 # report "not enough memory" (Windows' CPU allocator, some vendor backends).
-OUT_OF_MEMORY = ("CUDA out of memory", "can't allocate memory", "not enough memory")
+# The allocators' messages, cuBLAS's failed workspace allocation, and cuDNN's "not supported" that a batch too large
+# for its kernels raises (pytorch/pytorch#4107; Lightning's utilities/memory.py counts it too).
+OUT_OF_MEMORY = (
+    "CUDA out of memory",
+    "can't allocate memory",
+    "not enough memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_NOT_SUPPORTED",
+)
 # auto: iterations that a size must have held before the last part syncs through DDP's own overlapped backward;
 # until then every part runs without sync and the gradients are all-reduced after the ranks agreed (micro_step.py).
 SETTLE_ITERATIONS = 20
@@ -32,10 +40,14 @@ class MicroBatchTooLarge(RuntimeError):
 
 
 def is_out_of_memory(err: BaseException) -> bool:
-    """Whether ``err`` is memory running out: CUDA's ``OutOfMemoryError`` or an allocator's RuntimeError."""
+    """Whether ``err`` is memory running out: CUDA's ``OutOfMemoryError``, an allocator's or a CUDA library's
+    RuntimeError (``OUT_OF_MEMORY``, or "CUDA error: out of memory" from outside the caching allocator)."""
     if isinstance(err, torch.OutOfMemoryError):
         return True
-    return isinstance(err, RuntimeError) and any(m in str(err) for m in OUT_OF_MEMORY)
+    if not isinstance(err, RuntimeError):
+        return False
+    message = str(err)
+    return any(m in message for m in OUT_OF_MEMORY) or ("CUDA" in message and "out of memory" in message)
 
 
 def next_size(size: int) -> int:

@@ -5,6 +5,7 @@ out-of-memory error that every rank agreed on. ``trainer.py``'s own step runs wh
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -71,6 +72,8 @@ def micro_batch_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
     def train_step(engine: Engine, batch: Batch) -> torch.Tensor:
         if not inner.training:
             model.train()
+        # Counted before the batch moves: on the device, int() would wait for the GPU at every iteration.
+        items = counted_items(batch) if attempt.pass_items else None
         if move:
             batch = batches.to_device(batch, device, non_blocking)
         last, window = True, 1
@@ -86,7 +89,7 @@ def micro_batch_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
         weight = shares.weight(engine.state.iteration) if shares.weights is not None else 1.0
         divisor = window / weight if weight else math.inf
         while True:
-            result = attempt(batch, n, sizing.current(n), last, divisor, earlier)
+            result = attempt(batch, n, sizing.current(n), last, divisor, earlier, items)
             if isinstance(result, torch.Tensor):
                 break
             _undo(model, parameters)
@@ -107,14 +110,18 @@ class _Attempt:
         self.parameters, self.sizing, self.pass_items = step.parameters, sizing, pass_items
         self.world = world = idist.get_world_size()
         self.ddp, fsdp = find_ddp(step.model), find_fsdp(step.model)
-        # FSDP's every forward and backward gathers and scatters parameters: a rank out of memory there leaves the
-        # others inside a collective, so the ranks cannot retry together; the job restarts from the smaller size.
-        self.in_place = fsdp is None or world == 1
+        # FSDP's every forward and backward gathers and scatters parameters, and SyncBatchNorm's all-gather their
+        # statistics (no_sync does not stop them): a rank out of memory there leaves the others inside a
+        # collective, so the ranks cannot retry together; the job restarts from the smaller size.
+        collective = fsdp is not None or any(isinstance(m, nn.SyncBatchNorm) for m in step.model.modules())
+        self.in_place = not collective or world == 1
         self.agree = sizing.auto and world > 1 and self.in_place
         # The ranks agree on host integers: over gloo, so that a CUDA job does not wait for its device there.
         self.group = dist.new_group(backend="gloo") if self.agree and idist.backend() != "gloo" else None
 
-    def __call__(self, batch: Batch, n: int, size: int, last: bool, window: float, earlier: list[Any]) -> Any:
+    def __call__(
+        self, batch: Batch, n: int, size: int, last: bool, window: float, earlier: list[Any], items: int | None
+    ) -> Any:
         # While the size settles, every part skips DDP's sync and the gradients are all-reduced once the ranks
         # agreed: an out-of-memory error anywhere in forward or backward is then retried on every rank.
         manual = self.agree and last and self.ddp is not None and self.sizing.stable < SETTLE_ITERATIONS
@@ -124,7 +131,7 @@ class _Attempt:
         self.agreed = self.in_collective = False
         proposal = size
         try:
-            total = self._parts(batch, n, size, last and not manual, window, earlier)
+            total = self._parts(batch, n, size, last and not manual, window, earlier, items)
         except _Retry as retry:
             return retry.size
         except Exception as err:
@@ -148,27 +155,29 @@ class _Attempt:
         return total
 
     def _parts(
-        self, batch: Batch, n: int, size: int, sync_last: bool, window: float, earlier: list[Any]
+        self, batch: Batch, n: int, size: int, sync_last: bool, window: float, earlier: list[Any], items: int | None
     ) -> torch.Tensor:
-        """Every part's forward and backward (weighted by its samples); the last one syncs when ``sync_last``."""
-        items = counted_items(batch) if self.pass_items else None
+        """Every part's forward and backward (weighted by its samples); the last one syncs when ``sync_last``.
+        ``items``: the batch's counted labels, passed as ``num_items_in_batch``."""
         parts = split_batch(batch, n, size)
         total: torch.Tensor | None = None
         for i, (part, k) in enumerate(parts):
-            final = i == len(parts) - 1
+            synced = i == len(parts) - 1 and sync_last
             # With the whole count the model divided by it itself.
             share = 1.0 if items is not None else k / n
-            with contextlib.nullcontext() if final and sync_last else self.no_sync():
+            if synced:
+                # Agreed before the synced forward: DDP's forward arms its reducer for the backward's all-reduces,
+                # and no_sync does not disarm it, so a rank retrying after it would mix bucket all-reduces with its
+                # peer's per-parameter ones. An out-of-memory error from here on takes the restart path.
+                if self.agree:
+                    self.agreed = True
+                    smallest = _agree(size, self.group)
+                    if smallest < size:
+                        raise _Retry(smallest)
+                _give_back(self.parameters, earlier)
+                self.in_collective = self.world > 1
+            with contextlib.nullcontext() if synced else self.no_sync():
                 loss = self.compute_loss({**part, "num_items_in_batch": items} if items is not None else part)
-                # Its backward all-reduces: every rank must be fine before it.
-                if final and sync_last:
-                    if self.agree:
-                        self.agreed = True
-                        smallest = _agree(size, self.group)
-                        if smallest < size:
-                            raise _Retry(smallest)
-                    _give_back(self.parameters, earlier)
-                    self.in_collective = self.world > 1
                 scaled = loss * (share / window) if share != 1.0 or window != 1 else loss
                 (self.scaler.scale(scaled) if self.scaler.is_enabled() else scaled).backward()
             total = loss.detach() * share if total is None else total + loss.detach() * share
@@ -207,6 +216,7 @@ def _undo(model: nn.Module, parameters: Sequence[nn.Parameter]) -> None:
         if isinstance(module, FSDPModule):
             module.reshard()
     if torch.cuda.is_available():
+        gc.collect()  # the failed attempt's tensors that only reference cycles still hold, before the cache goes
         torch.cuda.empty_cache()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import ignite.distributed as idist
 import pytest
 import torch
 from ignite.engine import Engine, Events
@@ -38,6 +39,11 @@ def test_out_of_memory_is_recognised_by_type_and_by_the_allocators_message():
     assert is_out_of_memory(real_cpu_oom())  # "DefaultCPUAllocator: can't allocate memory: you tried to ..."
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert is_out_of_memory(RuntimeError("not enough memory: you tried to allocate 8 bytes"))
+    # Issue #44 (12): as Lightning counts them: cuDNN's and cuBLAS's failures, CUDA's own error outside the allocator
+    assert is_out_of_memory(RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if ..."))
+    assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert is_out_of_memory(RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be ..."))
+    assert not is_out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
     assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     assert not is_out_of_memory(ValueError("can't allocate memory"))  # only the allocators' RuntimeErrors
     assert not is_out_of_memory(KeyboardInterrupt())
@@ -145,3 +151,113 @@ def test_evaluation_in_parts_scores_like_whole_batches():
     assert scores[0]["accuracy"] == scores[1]["accuracy"]
     assert scores[0]["loss"] == pytest.approx(scores[1]["loss"], abs=1e-6)
     assert max(model.seen[-9:]) == 4
+
+
+class CountingLM(nn.Module):
+    """A Hugging Face-style model: a mapping batch, its own loss summed over the labels and divided by the count."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.counts = nn.Embedding(8, 8), []
+
+    def forward(self, input_ids, labels, num_items_in_batch=None):
+        self.counts.append(num_items_in_batch)
+        loss = nn.functional.cross_entropy(self.emb(input_ids).flatten(0, 1), labels.flatten(), reduction="sum")
+        return {"loss": loss / num_items_in_batch}
+
+
+def test_num_items_are_counted_before_the_batch_moves(monkeypatch):
+    # Issue #44 (6): counting the labels on the GPU (int(...)) waited for it at every iteration. Here the step's
+    # device is "meta" (a move that is seen, not made): the count comes first, and the model gets a Python int.
+    import dataclasses
+
+    from ignite_mgpu.train.step import micro_step
+
+    model = CountingLM()
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None, device="cpu", micro_batch=2)
+    events = []
+    monkeypatch.setattr(micro_step, "counted_items", lambda b: events.append("count") or counted_items(b))
+    monkeypatch.setattr(micro_step.batches, "to_device", lambda b, d, nb: events.append(f"move to {d}") or b)
+    step = micro_step.micro_batch_step(dataclasses.replace(trainer.step, device=torch.device("meta")))
+    labels = torch.tensor([[1, 2, -100], [3, -100, -100], [4, 5, 6], [7, -100, 1]])
+    step(Engine(lambda e, b: None), {"input_ids": torch.zeros(4, 3, dtype=torch.long), "labels": labels})
+    assert events == ["count", "move to meta"]
+    assert model.counts == [8, 8] and all(type(c) is int for c in model.counts)  # two parts, the whole count
+
+
+def test_a_failed_attempt_is_collected_before_the_cuda_cache_is_emptied(monkeypatch):
+    # Issue #44 (12): tensors that only reference cycles hold (the failed attempt's frames) go back to the cache first.
+    from ignite_mgpu.train.step import micro_step
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(micro_step.gc, "collect", lambda: calls.append("collect"))
+    model = nn.Linear(2, 2)
+    model.weight.grad = torch.ones(2, 2)
+    micro_step._undo(model, tuple(model.parameters()))
+    assert calls == ["collect", "empty_cache"] and model.weight.grad is None
+
+
+def test_sync_batchnorm_takes_the_restart_path(monkeypatch):
+    # Issue #44 (8): SyncBatchNorm all-gathers in every training forward, also under no_sync: a rank out of memory
+    # there leaves the other inside the collective, so auto cannot agree and retry in place; the job restarts.
+    from ignite_mgpu.train.step import micro_step
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4), nn.Linear(4, 2))
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), device="cpu")
+    sizing = MicroBatching("auto")
+    alone = micro_step._Attempt(trainer.step, sizing, False)
+    assert alone.in_place  # one process: no collective to leave unmatched
+    monkeypatch.setattr("ignite.distributed.get_world_size", lambda: 2)
+    two = micro_step._Attempt(trainer.step, sizing, False)
+    assert not two.in_place and not two.agree and two.group is None
+
+
+@pytest.fixture
+def one_rank_ddp(tmp_path, monkeypatch):
+    """A DDP model in a one-process gloo group that auto treats as one of 2 ranks."""
+    import torch.distributed as dist
+
+    from ignite_mgpu.train.step import micro_step
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    monkeypatch.setattr("ignite.distributed.get_world_size", lambda: 2)
+    events = []
+    monkeypatch.setattr(micro_step, "_agree", lambda size, group: events.append("agree") or size)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(6, 3))
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), device="cpu")
+    yield trainer.step, events
+    idist.finalize()  # ignite's own view of the group too, not only torch's (later tests run without one)
+
+
+def test_auto_agrees_before_the_synced_forward_and_restarts_after_an_oom_in_it(one_rank_ddp):
+    # Issue #44 (7): once the size held for SETTLE_ITERATIONS, the last part syncs through DDP. Its forward arms
+    # DDP's reducer, which no_sync does not disarm: the ranks must agree before that forward, and an out-of-memory
+    # error in it cannot be retried in place (the job restarts from the smaller size).
+    import dataclasses
+
+    from ignite_mgpu.train.step import micro_step
+    from ignite_mgpu.train.step.micro_batch import SETTLE_ITERATIONS, MicroBatchTooLarge
+
+    step, events = one_rank_ddp
+    sizing = MicroBatching("auto")
+    sizing.size, sizing.stable = 2, SETTLE_ITERATIONS
+    fail_at = []
+
+    def forward(batch):
+        events.append("forward")
+        if len(events) in fail_at:
+            raise real_cpu_oom()
+        return step.compute_loss(batch)
+
+    attempt = micro_step._Attempt(dataclasses.replace(step, compute_loss=forward), sizing, False)
+    batch = (torch.randn(4, 6), torch.randint(0, 3, (4,)))
+    assert isinstance(attempt(batch, 4, 2, True, 1, [], None), torch.Tensor)
+    assert events == ["forward", "agree", "forward"]
+    events.clear()
+    fail_at.append(3)  # the synced forward runs out of memory
+    with pytest.raises(MicroBatchTooLarge, match="inside a collective"):
+        attempt(batch, 4, 2, True, 1, [], None)
+    assert events == ["forward", "agree", "forward"]
