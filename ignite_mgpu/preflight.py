@@ -31,6 +31,7 @@ from ignite_mgpu.processes.plan import LaunchPlan
 from ignite_mgpu.runs import metric_names
 from ignite_mgpu.runs.folder import run_dir
 from ignite_mgpu.runs.lock import lock_owner, locked_message
+from ignite_mgpu.runs.regular import why_not_regular
 
 
 def check_data_root(cfg: Config) -> None:
@@ -218,6 +219,11 @@ def check_output_dir(cfg: Config) -> None:
             raise ConfigError(
                 f"--resume {path}: no such file. Pass a checkpoint_<iteration>.pt path, a checkpoint_<iteration> "
                 "folder (checkpoint.format=sharded), a .safetensors file (a new run from its weights), or auto."
+            )
+        if not path.is_dir() and (why := why_not_regular(path)) is not None:
+            raise ConfigError(
+                f"--resume {path}: it {why}. Pass a checkpoint_<iteration>.pt file, a checkpoint_<iteration> folder "
+                "(checkpoint.format=sharded), a .safetensors file, or auto."
             )
         if path.is_dir() and not is_complete(path):
             raise CorruptCheckpointError(

@@ -22,6 +22,7 @@ from ignite_mgpu.errors import CheckpointError
 
 # The best model's name, with the run folder's names.
 from ignite_mgpu.runs.folder import BEST_NAME as BEST_NAME
+from ignite_mgpu.runs.regular import why_not_regular
 
 if TYPE_CHECKING:
     import torch
@@ -45,8 +46,17 @@ def list_checkpoints(dirname: str | Path) -> list[Path]:
     """``checkpoint_<iteration>.pt`` files and ``checkpoint_<iteration>/`` folders, newest (highest iteration)
     first; by recorded step, never mtime."""
     found = [(int(m.group(1)), p) for p in Path(dirname).glob("checkpoint_*") if (m := CKPT_NAME.match(p.name))]
-    found = [(it, p) for it, p in found if p.is_dir() != p.name.endswith(".pt")]
+    found = [(it, p) for it, p in found if p.is_dir() != p.name.endswith(".pt") and _regular_or_folder(p)]
     return [p for _, p in sorted(found, reverse=True)]
+
+
+def _regular_or_folder(path: Path) -> bool:
+    """A checkpoint's name on a FIFO, a device or a socket (or a symlink to one) is skipped, with a warning: reading
+    it would block or never end."""
+    why = None if path.is_dir() else why_not_regular(path)
+    if why is not None:
+        logger.warning("skipping %s: it %s; only regular files are read as checkpoints", path, why)
+    return why is None
 
 
 def is_complete(path: Path) -> bool:
@@ -54,6 +64,8 @@ def is_complete(path: Path) -> bool:
     with its metadata and a complete train state."""
     if path.is_dir():
         return (path / METADATA).is_file() and is_complete(path / TRAIN_STATE)
+    if why_not_regular(path) is not None:  # a FIFO would block, /dev/zero would be read without end
+        return False
     if is_safetensors(path):
         return _safetensors_complete(path)
     try:
@@ -68,6 +80,8 @@ def is_safetensors(path: str | Path) -> bool:
     path = Path(path)
     if path.suffix == SAFETENSORS:
         return True
+    if why_not_regular(path) is not None:
+        return False
     try:
         with open(path, "rb") as f:
             head = f.read(9)
@@ -166,8 +180,9 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(sharded_folder_message(path))
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist; pass the path of a .pt or .safetensors file.")
+    why = why_not_regular(path)
+    if why is not None:
+        raise CheckpointError(f"checkpoint {path} {why}; pass the path of a .pt or .safetensors file.")
     if is_safetensors(path):
         return read_safetensors(path, map_location)[0]
     import torch
