@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
 # A file (format full) or a folder (format sharded)
 CKPT_NAME = re.compile(r"^checkpoint_(\d+)(\.pt)?$")
+# A corrupt checkpoint_<n>.pt that rotation set aside (never counted, never deleted).
+CORRUPT_SUFFIX = ".corrupt"
 TEMP_PREFIX, TEMP_SUFFIX = ".tmp-", ".pt"  # a file being written; renamed into place once complete
 # Weights only, no pickle: checkpoint.best_format=safetensors, checkpoint convert.
 SAFETENSORS = ".safetensors"

@@ -1,0 +1,53 @@
+"""Rotation beside corrupt checkpoints: files skipped as corrupt are never counted toward checkpoint.n_saved and
+never deleted (moved aside as .corrupt), and n_saved loadable checkpoints stay. `python -m pytest tests/hostile`."""
+
+from __future__ import annotations
+
+import torch
+from ignite.engine import Engine
+
+from ignite_mgpu.checkpoint.files import find_resumable, is_complete, list_checkpoints
+from ignite_mgpu.checkpoint.save import adopt_existing, create_checkpointers
+from tests.helpers import small
+
+
+def _good(path):
+    torch.save({"model": small().state_dict()}, path)
+
+
+def test_rotation_beside_corrupt_checkpoints_keeps_n_saved_good_ones(tmp_path, caplog):
+    for it in (2, 4):
+        _good(tmp_path / f"checkpoint_{it}.pt")
+    _good(tmp_path / "checkpoint_6.pt")
+    data = (tmp_path / "checkpoint_6.pt").read_bytes()
+    (tmp_path / "checkpoint_6.pt").write_bytes(data[: len(data) // 2])  # truncated
+    (tmp_path / "checkpoint_8.pt").write_bytes(b"")  # empty
+    assert find_resumable(tmp_path).name == "checkpoint_4.pt"
+    trainer, model = Engine(lambda e, b: None), small()
+    full, best = create_checkpointers(
+        {"model": model, "trainer": trainer}, model, tmp_path, 2, "loss", lambda e, _: trainer.state.epoch
+    )
+    adopt_existing(full, best, tmp_path)
+    for it in (10, 12):  # two more saves: n_saved=2 keeps the two newest good ones, never fewer
+        trainer.state.iteration = it
+        full(trainer)
+        good = [p.name for p in list_checkpoints(tmp_path) if is_complete(p)]
+        assert len(good) == 2 and good[0] == f"checkpoint_{it}.pt"
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_12.pt", "checkpoint_10.pt"]
+    assert sorted(p.name for p in tmp_path.glob("*.corrupt")) == ["checkpoint_6.pt.corrupt", "checkpoint_8.pt.corrupt"]
+    assert "moved aside as checkpoint_8.pt.corrupt" in caplog.text
+
+
+def test_the_first_save_after_corrupt_ones_keeps_the_last_good_checkpoint(tmp_path):
+    _good(tmp_path / "checkpoint_4.pt")
+    (tmp_path / "checkpoint_6.pt").write_bytes(b"PK\x03\x04 truncated")
+    (tmp_path / "checkpoint_8.pt").write_bytes(b"")
+    trainer, model = Engine(lambda e, b: None), small()
+    full, best = create_checkpointers(
+        {"model": model, "trainer": trainer}, model, tmp_path, 2, "loss", lambda e, _: trainer.state.epoch
+    )
+    adopt_existing(full, best, tmp_path)
+    trainer.state.iteration = 10
+    full(trainer)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_10.pt", "checkpoint_4.pt"]
+    assert all(is_complete(p) for p in list_checkpoints(tmp_path))
