@@ -32,6 +32,7 @@ from ignite_mgpu.runs import metric_names
 from ignite_mgpu.runs.folder import run_dir
 from ignite_mgpu.runs.lock import lock_owner, locked_message
 from ignite_mgpu.runs.regular import why_not_regular
+from ignite_mgpu.runs.writable import folder_problem
 
 
 def check_data_root(cfg: Config) -> None:
@@ -208,8 +209,8 @@ def check_output_dir(cfg: Config) -> None:
     owner = lock_owner(out)
     if owner is not None:  # before anything else: the checkpoints there are the running job's
         raise ConfigError(locked_message(out, owner))
-    if out.exists() and not os.access(out, os.W_OK):
-        raise ConfigError(f"output_dir {out.resolve()} is not writable; choose another --output-dir.")
+    if (problem := folder_problem(out)) is not None:
+        raise ConfigError(problem)
     check_no_foreign_checkpoints(cfg)
     # --resume auto without a checkpoint starts a new run (training says so): the same command then works on the
     # first start and on every restart by torchrun, SLURM or Kubernetes.
