@@ -193,16 +193,24 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
         with _numpy_rng_globals():
             obj = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:
-        text = str(err)
-        if "Weights only load failed" in text or "Unsupported global" in text:
-            first = next((ln for ln in text.splitlines() if "Unsupported global" in ln), text.splitlines()[0])
+        text = str(err) or type(err).__name__
+        if path.stat().st_size == 0:
+            raise CheckpointError(
+                f"{path} is empty (0 bytes): its writer was stopped, or it is not a checkpoint."
+            ) from None
+        # Random bytes fail as "Unsupported operand": garbage, not code; only a global names code to run.
+        if "Weights only load failed" in text and "global" in text.lower():
+            first = next((ln for ln in text.splitlines()[1:] if "global" in ln.lower()), text.splitlines()[0])
             raise CheckpointError(
                 f"refusing to load {path}: it needs arbitrary Python code to unpickle ({first.strip()}). It was "
                 "NOT executed. Only load files you trust; re-save trusted weights as a plain state_dict."
             ) from None
-        raise CheckpointError(
-            f"{path} is corrupt or truncated and cannot be loaded ({text.splitlines()[0]})."
-        ) from None
+        why = (
+            "not a torch checkpoint: its bytes are neither a zip archive nor a pickle"
+            if "Unsupported operand" in text
+            else text.splitlines()[0]
+        )
+        raise CheckpointError(f"{path} is corrupt or truncated and cannot be loaded ({why}).") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state_dict or a checkpoint dict.")
     return obj

@@ -3,6 +3,7 @@ restart can cure it (``no_restart_reason``). Pure functions of the workers' fail
 
 from __future__ import annotations
 
+import os
 import signal
 from dataclasses import dataclass
 from typing import Any
@@ -162,3 +163,18 @@ def no_restart_reason(
             "would meet again"
         )
     return None
+
+
+def refused_start(local_rank: int, nproc: int, err: BaseException) -> str:
+    """The machine refused to start worker ``local_rank`` of ``nproc`` (fork's EAGAIN: the per-user process limit or
+    memory), as one paragraph."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    return (
+        f"could not start process {local_rank + 1} of {nproc}: this machine refused a new process ({what}); the "
+        f"per-user process limit (ulimit -u: {limit}) or the memory ran out. Lower --nproc (this machine has "
+        f"{os.cpu_count()} CPUs) or raise the limit; nothing was trained."
+    )
