@@ -89,5 +89,5 @@ def no_space_message(folder: str | os.PathLike) -> str:
         st = os.statvfs(folder)
         free = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free"
     except OSError:
-        free = "free space unknown"
-    return f"no space left on {folder} ({free})"
+        free = "its free space unknown"
+    return f"No space left on device: {folder} has {free}"

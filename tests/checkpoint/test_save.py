@@ -47,9 +47,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", disk_full)
     trainer.state.iteration = 4
-    with pytest.raises(
-        CheckpointError, match=r"saving checkpoint_4.pt failed \(no space left on .* MiB free\).*kept.*checkpoint_2"
-    ):
+    with pytest.raises(CheckpointError, match=r"saving checkpoint_4.pt failed.*No space.*kept.*checkpoint_2"):
         handler(trainer)
     assert os.listdir(tmp_path) == ["checkpoint_2.pt"]  # no temp file, the old one kept
     assert is_complete(tmp_path / "checkpoint_2.pt")

@@ -78,7 +78,9 @@ def test_a_full_disk_during_a_save_names_the_folder_and_its_free_space(tmp_path,
     saver = SafeDiskSaver(tmp_path)
     torch.save({"x": 1}, tmp_path / "checkpoint_2.pt")
     monkeypatch.setattr(torch, "save", unexpected_pos)
-    with pytest.raises(CheckpointError, match=rf"no space left on {tmp_path} \(\d+\.\d MiB free\).*checkpoint_2.pt"):
+    with pytest.raises(
+        CheckpointError, match=rf"No space left on device: {tmp_path} has \d+\.\d MiB free\).*checkpoint_2.pt"
+    ):
         saver({"x": 2}, "checkpoint_4.pt")
 
 
