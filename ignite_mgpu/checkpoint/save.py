@@ -37,12 +37,20 @@ logger = logging.getLogger(__name__)
 class RunInfo:
     """Saved with every checkpoint: what a resume must know about the run that wrote it."""
 
-    def __init__(self, world_size: int, global_batch: int, config: dict[str, str]) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        global_batch: int,
+        config: dict[str, str],
+        progress: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         self.info = {"world_size": world_size, "global_batch": global_batch, "config": config}
+        # What the run has of its current epoch when a checkpoint is written (the epoch's loss sums).
+        self.progress = progress
         self.loaded: dict[str, Any] = {}
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(self.info)
+        return {**self.info, **(self.progress() if self.progress is not None else {})}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.loaded = dict(state)

@@ -51,3 +51,20 @@ def test_the_first_save_after_corrupt_ones_keeps_the_last_good_checkpoint(tmp_pa
     full(trainer)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint_10.pt", "checkpoint_4.pt"]
     assert all(is_complete(p) for p in list_checkpoints(tmp_path))
+
+
+def test_an_epoch_resumes_its_loss_sums_only_mid_way_at_their_iteration():
+    from types import SimpleNamespace
+
+    from ignite_mgpu.train.step.guard import _resumed_sums
+
+    def state(iteration, saved):
+        return SimpleNamespace(iteration=iteration, epoch_length=10, resumed_epoch_loss=saved)
+
+    assert _resumed_sums(state(12, [3.5, 4.0, 12])) == (3.5, 4.0)  # mid-epoch 2, at the saved iteration
+    assert _resumed_sums(state(10, [3.5, 4.0, 10])) == (0.0, 0.0)  # an epoch's end: the next epoch starts anew
+    assert _resumed_sums(state(12, [3.5, 4.0, 8])) == (0.0, 0.0)  # not this checkpoint's sums
+    assert _resumed_sums(state(12, None)) == (0.0, 0.0)  # a checkpoint written before the sums were carried
+    once = state(12, [3.5, 4.0, 12])
+    _resumed_sums(once)
+    assert _resumed_sums(once) == (0.0, 0.0)  # read once: the next epoch starts anew
