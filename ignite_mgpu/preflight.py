@@ -75,6 +75,13 @@ def check_job(cfg: Config) -> None:
         from ignite_mgpu.train.losses import check_loss
 
         check_loss(cfg.train.loss, cfg.train.loss_args)
+    names = (m.name, o.name, o.param_groups or "", cfg.train.loss)
+    if any(
+        ":" in name for name in names
+    ):  # the user's code ("package.module:factory"): called once here, as in the workers
+        from ignite_mgpu.train.models import check_factories
+
+        check_factories(m, cfg.train.loss, cfg.train.loss_args, o)
     check_metric_factories(cfg)
 
 
