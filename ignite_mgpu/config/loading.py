@@ -64,6 +64,16 @@ def _parses(omegaconf: Any, override: str) -> bool:
     return True
 
 
+def _yaml_where(err: Exception) -> str:
+    """Where a YAML error is and what it is: " at line 3, column 3: found duplicate key batch_size (while
+    constructing a mapping)", or the error's first line."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    if mark is None or not problem:
+        return f" ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+    context = getattr(err, "context", None)
+    return f" at line {mark.line + 1}, column {mark.column + 1}: {problem}{f' ({context})' if context else ''}"
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build the run's `Config`: dataclass defaults, then the YAML file at ``path``, then dotted ``overrides``.
 
@@ -87,8 +97,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
             # yaml.SafeLoader underneath: no code runs.
             layers.append((OmegaConf.create(text), f"from {path}"))
         except Exception as err:  # yaml.YAMLError and friends: report the file, not a traceback
-            first = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise ConfigError(f"--config {path}: not valid YAML ({first}). Fix the file's syntax.") from None
+            raise ConfigError(f"--config {path}: not valid YAML{_yaml_where(err)}. Fix the file's syntax.") from None
         if not isinstance(layers[-1][0], DictConfig):
             raise ConfigError(
                 f"--config {path}: its top level is a list, not a mapping of sections. Write the sections as keys "

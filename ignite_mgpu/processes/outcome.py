@@ -3,7 +3,9 @@ restart can cure it (``no_restart_reason``). Pure functions of the workers' fail
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import signal
 from dataclasses import dataclass
 from typing import Any
@@ -177,4 +179,17 @@ def refused_start(local_rank: int, nproc: int, err: BaseException) -> str:
         f"could not start process {local_rank + 1} of {nproc}: this machine refused a new process ({what}); the "
         f"per-user process limit (ulimit -u: {limit}) or the memory ran out. Lower --nproc (this machine has "
         f"{os.cpu_count()} CPUs) or raise the limit; nothing was trained."
+    )
+
+
+def cut_short_while_saving(result: Outcome, saving: bool) -> Outcome:
+    """A stop cut short (a second signal, or the grace ran out) while a rank was writing the stop's checkpoint: that
+    checkpoint was never written, so the message must not name the iteration as if the job had stopped there."""
+    if not saving or not is_stop(result.code):
+        return result
+    head = re.sub(r" at iteration \d+.*", "", result.cause.rstrip(".")) or "stopped"
+    return dataclasses.replace(
+        result,
+        cause=f"{head}, at once, while the stop's checkpoint was being written: that checkpoint was not written.",
+        advice="--resume auto continues from the last complete checkpoint.",
     )

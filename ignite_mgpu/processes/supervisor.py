@@ -25,7 +25,14 @@ from ignite_mgpu.env import stop
 from ignite_mgpu.env.clock import JobClock
 from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, USAGE, signal_exit_code
 from ignite_mgpu.processes import forkserver
-from ignite_mgpu.processes.outcome import Failure, Outcome, no_restart_reason, outcome, refused_start
+from ignite_mgpu.processes.outcome import (
+    Failure,
+    Outcome,
+    cut_short_while_saving,
+    no_restart_reason,
+    outcome,
+    refused_start,
+)
 from ignite_mgpu.processes.plan import LaunchPlan, Restart, free_port
 from ignite_mgpu.processes.worker import RESULT_FILE, worker_main
 
@@ -75,6 +82,7 @@ class Supervisor:
         self.server: int | None = None
         self.deadline = self.failure_deadline = self.failure_time = float("inf")
         self.failed_at: float | None = None  # time.time() of the attempt's first failure
+        self.cut_short = False  # a stop ended at once: a second signal, or the stop's grace ran out
         # The next attempt's anchors: a restart adds the failure's time and progress.
         self.clock = plan.clock
 
@@ -94,6 +102,7 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.signal_received:  # second signal: no more waiting
+            self.cut_short = True
             self._signal_all(signal.SIGKILL)
             raise KeyboardInterrupt
         self.signal_received = signum
@@ -193,6 +202,7 @@ class Supervisor:
         exit_codes = [p.exitcode for p in self.procs]
         offset = plan.node_rank * plan.nproc
         result = outcome(failures, exit_codes, self.first_failure, self.signal_received, offset, plan.timeout)
+        result = cut_short_while_saving(result, self.cut_short and any(s[1] for s in self._statuses(folder)))
         reason = no_restart_reason(failures, exit_codes, self.first_failure, self.signal_received)
         if self.died == [self.first_failure[0] if self.first_failure else -1] and result.rank is not None:
             # One rank's death: its first restart need not wait.
@@ -290,6 +300,7 @@ class Supervisor:
                     f"ignite-mgpu: workers did not stop within {self.plan.stop_grace:.0f} s; killing them.",
                     file=sys.stderr,
                 )
+                self.cut_short = True
                 self._signal_all(signal.SIGKILL)
                 self.deadline = float("inf")
 
