@@ -68,3 +68,26 @@ def test_an_epoch_resumes_its_loss_sums_only_mid_way_at_their_iteration():
     once = state(12, [3.5, 4.0, 12])
     _resumed_sums(once)
     assert _resumed_sums(once) == (0.0, 0.0)  # read once: the next epoch starts anew
+
+
+def test_sharded_rotation_beside_incomplete_folders_keeps_n_saved_complete_ones(tmp_path):
+    from ignite.engine import Engine as _Engine
+
+    from ignite_mgpu.checkpoint.sharded import ShardedCheckpoint
+    from tests.checkpoint.test_sharded import objects
+
+    def at(iteration):
+        engine = _Engine(lambda e, b: None)
+        engine.state.iteration = iteration
+        return engine
+
+    to_save = objects()
+    handler = ShardedCheckpoint(to_save, tmp_path, 2)
+    for it in (2, 4):
+        handler(at(it))
+    for it in (6, 8):  # incomplete: a killed writer's or a damaged folder
+        (tmp_path / f"checkpoint_{it}").mkdir()
+    handler(at(10))
+    complete = [p.name for p in list_checkpoints(tmp_path) if is_complete(p)]
+    assert complete == ["checkpoint_10", "checkpoint_4"]  # n_saved=2 complete ones, never fewer
+    assert (tmp_path / "checkpoint_6").is_dir() and (tmp_path / "checkpoint_8").is_dir()  # never deleted silently
