@@ -39,3 +39,23 @@ def test_a_refused_process_is_one_paragraph_exit_2_without_restart(capsys, err):
     out = " ".join(capsys.readouterr().err.split())
     assert "could not start process 2 of 4: this machine refused a new process" in out
     assert "ulimit -u" in out and "Lower --nproc" in out and "Traceback" not in out and "restart" not in out
+
+
+def test_the_fork_server_dies_of_a_refused_fork_without_a_traceback(capsys):
+    import os
+
+    from ignite_mgpu.processes.forkserver import quiet_refused_fork
+
+    def raised(err):
+        try:
+            raise err
+        except BaseException as caught:
+            return type(caught), caught, caught.__traceback__
+
+    hook = quiet_refused_fork(os.getpid())
+    hook(*raised(BlockingIOError(11, "Resource temporarily unavailable")))
+    assert capsys.readouterr().err == ""  # the launcher's paragraph says it
+    hook(*raised(ValueError("a bug")))
+    assert "ValueError: a bug" in capsys.readouterr().err
+    quiet_refused_fork(os.getpid() + 1)(*raised(BlockingIOError(11, "in a worker")))
+    assert "in a worker" in capsys.readouterr().err  # a forked worker's own error is printed
