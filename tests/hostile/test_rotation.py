@@ -3,6 +3,7 @@ never deleted (moved aside as .corrupt), and n_saved loadable checkpoints stay. 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from ignite.engine import Engine
 
@@ -91,3 +92,24 @@ def test_sharded_rotation_beside_incomplete_folders_keeps_n_saved_complete_ones(
     complete = [p.name for p in list_checkpoints(tmp_path) if is_complete(p)]
     assert complete == ["checkpoint_10", "checkpoint_4"]  # n_saved=2 complete ones, never fewer
     assert (tmp_path / "checkpoint_6").is_dir() and (tmp_path / "checkpoint_8").is_dir()  # never deleted silently
+
+
+@pytest.mark.slow
+def test_a_resumed_run_beside_corrupt_checkpoints_keeps_n_saved_loadable_ones(tmp_path):
+    from tests.conftest import TINY
+    from tests.hostile.bounded import run_bounded
+
+    out = tmp_path / "run"
+    args = ["train", "--nproc", "1", "--output-dir", str(out), *TINY, "checkpoint.n_saved=2"]
+    first = run_bounded(args, tmp_path, timeout=180)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint_16.pt", "checkpoint_8.pt"]
+    data = (out / "checkpoint_16.pt").read_bytes()
+    (out / "checkpoint_20.pt").write_bytes(data[: len(data) // 2])  # truncated
+    (out / "checkpoint_24.pt").write_bytes(b"")  # empty
+    second = run_bounded([*args, "--resume", "auto", "train.epochs=4"], tmp_path, timeout=180)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stderr and "checkpoint_16.pt" in second.stderr
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint_32.pt", "checkpoint_24.pt"]
+    assert all(is_complete(p) for p in list_checkpoints(out))
+    assert sorted(p.name for p in out.glob("*.corrupt")) == ["checkpoint_20.pt.corrupt", "checkpoint_24.pt.corrupt"]
