@@ -183,13 +183,14 @@ def refused_start(local_rank: int, nproc: int, err: BaseException) -> str:
 
 
 def cut_short_while_saving(result: Outcome, saving: bool) -> Outcome:
-    """A stop cut short (a second signal, or the grace ran out) while a rank was writing the stop's checkpoint: that
-    checkpoint was never written, so the message must not name the iteration as if the job had stopped there."""
+    """A stop cut short (a second signal, or the grace ran out) while a rank was writing a checkpoint (the stop's, or
+    one due before it): that checkpoint was never written, so the message must not name an iteration as if the job
+    had stopped there with its checkpoint."""
     if not saving or not is_stop(result.code):
         return result
     head = re.sub(r" at iteration \d+.*", "", result.cause.rstrip(".")) or "stopped"
     return dataclasses.replace(
         result,
-        cause=f"{head}, at once, while the stop's checkpoint was being written: that checkpoint was not written.",
+        cause=f"{head}, at once, while a checkpoint was being written: it was not written.",
         advice="--resume auto continues from the last complete checkpoint.",
     )

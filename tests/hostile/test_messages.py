@@ -29,9 +29,7 @@ def test_a_stop_cut_short_while_saving_names_no_iteration():
     stopped = Outcome(130, "stopped by SIGINT at iteration 16; every rank stopped at the same iteration.")
     cut = cut_short_while_saving(stopped, saving=True)
     assert cut.code == 130 and "iteration 16" not in cut.message()
-    assert cut.cause == (
-        "stopped by SIGINT, at once, while the stop's checkpoint was being written: that checkpoint was not written."
-    )
+    assert cut.cause == ("stopped by SIGINT, at once, while a checkpoint was being written: it was not written.")
     assert "--resume auto continues from the last complete checkpoint" in cut.message()
     assert cut_short_while_saving(stopped, saving=False) == stopped  # written: the iteration is true
     failed = Outcome(1, "rank 1 failed with RuntimeError: boom")
