@@ -51,8 +51,10 @@ def _why_unwritable(folder: Path) -> str | None:
         return f"{folder} is immutable (chattr +i; lsattr -d shows the i)"
     if not os.access(folder, os.W_OK | os.X_OK):
         return f"{folder} is not writable by this user"
-    if st.f_bavail == 0 or st.f_favail == 0:
-        return f"the disk of {folder} is full ({'no free blocks' if st.f_bavail == 0 else 'no free inodes'})"
+    # A file system that counts no blocks or inodes (btrfs has no inode count) says 0 free of them: not full.
+    no_blocks, no_inodes = st.f_blocks > 0 and st.f_bavail == 0, st.f_files > 0 and st.f_favail == 0
+    if no_blocks or no_inodes:
+        return f"the disk of {folder} is full ({'no free blocks' if no_blocks else 'no free inodes'})"
     return None
 
 

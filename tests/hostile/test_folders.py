@@ -33,8 +33,9 @@ def test_a_file_in_the_place_of_the_folder_or_above_it(tmp_path):
     assert folder_problem(tmp_path / "new" / "run") is None and folder_problem(tmp_path) is None
 
 
-def _statvfs(flag=0, bavail=1000, favail=1000):
-    return lambda path: SimpleNamespace(f_flag=flag, f_bavail=bavail, f_favail=favail, f_frsize=4096)
+def _statvfs(flag=0, bavail=1000, favail=1000, files=5000):
+    fields = {"f_flag": flag, "f_blocks": 5000, "f_bavail": bavail, "f_files": files, "f_favail": favail}
+    return lambda path: SimpleNamespace(**fields, f_frsize=4096)
 
 
 def test_a_read_only_file_system_and_a_full_disk(tmp_path, monkeypatch):
@@ -45,6 +46,10 @@ def test_a_read_only_file_system_and_a_full_disk(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(writable.os, "statvfs", _statvfs(bavail=0))
     assert f"cannot be written: the disk of {tmp_path} is full (no free blocks)" in folder_problem(tmp_path)
+    monkeypatch.setattr(writable.os, "statvfs", _statvfs(favail=0))
+    assert f"the disk of {tmp_path} is full (no free inodes)" in folder_problem(tmp_path)
+    monkeypatch.setattr(writable.os, "statvfs", _statvfs(favail=0, files=0))  # btrfs: no inode count
+    assert folder_problem(tmp_path) is None
 
 
 def test_an_immutable_folder(tmp_path):
