@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from ignite_mgpu.cli_options import FLAGS, dist_options, fail, preempt_signal, refuse_unknown_options
+from ignite_mgpu.cli_options import FLAGS, dist_options, fail, gpus_value, preempt_signal, refuse_unknown_options
 from ignite_mgpu.config.schema import CPU_BINDINGS, STRATEGIES
 from ignite_mgpu.errors import exit_codes_text, signal_exit_code
 
@@ -131,7 +131,9 @@ def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | Non
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[SCRIPT ARGS]...")
 @click.option("-m", "--module", is_flag=True, help="SCRIPT is a module name, run as python -m MODULE.")
 @click.option("--nproc", type=int, help="Processes on this node [default: selected GPUs, or 1 on CPU].")
-@click.option("--gpus", help="Physical GPU ids as nvidia-smi shows them (2,3), all, none, auto or auto:N.")
+@click.option(
+    "--gpus", callback=gpus_value, help="Physical GPU ids as nvidia-smi shows them (2,3), all, none, auto or auto:N."
+)
 @click.option("--nnodes", type=int, default=1, help="Machines in the job (multi-node: also --node-rank, --master-*).")
 @click.option("--node-rank", type=int, default=0, help="This machine's index, 0..nnodes-1.")
 @click.option("--master-addr", default="127.0.0.1", help="Address of node 0 [default: 127.0.0.1].")
@@ -180,7 +182,11 @@ def run(script: str, script_args: tuple[str, ...], module: bool, **flags: Any) -
 @click.argument("args", nargs=-1)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML file over the defaults.")
 @click.option("--nproc", type=int, help="Processes to plan for [default: selected GPUs, or 1 on CPU].")
-@click.option("--gpus", help="The GPUs whose free memory counts: physical ids (2,3), all, none, auto or auto:N.")
+@click.option(
+    "--gpus",
+    callback=gpus_value,
+    help="The GPUs whose free memory counts: physical ids (2,3), all, none, auto or auto:N.",
+)
 @click.option("--strategy", type=click.Choice(STRATEGIES), help="Checked as train checks it; every strategy is shown.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (bytes as integers).")
 def plan(args: tuple[str, ...], config_path: str | None, as_json: bool, **flags: Any) -> None:

@@ -4,6 +4,7 @@ hint for a flag a command lacks. Torch-free, as cli.py."""
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any, NoReturn
 
@@ -53,6 +54,23 @@ def _seconds(ctx: click.Context, param: click.Parameter, value: str | None) -> f
     return seconds
 
 
+def gpus_value(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--gpus's value, checked against its grammar here, as typed (YAML would read 0x1 as GPU 1 and '' as unset),
+    and passed on in its plain form (010 as 10, never YAML's octal 8)."""
+    from ignite_mgpu.errors import ConfigError
+    from ignite_mgpu.gpus.selection import parse_gpus
+
+    if value is None:
+        return None
+    try:
+        kind, arg = parse_gpus(value)
+    except ConfigError as err:
+        raise click.BadParameter(str(err).removeprefix("--gpus ")) from None
+    if kind == "ids":
+        return ",".join(map(str, arg))  # type: ignore[arg-type]  # ids: a list
+    return kind if arg is None else f"{kind}:{arg}"
+
+
 def preempt_signal(ctx: click.Context, param: click.Parameter, value: str) -> str | None:
     """--preempt-signal's value: a signal's name (USR1 or SIGUSR1), or None for none."""
     from ignite_mgpu.config.checks import PREEMPT_SIGNAL_RULE, signal_name, usable_preempt_signal
@@ -69,7 +87,11 @@ def dist_options(fn: Any) -> Any:
     options = [
         click.option("--nproc", type=int, help="Processes on this node [default: selected GPUs, or 1 on CPU]."),
         click.option("--backend", type=click.Choice(BACKENDS), help="auto = nccl with CUDA, else gloo."),
-        click.option("--gpus", help="Physical GPU ids as nvidia-smi shows them (2,3), all, none, auto or auto:N."),
+        click.option(
+            "--gpus",
+            callback=gpus_value,
+            help="Physical GPU ids as nvidia-smi shows them (2,3), all, none, auto or auto:N.",
+        ),
         click.option(
             "--strategy",
             type=click.Choice(STRATEGIES),
@@ -115,6 +137,9 @@ def refuse_unknown_options(args: tuple[str, ...]) -> None:
     for i, arg in enumerate(args):
         if not arg.startswith("-"):
             continue
+        # click reads `--wait -1` as --wait alone, then an option named -1.
+        if re.fullmatch(r"-[\d.]+", arg) and click.get_current_context().params.get("wait") == float("inf"):
+            fail(f"--wait {arg}: not a number of seconds > 0. Give --wait alone (no limit) or --wait SECONDS.")
         flag, _, inline = arg.partition("=")
         meant = difflib.get_close_matches(flag, options, n=1, cutoff=0.8)
         name = flag.lstrip("-").replace("-", "_")

@@ -31,6 +31,8 @@ from ignite_mgpu.processes.plan import LaunchPlan
 from ignite_mgpu.runs import metric_names
 from ignite_mgpu.runs.folder import run_dir
 from ignite_mgpu.runs.lock import lock_owner, locked_message
+from ignite_mgpu.runs.regular import why_not_regular
+from ignite_mgpu.runs.writable import folder_problem
 
 
 def check_data_root(cfg: Config) -> None:
@@ -73,6 +75,13 @@ def check_job(cfg: Config) -> None:
         from ignite_mgpu.train.losses import check_loss
 
         check_loss(cfg.train.loss, cfg.train.loss_args)
+    names = (m.name, o.name, o.param_groups or "", cfg.train.loss)
+    if any(
+        ":" in name for name in names
+    ):  # the user's code ("package.module:factory"): called once here, as in the workers
+        from ignite_mgpu.train.models import check_factories
+
+        check_factories(m, cfg.train.loss, cfg.train.loss_args, o)
     check_metric_factories(cfg)
 
 
@@ -207,8 +216,8 @@ def check_output_dir(cfg: Config) -> None:
     owner = lock_owner(out)
     if owner is not None:  # before anything else: the checkpoints there are the running job's
         raise ConfigError(locked_message(out, owner))
-    if out.exists() and not os.access(out, os.W_OK):
-        raise ConfigError(f"output_dir {out.resolve()} is not writable; choose another --output-dir.")
+    if (problem := folder_problem(out)) is not None:
+        raise ConfigError(problem)
     check_no_foreign_checkpoints(cfg)
     # --resume auto without a checkpoint starts a new run (training says so): the same command then works on the
     # first start and on every restart by torchrun, SLURM or Kubernetes.
@@ -218,6 +227,11 @@ def check_output_dir(cfg: Config) -> None:
             raise ConfigError(
                 f"--resume {path}: no such file. Pass a checkpoint_<iteration>.pt path, a checkpoint_<iteration> "
                 "folder (checkpoint.format=sharded), a .safetensors file (a new run from its weights), or auto."
+            )
+        if not path.is_dir() and (why := why_not_regular(path)) is not None:
+            raise ConfigError(
+                f"--resume {path}: it {why}. Pass a checkpoint_<iteration>.pt file, a checkpoint_<iteration> folder "
+                "(checkpoint.format=sharded), a .safetensors file, or auto."
             )
         if path.is_dir() and not is_complete(path):
             raise CorruptCheckpointError(

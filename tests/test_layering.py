@@ -76,6 +76,8 @@ LEAVES = (
     "ignite_mgpu.config.loading",
     "ignite_mgpu.runs.folder",
     "ignite_mgpu.runs.metric_names",
+    "ignite_mgpu.runs.regular",
+    "ignite_mgpu.runs.writable",
 )  # import only each other
 MAX_FUNCTION_LINES = 60
 # Longer on purpose, each with its reason.

@@ -3,6 +3,7 @@ only then the files it replaces deleted."""
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from collections.abc import Callable, Mapping
@@ -15,6 +16,7 @@ from ignite.handlers import DiskSaver
 from ignite_mgpu.checkpoint.files import SAFETENSORS, TEMP_PREFIX, TEMP_SUFFIX, fsync_dir, list_checkpoints, on_cpu
 from ignite_mgpu.checkpoint.weights import write_safetensors
 from ignite_mgpu.errors import CheckpointError
+from ignite_mgpu.runs.writable import no_space_message
 
 
 class SafeDiskSaver(DiskSaver):
@@ -48,7 +50,10 @@ class SafeDiskSaver(DiskSaver):
                 self._write(checkpoint, path, func)
         except BaseException as err:
             kept = ", ".join(p.name for p in reversed(list_checkpoints(self.dirname))) or "none"
-            raise CheckpointError(f"saving {path.name} failed ({err}); kept the previous checkpoints: {kept}") from err
+            # torch's zip writer says a full disk as "unexpected pos"; the errno is lost on the way.
+            full = getattr(err, "errno", None) == errno.ENOSPC or "unexpected pos" in str(err)
+            why = no_space_message(self.dirname) if full else str(err)
+            raise CheckpointError(f"saving {path.name} failed ({why}); kept the previous checkpoints: {kept}") from err
         fsync_dir(self.dirname)  # the rename survives a power loss only once its folder is synced
         for name in pending:
             # ignite "removes" a file it is about to overwrite under the same name.

@@ -22,6 +22,7 @@ from ignite_mgpu.errors import CheckpointError
 
 # The best model's name, with the run folder's names.
 from ignite_mgpu.runs.folder import BEST_NAME as BEST_NAME
+from ignite_mgpu.runs.regular import why_not_regular
 
 if TYPE_CHECKING:
     import torch
@@ -30,6 +31,8 @@ logger = logging.getLogger(__name__)
 PREFIXES = ("module.", "_orig_mod.")  # DataParallel/DDP and torch.compile wrappers
 # A file (format full) or a folder (format sharded)
 CKPT_NAME = re.compile(r"^checkpoint_(\d+)(\.pt)?$")
+# A corrupt checkpoint_<n>.pt that rotation set aside (never counted, never deleted).
+CORRUPT_SUFFIX = ".corrupt"
 TEMP_PREFIX, TEMP_SUFFIX = ".tmp-", ".pt"  # a file being written; renamed into place once complete
 # Weights only, no pickle: checkpoint.best_format=safetensors, checkpoint convert.
 SAFETENSORS = ".safetensors"
@@ -45,8 +48,17 @@ def list_checkpoints(dirname: str | Path) -> list[Path]:
     """``checkpoint_<iteration>.pt`` files and ``checkpoint_<iteration>/`` folders, newest (highest iteration)
     first; by recorded step, never mtime."""
     found = [(int(m.group(1)), p) for p in Path(dirname).glob("checkpoint_*") if (m := CKPT_NAME.match(p.name))]
-    found = [(it, p) for it, p in found if p.is_dir() != p.name.endswith(".pt")]
+    found = [(it, p) for it, p in found if p.is_dir() != p.name.endswith(".pt") and _regular_or_folder(p)]
     return [p for _, p in sorted(found, reverse=True)]
+
+
+def _regular_or_folder(path: Path) -> bool:
+    """A checkpoint's name on a FIFO, a device or a socket (or a symlink to one) is skipped, with a warning: reading
+    it would block or never end."""
+    why = None if path.is_dir() else why_not_regular(path)
+    if why is not None:
+        logger.warning("skipping %s: it %s; only regular files are read as checkpoints", path, why)
+    return why is None
 
 
 def is_complete(path: Path) -> bool:
@@ -54,6 +66,8 @@ def is_complete(path: Path) -> bool:
     with its metadata and a complete train state."""
     if path.is_dir():
         return (path / METADATA).is_file() and is_complete(path / TRAIN_STATE)
+    if why_not_regular(path) is not None:  # a FIFO would block, /dev/zero would be read without end
+        return False
     if is_safetensors(path):
         return _safetensors_complete(path)
     try:
@@ -68,6 +82,8 @@ def is_safetensors(path: str | Path) -> bool:
     path = Path(path)
     if path.suffix == SAFETENSORS:
         return True
+    if why_not_regular(path) is not None:
+        return False
     try:
         with open(path, "rb") as f:
             head = f.read(9)
@@ -166,8 +182,9 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(sharded_folder_message(path))
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist; pass the path of a .pt or .safetensors file.")
+    why = why_not_regular(path)
+    if why is not None:
+        raise CheckpointError(f"checkpoint {path} {why}; pass the path of a .pt or .safetensors file.")
     if is_safetensors(path):
         return read_safetensors(path, map_location)[0]
     import torch
@@ -176,16 +193,24 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
         with _numpy_rng_globals():
             obj = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:
-        text = str(err)
-        if "Weights only load failed" in text or "Unsupported global" in text:
-            first = next((ln for ln in text.splitlines() if "Unsupported global" in ln), text.splitlines()[0])
+        text = str(err) or type(err).__name__
+        if path.stat().st_size == 0:
+            raise CheckpointError(
+                f"{path} is empty (0 bytes): its writer was stopped, or it is not a checkpoint."
+            ) from None
+        # Random bytes fail as "Unsupported operand": garbage, not code; only a global names code to run.
+        if "Weights only load failed" in text and "global" in text.lower():
+            first = next((ln for ln in text.splitlines()[1:] if "global" in ln.lower()), text.splitlines()[0])
             raise CheckpointError(
                 f"refusing to load {path}: it needs arbitrary Python code to unpickle ({first.strip()}). It was "
                 "NOT executed. Only load files you trust; re-save trusted weights as a plain state_dict."
             ) from None
-        raise CheckpointError(
-            f"{path} is corrupt or truncated and cannot be loaded ({text.splitlines()[0]})."
-        ) from None
+        why = (
+            "not a torch checkpoint: its bytes are neither a zip archive nor a pickle"
+            if "Unsupported operand" in text
+            else text.splitlines()[0]
+        )
+        raise CheckpointError(f"{path} is corrupt or truncated and cannot be loaded ({why}).") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state_dict or a checkpoint dict.")
     return obj

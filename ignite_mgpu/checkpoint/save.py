@@ -19,7 +19,9 @@ from ignite_mgpu.checkpoint.disk import SafeDiskSaver as SafeDiskSaver  # where 
 from ignite_mgpu.checkpoint.files import (
     BEST_NAME,
     CKPT_NAME,
+    CORRUPT_SUFFIX,
     SAFETENSORS,
+    is_complete,
     list_checkpoints,
 )
 from ignite_mgpu.checkpoint.sharded import ShardedCheckpoint
@@ -35,12 +37,20 @@ logger = logging.getLogger(__name__)
 class RunInfo:
     """Saved with every checkpoint: what a resume must know about the run that wrote it."""
 
-    def __init__(self, world_size: int, global_batch: int, config: dict[str, str]) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        global_batch: int,
+        config: dict[str, str],
+        progress: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         self.info = {"world_size": world_size, "global_batch": global_batch, "config": config}
+        # What the run has of its current epoch when a checkpoint is written (the epoch's loss sums).
+        self.progress = progress
         self.loaded: dict[str, Any] = {}
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(self.info)
+        return {**self.info, **(self.progress() if self.progress is not None else {})}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.loaded = dict(state)
@@ -136,7 +146,7 @@ def adopt_existing(
     """On resume, let the handlers manage the files the interrupted run left (keep n_saved, one best, ranked with
     checkpoint.metric_mode ``mode``); sharded folders need nothing: their handler counts the folders on disk."""
     if isinstance(full, Checkpoint):
-        files = [p for p in list_checkpoints(dirname) if p.is_file()]
+        files = [p for p in list_checkpoints(dirname) if p.is_file() and _complete_or_set_aside(p)]
         found = [(int(m.group(1)), p.name) for p in files if (m := CKPT_NAME.match(p.name))]
         full.load_state_dict({"_saved": sorted(found)})
     bests = [
@@ -146,3 +156,26 @@ def adopt_existing(
         if (m := BEST_NAME.match(p.name))
     ]
     best.load_state_dict({"_saved": sorted(bests)})
+
+
+def _complete_or_set_aside(path: Path) -> bool:
+    """Whether ``path`` is a complete checkpoint that rotation may count. A corrupt or truncated one never counts
+    toward ``n_saved`` (it would push a good one out) and is never deleted: rank 0 moves it aside as
+    ``<name>.corrupt`` and says so."""
+    if is_complete(path):
+        return True
+    if idist.get_rank() == 0:
+        aside = path.with_name(path.name + CORRUPT_SUFFIX)
+        try:
+            path.rename(aside)
+        except OSError as err:
+            logger.warning(
+                "%s is corrupt or truncated and could not be moved aside (%s); it is left as it is", path, err
+            )
+        else:
+            logger.warning(
+                "%s is corrupt or truncated: moved aside as %s (never counted among checkpoint.n_saved, never deleted)",
+                path,
+                aside.name,
+            )
+    return False

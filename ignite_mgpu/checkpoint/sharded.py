@@ -21,6 +21,7 @@ from ignite_mgpu.checkpoint.files import (
     TEMP_PREFIX,
     TRAIN_STATE,
     fsync_dir,
+    is_complete,
     list_checkpoints,
     on_cpu,
     read_checkpoint,
@@ -81,7 +82,8 @@ class ShardedCheckpoint:
         import ignite.distributed as idist
 
         if idist.get_rank() == 0:
-            for old in [p for p in list_checkpoints(self.dirname) if p.is_dir()][self.n_saved :]:
+            # Only complete folders count: an incomplete one never pushes a good one out (nor is it deleted).
+            for old in [p for p in list_checkpoints(self.dirname) if p.is_dir() and is_complete(p)][self.n_saved :]:
                 shutil.rmtree(old, ignore_errors=True)
 
     def finish(self) -> None:

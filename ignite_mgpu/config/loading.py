@@ -7,13 +7,15 @@ Precedence is fixed: dataclass defaults < ``--config FILE.yaml`` < dotted overri
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from ignite_mgpu import text
 from ignite_mgpu.config.checks import validate
 from ignite_mgpu.config.schema import Config
 from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.runs.regular import NotRegular, read_regular
+
+MAX_CONFIG_BYTES = 16 << 20  # a config file is a few KiB; anything this large is not one
 
 
 def _paragraph(err: Exception, where: str) -> str:
@@ -62,29 +64,45 @@ def _parses(omegaconf: Any, override: str) -> bool:
     return True
 
 
+def _yaml_where(err: Exception) -> str:
+    """Where a YAML error is and what it is: " at line 3, column 3: found duplicate key batch_size (while
+    constructing a mapping)", or the error's first line."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    if mark is None or not problem:
+        return f" ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+    context = getattr(err, "context", None)
+    return f" at line {mark.line + 1}, column {mark.column + 1}: {problem}{f' ({context})' if context else ''}"
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Build the run's `Config`: dataclass defaults, then the YAML file at ``path``, then dotted ``overrides``.
 
     Raises:
         ConfigError: unknown key (with the closest key of any section), wrong type, bad value, unreadable YAML.
     """
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     schema = OmegaConf.structured(Config)
     layers: list[tuple[Any, str]] = []
     if path is not None:
-        file = Path(path)
-        if not file.is_file():
+        try:
+            text = read_regular(path, MAX_CONFIG_BYTES).decode("utf-8", errors="replace")
+        except NotRegular as err:
             raise ConfigError(
-                f"--config {path}: no such file. Pass the path of a YAML file such as configs/debug.yaml."
-            )
+                f"--config {path}: {err.args[0].removeprefix(str(path) + ' ')}. Pass the path of a YAML file such as "
+                "configs/debug.yaml."
+            ) from None
         try:
             # yaml.SafeLoader underneath: no code runs.
-            layers.append((OmegaConf.load(file), f"from {path}"))
+            layers.append((OmegaConf.create(text), f"from {path}"))
         except Exception as err:  # yaml.YAMLError and friends: report the file, not a traceback
-            first = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise ConfigError(f"--config {path}: not valid YAML ({first}). Fix the file's syntax.") from None
+            raise ConfigError(f"--config {path}: not valid YAML{_yaml_where(err)}. Fix the file's syntax.") from None
+        if not isinstance(layers[-1][0], DictConfig):
+            raise ConfigError(
+                f"--config {path}: its top level is a list, not a mapping of sections. Write the sections as keys "
+                "(data:, model:, train:, ...), as in configs/debug.yaml."
+            )
     bad = [o for o in overrides if "=" not in o or o.startswith("=")]
     if bad:
         raise ConfigError(f"override '{bad[0]}' is not of the form key=value, e.g. optim.lr=0.05 or train.epochs=3.")

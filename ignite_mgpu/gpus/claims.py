@@ -135,12 +135,16 @@ def holders(dir_fd: int | None, names: Iterable[str]) -> dict[str, Holder]:
         finally:
             os.close(fd)
         if locked:
-            entries = shared_dir.entries(dir_fd) if entries is None else entries
+            entries = shared_dir.entries(dir_fd, _is_holder) if entries is None else entries
             found[name] = _find_holder(dir_fd, name, entries)
             if found[name].problem == _NO_HOLDER:
                 time.sleep(0.05)  # claimed a moment ago: its holder file follows the lock
-                found[name] = _find_holder(dir_fd, name, shared_dir.entries(dir_fd))
+                found[name] = _find_holder(dir_fd, name, shared_dir.entries(dir_fd, _is_holder))
     return found
+
+
+def _is_holder(name: str) -> bool:
+    return name.endswith(".holder")
 
 
 def _find_holder(dir_fd: int, name: str, entries: list[str]) -> Holder:
@@ -284,7 +288,7 @@ class Ticket:
 
     def _remove_stale(self) -> None:
         """Tickets of this user's waits that ended without removing theirs (killed): unlocked, so dead."""
-        for entry in shared_dir.entries(self.dir_fd):
+        for entry in shared_dir.entries(self.dir_fd, lambda n: _TICKET.fullmatch(n.removeprefix("tmp-"))):
             m = _TICKET.fullmatch(entry.removeprefix("tmp-"))  # tmp-: killed before it was renamed
             if not m or int(m[3]) != os.geteuid() or entry == self.name:
                 continue
@@ -304,7 +308,7 @@ class Ticket:
         assert mine is not None
         order = (int(mine[1]), int(mine[2]))
         found = []
-        for entry in shared_dir.entries(self.dir_fd):
+        for entry in shared_dir.entries(self.dir_fd, _TICKET.fullmatch):
             m = _TICKET.fullmatch(entry)
             if not m or (int(m[1]), int(m[2])) >= order:
                 continue

@@ -11,9 +11,10 @@ import json
 import os
 import pwd
 import stat
+from collections.abc import Callable
 
 MAX_READ = 4096  # bytes read of any file in the folder: a huge file costs no more than a small one
-MAX_ENTRIES = 10_000  # folder entries looked at when searching
+MAX_ENTRIES = 10_000  # entries of one kind (holder files, tickets) looked at when searching
 # O_NONBLOCK: a FIFO never blocks open.
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
@@ -111,9 +112,12 @@ def read_json(fd: int) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def entries(dir_fd: int) -> list[str]:
+def entries(dir_fd: int, keep: Callable[[str], object]) -> list[str]:
+    """The names in the folder that ``keep`` accepts, sorted, at most MAX_ENTRIES: filtered before the cap, so that
+    any number of other files never hides one that matters."""
     try:
-        return sorted(os.listdir(dir_fd))[:MAX_ENTRIES]
+        with os.scandir(dir_fd) as found:
+            return sorted(entry.name for entry in found if keep(entry.name))[:MAX_ENTRIES]
     except OSError:
         return []
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import multiprocessing as mp
 import os
 import signal
@@ -180,11 +181,25 @@ def _in_the_server() -> bool:
     return False
 
 
+def quiet_refused_fork(server: int) -> Callable[..., None]:
+    """The server's excepthook: a fork the machine refused (EAGAIN: the per-user process limit; ENOMEM) ends the
+    server without its traceback, as the launcher says it in one paragraph (``outcome.refused_start``); anything
+    else, and anything in a forked worker, is printed as usual."""
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        refused = isinstance(value, OSError) and value.errno in (errno.EAGAIN, errno.ENOMEM)
+        if not (refused and os.getpid() == server):
+            sys.__excepthook__(kind, value, tb)
+
+    return hook
+
+
 if _IGNORES in os.environ and _in_the_server():  # preloaded first, in the server only
     # The server dies with the launcher at once (then every worker, by their own death signal); a Python exit on
     # the end of its alive pipe would first take seconds to unload torch.
     _launcher, _numbers = os.environ.pop(_IGNORES).split(":")
     die_with(int(_launcher))
+    sys.excepthook = quiet_refused_fork(os.getpid())
     _ignored = [int(n) for n in _numbers.split(",")]
     for _number in _ignored:
         signal.signal(_number, signal.SIG_IGN)  # a forked worker sets its own handlers for these

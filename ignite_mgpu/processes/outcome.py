@@ -3,6 +3,9 @@ restart can cure it (``no_restart_reason``). Pure functions of the workers' fail
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
 import signal
 from dataclasses import dataclass
 from typing import Any
@@ -162,3 +165,32 @@ def no_restart_reason(
             "would meet again"
         )
     return None
+
+
+def refused_start(local_rank: int, nproc: int, err: BaseException) -> str:
+    """The machine refused to start worker ``local_rank`` of ``nproc`` (fork's EAGAIN: the per-user process limit or
+    memory), as one paragraph."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    return (
+        f"could not start process {local_rank + 1} of {nproc}: this machine refused a new process ({what}); the "
+        f"per-user process limit (ulimit -u: {limit}) or the memory ran out. Lower --nproc (this machine has "
+        f"{os.cpu_count()} CPUs) or raise the limit; nothing was trained."
+    )
+
+
+def cut_short_while_saving(result: Outcome, saving: bool) -> Outcome:
+    """A stop cut short (a second signal, or the grace ran out) while a rank was writing a checkpoint (the stop's, or
+    one due before it): that checkpoint was never written, so the message must not name an iteration as if the job
+    had stopped there with its checkpoint."""
+    if not saving or not is_stop(result.code):
+        return result
+    head = re.sub(r" at iteration \d+.*", "", result.cause.rstrip(".")) or "stopped"
+    return dataclasses.replace(
+        result,
+        cause=f"{head}, at once, while a checkpoint was being written: it was not written.",
+        advice="--resume auto continues from the last complete checkpoint.",
+    )

@@ -23,9 +23,16 @@ from typing import Any
 
 from ignite_mgpu.env import stop
 from ignite_mgpu.env.clock import JobClock
-from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, signal_exit_code
+from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, USAGE, signal_exit_code
 from ignite_mgpu.processes import forkserver
-from ignite_mgpu.processes.outcome import Failure, Outcome, no_restart_reason, outcome
+from ignite_mgpu.processes.outcome import (
+    Failure,
+    Outcome,
+    cut_short_while_saving,
+    no_restart_reason,
+    outcome,
+    refused_start,
+)
 from ignite_mgpu.processes.plan import LaunchPlan, Restart, free_port
 from ignite_mgpu.processes.worker import RESULT_FILE, worker_main
 
@@ -75,6 +82,7 @@ class Supervisor:
         self.server: int | None = None
         self.deadline = self.failure_deadline = self.failure_time = float("inf")
         self.failed_at: float | None = None  # time.time() of the attempt's first failure
+        self.cut_short = False  # a stop ended at once: a second signal, or the stop's grace ran out
         # The next attempt's anchors: a restart adds the failure's time and progress.
         self.clock = plan.clock
 
@@ -94,6 +102,7 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.signal_received:  # second signal: no more waiting
+            self.cut_short = True
             self._signal_all(signal.SIGKILL)
             raise KeyboardInterrupt
         self.signal_received = signum
@@ -170,17 +179,16 @@ class Supervisor:
         self.procs, self.first_failure, self.died, self.signalled = [], None, [], False
         self.deadline = self.failure_deadline = self.failure_time = float("inf")
         self.failed_at = None
+        refused = None
         try:
             self.starting = True
-            for local_rank in range(plan.nproc):
-                if self.signal_received:
-                    break  # stopped while starting: start no more workers
-                self.procs.append(self._start(plan, local_rank, args, str(folder), attempt))
+            refused = self._start_all(plan, args, str(folder), attempt)
             self.starting = False
             # (the first waits for the fork server's imports): none has begun,.
             if self.stopped_while_starting:
                 self._signal_all(signal.SIGKILL)  # and one started after the signal never got it
-            self._watch(folder)
+            if refused is None:
+                self._watch(folder)
         except KeyboardInterrupt:
             pass
         finally:
@@ -188,10 +196,13 @@ class Supervisor:
             self._signal_all(signal.SIGKILL)
             for p in self.procs:
                 p.join(5)
+        if refused is not None:  # no restart: the machine would refuse it again
+            return refused, refused.cause, 0
         failures = self._read_failures(folder)
         exit_codes = [p.exitcode for p in self.procs]
         offset = plan.node_rank * plan.nproc
         result = outcome(failures, exit_codes, self.first_failure, self.signal_received, offset, plan.timeout)
+        result = cut_short_while_saving(result, self.cut_short and any(s[1] for s in self._statuses(folder)))
         reason = no_restart_reason(failures, exit_codes, self.first_failure, self.signal_received)
         if self.died == [self.first_failure[0] if self.first_failure else -1] and result.rank is not None:
             # One rank's death: its first restart need not wait.
@@ -202,6 +213,18 @@ class Supervisor:
         self.clock = JobClock(plan.clock.started, failed_at, reached)
         self.value = self._read_value(folder) if result.code == SUCCESS else None
         return result, reason, reached
+
+    def _start_all(self, plan: LaunchPlan, args: tuple, folder: str, attempt: int) -> Outcome | None:
+        """Start the attempt's workers (no more once a stop signal came); an Outcome when the machine refused one."""
+        for local_rank in range(plan.nproc):
+            if self.signal_received:
+                break  # stopped while starting: start no more workers
+            try:
+                self.procs.append(self._start(plan, local_rank, args, folder, attempt))
+            # EAGAIN from fork (ulimit -u, memory); EOFError: the fork server died of it before it answered.
+            except (OSError, EOFError) as err:
+                return Outcome(USAGE, refused_start(local_rank, plan.nproc, err))
+        return None
 
     def _start(self, plan: LaunchPlan, local_rank: int, args: tuple, folder: str, attempt: int) -> Any:
         """Start one worker: forked by the fork server (started at the first attempt, kept for the restarts; the
@@ -277,6 +300,7 @@ class Supervisor:
                     f"ignite-mgpu: workers did not stop within {self.plan.stop_grace:.0f} s; killing them.",
                     file=sys.stderr,
                 )
+                self.cut_short = True
                 self._signal_all(signal.SIGKILL)
                 self.deadline = float("inf")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.runs.folder import LOCK
+from ignite_mgpu.runs.writable import os_error_paragraph
 
 
 def lock_owner(output_dir: Path) -> str | None:
@@ -53,7 +54,7 @@ def _take_lock(lock: Path, output_dir: Path) -> int | None:
         try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as err:
-            raise ConfigError(f"cannot open {lock} ({err.strerror}); choose another --output-dir.") from None
+            raise ConfigError(os_error_paragraph(output_dir, err)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -80,15 +81,21 @@ def _take_lock(lock: Path, output_dir: Path) -> int | None:
 @contextlib.contextmanager
 def output_lock(output_dir: Path) -> Iterator[None]:
     """One job per output folder: a second one fails fast instead of mixing checkpoints."""
-    output_dir.mkdir(parents=True, exist_ok=True)
     lock = output_dir / LOCK
-    fd = _take_lock(lock, output_dir)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        fd = _take_lock(lock, output_dir)
+    except OSError as err:
+        raise ConfigError(os_error_paragraph(output_dir, err)) from None
     if fd is None:
         yield
         return
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode())
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode())
+        except OSError as err:  # a disk already full
+            raise ConfigError(os_error_paragraph(output_dir, err)) from None
         yield
     finally:
         # Before the unlock: a waiting job then re-checks and locks a new file.

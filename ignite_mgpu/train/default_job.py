@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -104,7 +105,7 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
         "lr_scheduler": lr_scheduler,
         "trainer": trainer,
         "scaler": trainer.step.scaler,  # fp16's GradScaler (a disabled one saves {})
-        "run": RunInfo(world_size, cfg.data.batch_size, run_signature(cfg)),
+        "run": RunInfo(world_size, cfg.data.batch_size, run_signature(cfg), functools.partial(_epoch_loss, trainer)),
     }
     restarts = outer_restarts() if restarts is None else restarts
     devices = model_devices(model)
@@ -118,6 +119,8 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
         if not resume(cfg, to_save, world_size):
             return
         # From weights: a new run, no files yet.
+        # The resumed epoch goes on from the loss sums of its first part (the guard reads them).
+        trainer.state.resumed_epoch_loss = to_save["run"].loaded.get("epoch_loss")  # type: ignore[attr-defined]
         if to_save["run"].loaded or not weights_only_resume(cfg.resume):
             adopt_existing(full, best, out, cfg.checkpoint.metric_mode)
             if rank == 0:
@@ -131,6 +134,13 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
         best_model = str(best.last_checkpoint) if best.last_checkpoint else None
         summary = epoch_log.last | {"output_dir": str(out), "best_model": best_model}
         logger.info("finished: %s", json.dumps(summary))
+
+
+def _epoch_loss(trainer: Engine) -> dict[str, Any]:
+    """Saved in every checkpoint: the current epoch's loss sum and count (the guard's, over every rank) and the
+    iteration they reach, so that an epoch resumed mid-way reports the whole epoch's train_loss."""
+    total, count = getattr(trainer.state, "epoch_loss", (0.0, 0.0))
+    return {"epoch_loss": [float(total), float(count), trainer.state.iteration]}
 
 
 def _create_trainer(

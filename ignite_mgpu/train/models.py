@@ -4,6 +4,7 @@ the user's, called with ``model.args``."""
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,7 @@ from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.train import plugins
 
 if TYPE_CHECKING:
-    from ignite_mgpu.config.schema import ModelConfig
+    from ignite_mgpu.config.schema import ModelConfig, OptimConfig
 
 
 class SimpleCNN(nn.Module):
@@ -109,3 +110,39 @@ def create_model(cfg: ModelConfig, example: Any = None) -> nn.Module:
         with torch.no_grad():
             model(**example) if isinstance(example, Mapping) else model(example)
     return model
+
+
+def check_factories(m: ModelConfig, loss: str, loss_args: Mapping[str, Any], o: OptimConfig) -> None:
+    """The user's model, loss and optimizer factories called once before any worker starts, as the workers call them:
+    the loss factory; the model built on the meta device (no memory, no initialisation) and the optimizer over its
+    parameters; what each returns checked. A factory that raises is a ConfigError with its traceback. A model that
+    cannot be built on the meta device (it reads a tensor's value, loads weights) is said so and left, with its
+    optimizer, to the workers."""
+    from ignite_mgpu.config.checks import BUILTIN_LOSSES
+    from ignite_mgpu.train.losses import create_loss
+    from ignite_mgpu.train.optim import build_optimizer, optimizer_from_config
+
+    if loss not in BUILTIN_LOSSES:
+        create_loss(loss, loss_args, device="cpu")
+    factory = _resolve(m.name)
+    try:
+        with torch.device("meta"):
+            model = plugins.call(factory, _kwargs(m, factory), m.name, "model.name")
+    except ConfigError as err:
+        raised = err.__context__  # the factory's own exception (plugins.call says it without its context)
+        if raised is None or "meta" not in str(raised).lower():
+            raise
+        print(
+            f"ignite-mgpu: warning: model.name={m.name} cannot be built on the meta device ({raised}); it and its "
+            "optimizer are checked in the workers instead.",
+            file=sys.stderr,
+        )
+        return
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"model.name={m.name} returned a {type(model).__name__}; a model factory returns an nn.Module."
+        )
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in model.parameters()):
+        return  # lazy layers: their shapes come from the first batch, in the workers
+    with torch.device("meta"):
+        optimizer_from_config(o, model, build=build_optimizer)

@@ -427,6 +427,27 @@ def test_s5_sigterm_escalates_to_sigkill_when_a_rank_is_stuck(h: Harness) -> Non
 
 
 @pytest.mark.timeout(120)
+def test_a_second_signal_while_a_checkpoint_is_written_names_no_iteration(h: Harness) -> None:
+    """SIGTERM, then Ctrl-C while checkpoint_4 is being written (its state_dict takes 60 s): the job stops at once
+    and says that checkpoint was not written, never "stopped ... at iteration N" as if it had been."""
+    out = h.root / "out"
+    job = h.start([*BASE, *SYNC, "--output-dir", str(out), "dist.stop_grace=60"], fault="slowsave:*:4:60")
+    wait_until(lambda: (out / "checkpoint_2.pt").exists(), job, 90, "the first checkpoint")
+    time.sleep(3)  # iteration 4's checkpoint is being written now
+    os.kill(job.pid, signal.SIGTERM)
+    time.sleep(1)
+    os.kill(job.pid, signal.SIGINT)  # the second signal: stop at once
+    r = job.wait(timeout=time.monotonic() - job.start + 30)
+    assert r.rc == 143, str(r)
+    last = r.stderr.strip().splitlines()[-2:]
+    assert any("at once, while a checkpoint was being written: it was not written." in ln for ln in last), str(r)
+    assert "at iteration" not in " ".join(last), str(r)
+    h.assert_no_leftovers()
+    assert sorted(checkpoints(out)) == [2], sorted(p.name for p in out.iterdir())
+    assert_loads(out / "checkpoint_2.pt", 2)
+
+
+@pytest.mark.timeout(120)
 def test_s6_ctrl_c_to_the_process_group_exits_130(h: Harness) -> None:
     out = h.root / "out"
     job = h.start([*BASE, "--output-dir", str(out), "train.epochs=2", "dist.stop_grace=15"], fault=SLOW)

@@ -116,6 +116,19 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+# What differs between two runs of the same deterministic job: times, speeds, memory, and the healing's own counts.
+NOT_COMPARED = re.compile(r"(_s$|time|goodput|share|per_s|ms|mb|memory|peak|restarts|redone)")
+
+
+def assert_same_numbers(healed: list[dict], uninterrupted: list[dict]) -> None:
+    """Every number of metrics.jsonl that is not a time (nor the healing's count) is equal, line by line."""
+    assert len(healed) == len(uninterrupted)
+    for a, b in zip(healed, uninterrupted, strict=True):
+        compared = sorted(k for k in b if not NOT_COMPARED.search(k))
+        assert "train_loss" in compared and "val_loss" in compared
+        assert {k: a.get(k) for k in compared} == {k: b[k] for k in compared}
+
+
 def restart_line(r: Result) -> str:
     lines = [ln for ln in r.stderr.splitlines() if re.match(r"ignite-mgpu: restart \d of", ln)]
     assert len(lines) == 1, r  # each restart logged once
@@ -138,6 +151,8 @@ def test_a_sigkilled_rank_heals_bitwise_identical(h: Harness, reference: Path) -
     h.assert_no_leftovers()
     assert_bitwise_equal(out / "checkpoint_20.pt", reference / "checkpoint_20.pt")
     assert rows(out) == [(1, 0), (2, 1)]  # one row per epoch; epoch 2 was trained after the restart
+    # Epoch 2's train_loss covers the whole epoch (its sums carried by checkpoint_12), as the uninterrupted run's.
+    assert_same_numbers(lines(out), lines(reference))
     # Goodput: the restart's time and the 2 iterations it re-did (13 and 14) are in epoch 2's line.
     totals, second = assert_goodput_adds_up(out), lines(out)[1]
     assert second["redone_iterations"] == totals["redone_iterations"] == 2

@@ -9,7 +9,7 @@ import math
 import time
 import weakref
 from datetime import timedelta
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import ignite.distributed as idist
 import torch
@@ -34,6 +34,17 @@ class RankCheck(NamedTuple):
     losses: float  # how many losses (iterations) that sum holds
     seconds: float  # training time since the last check
     unsaved_seconds: float  # since the last checkpoint
+
+
+def _resumed_sums(state: Any) -> tuple[float, float]:
+    """The loss sum and count an epoch starts from: those its checkpoint carried (``state.resumed_epoch_loss``:
+    [sum, count, iteration], set by a resume) when it is resumed mid-way at that iteration, so that its train_loss
+    is the whole epoch's, as an uninterrupted run reports it; else nothing."""
+    saved, state.resumed_epoch_loss = getattr(state, "resumed_epoch_loss", None), None
+    mid_epoch = bool(state.epoch_length) and state.iteration % state.epoch_length != 0
+    if saved and len(saved) == 3 and int(saved[2]) == state.iteration and mid_epoch:
+        return float(saved[0]), float(saved[1])
+    return 0.0, 0.0
 
 
 def gather_checks(local: RankCheck) -> list[RankCheck]:
@@ -176,7 +187,8 @@ class TrainingGuard:
         raise TrainingInterrupted(signum, engine.state.iteration)
 
     def _epoch_started(self, engine: Engine) -> None:
-        self._epoch_sum, self._epoch_count = 0.0, 0.0
+        self._epoch_sum, self._epoch_count = _resumed_sums(engine.state)
+        engine.state.epoch_loss = [self._epoch_sum, self._epoch_count]  # type: ignore[attr-defined]
         # The time between epochs (validation, checkpoints) is not training.
         self._since = time.perf_counter()
         # A new run, or resumed: the same iteration on every rank.
@@ -252,13 +264,15 @@ class TrainingGuard:
             self._diverged(engine, losses)
         iteration, epoch_length = engine.state.iteration, engine.state.epoch_length
         epoch_end = bool(epoch_length) and iteration % epoch_length == 0  # type: ignore[operator]
-        signum = int(max(row.stop_signal for row in rows))
-        if signum and not epoch_end:
-            self._stop(engine, signum)
         total, count = sum(row.loss_sum for row in rows), sum(row.losses for row in rows)
         engine.state.running_loss = total / count  # type: ignore[attr-defined]
         self._epoch_sum += total
         self._epoch_count += count
+        # Before a stop: the stop's checkpoint carries the epoch's sums up to its iteration.
+        engine.state.epoch_loss = [self._epoch_sum, self._epoch_count]  # type: ignore[attr-defined]
+        signum = int(max(row.stop_signal for row in rows))
+        if signum and not epoch_end:
+            self._stop(engine, signum)
         # The same rows on every rank, so the same interval everywhere.
         seconds_per_iteration = max(row.seconds / row.losses for row in rows)
         interval = round(self.period / max(seconds_per_iteration, 1e-9))

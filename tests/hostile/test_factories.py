@@ -1,0 +1,49 @@
+"""The user's model, loss and optimizer factories are checked before any worker starts, as documented: the model
+built on the meta device, the loss and optimizer factories called on it, their types checked; one that raises shows
+its traceback once and exits 2; a model that cannot be built on the meta device is said so and left to the workers.
+`python -m pytest tests/hostile`."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from ignite_mgpu.cli import main
+from ignite_mgpu.processes import launcher
+
+PKG = "tests.plugins_pkg.meta_factories"
+SMALL = ["--nproc", "2", "--backend", "gloo", "data.train_size=64", "data.val_size=16", "data.batch_size=16"]
+
+
+@pytest.fixture
+def started(monkeypatch):
+    calls = []
+    monkeypatch.setattr(launcher, "run_plan", lambda *args, **kwargs: calls.append(args) or 0)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (f"model.name={PKG}:model_raises", "model.name=tests.plugins_pkg.meta_factories:model_raises: calling it "
+         "raised RuntimeError: the model factory broke."),
+        (f"model.name={PKG}:model_wrong", "returned a str; a model factory returns an nn.Module."),
+        (f"train.loss={PKG}:loss_raises", "raised ValueError: the loss factory broke."),
+        (f"optim.name={PKG}:optimizer_raises", "raised TypeError: the optimizer factory broke."),
+        (f"optim.name={PKG}:optimizer_wrong", "returned a list, not a torch.optim.Optimizer."),
+    ],
+)  # fmt: skip
+def test_a_factory_that_fails_is_exit_2_before_any_worker(tmp_path, started, override, message):
+    result = CliRunner().invoke(main, ["train", *SMALL, "--output-dir", str(tmp_path / "out"), override])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
+    assert result.output.count("Traceback") == (1 if "raised" in message else 0)
+    assert started == [] and not (tmp_path / "out").exists()  # no worker, no folder
+
+
+def test_a_model_that_cannot_be_built_on_meta_is_left_to_the_workers(tmp_path, started):
+    args = ["train", *SMALL, "--output-dir", str(tmp_path / "out"), f"model.name={PKG}:model_reads_values"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "cannot be built on the meta device" in result.output and "checked in the workers instead" in result.output
+    assert len(started) == 1
