@@ -72,7 +72,7 @@ def resumed(reference: Path, extra: list[str], nproc: int, tmp_path: Path) -> Pa
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "setting, counts", [("ddp", (2, 1, 3)), ("ddp-parts", (3,)), ("fsdp-full", (1, 3)), ("fsdp-sharded", (3,))]
+    "setting, counts", [("ddp", (2, 1, 3)), ("ddp-parts", (3,)), ("fsdp-full", (1, 3)), ("fsdp-sharded", (1, 3))]
 )
 def test_a_run_resumed_mid_epoch_on_another_process_count_is_the_same_run(reference, tmp_path, setting, counts):
     want = final_weights(reference[setting])
@@ -94,3 +94,11 @@ def test_a_one_process_run_resumed_on_two_is_the_same_run(tmp_path):
         want, got = final_weights(alone), final_weights(resumed(alone, [], 2, tmp_path))
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5, msg=f"1 -> 2: {key}")
+
+
+@pytest.mark.timeout(300)
+def test_an_fsdp_checkpoint_resumed_under_ddp_on_another_count_is_the_same_run(reference, tmp_path):
+    want = final_weights(reference["fsdp-full"])
+    got = final_weights(resumed(reference["fsdp-full"], ["optim.name=adamw"], 3, tmp_path))
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5, msg=f"fsdp on 2 -> ddp on 3: {key}")
