@@ -4,6 +4,7 @@ reference covers every config key. `python -m pytest -q tests/test_docs.py`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -109,6 +111,13 @@ while :; do sleep 0.05; done
 """
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (its SigCgt mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(mask >> (signum - 1) & 1)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("ending", ["signal", 0, 3])
 @pytest.mark.parametrize("options", [["-euo", "pipefail"], []])
@@ -125,15 +134,19 @@ def test_the_batch_scripts_trap_passes_the_warning_on_and_keeps_the_exit_code(tm
     env = {**os.environ, "PATH": f"{stub.parent}{os.pathsep}{os.environ['PATH']}", "STUB_LOG": str(log)}
     if ending != "signal":
         env["STUB_EXIT"] = str(ending)
-    shell = subprocess.Popen(["bash", *options, "-c", block.text], cwd=tmp_path, env=env)
+    # Its own session: the stand-in it starts in the background goes with it, whatever the test's end.
+    shell = subprocess.Popen(["bash", *options, "-c", block.text], cwd=tmp_path, env=env, start_new_session=True)
     try:
         if ending == "signal":
-            while not log.exists():  # the command runs
+            # The command runs and the batch shell has set its trap (SLURM signals a script that has started; a
+            # signal before the trap line would end the shell, and the test, by bash's default action).
+            while not (log.exists() and catches(shell.pid, signal.SIGUSR1)):
                 time.sleep(0.01)
             shell.send_signal(signal.SIGUSR1)  # to the batch shell only, as B: sends it
         assert shell.wait(timeout=30) == (138 if ending == "signal" else ending)
     finally:
-        shell.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)
     assert log.read_text().splitlines()[1:] == (["got USR1", "ended"] if ending == "signal" else [])
 
 
