@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import ignite.distributed as idist
+
 from ignite_mgpu.checkpoint.files import find_resumable, is_safetensors, weights_only_resume
 from ignite_mgpu.checkpoint.load import load_checkpoint
 from ignite_mgpu.checkpoint.sharded import load_sharded
@@ -83,8 +85,6 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
         continue_from_weights(path, to_save)
         return True
     if path is None:
-        import ignite.distributed as idist
-
         if idist.get_rank() == 0:
             logger.warning(
                 "--resume auto: no complete checkpoint in %s yet: starting a new run", run_dir(cfg.output_dir).resolve()
@@ -99,7 +99,7 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
         load_checkpoint(path, to_save, check=same_run)
     saved = to_save["run"].loaded
     logger.info("resumed from %s at iteration %d", path, to_save["trainer"].state.iteration)
-    if saved.get("world_size", world_size) != world_size and _first_rank():
+    if saved.get("world_size", world_size) != world_size and idist.get_rank() == 0:
         shares = [len(range(r, cfg.data.batch_size, world_size)) for r in range(world_size)]
         logger.warning(
             "checkpoint was written with %d processes, resuming with %d: the same run goes on (the global batch stays "
@@ -120,12 +120,6 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
         )
         return False
     return True
-
-
-def _first_rank() -> bool:
-    import ignite.distributed as idist
-
-    return idist.get_rank() == 0
 
 
 def _same_run_check(cfg: Config, path: Path) -> Callable[[dict[str, Any]], None]:
@@ -154,8 +148,6 @@ def _same_run_check(cfg: Config, path: Path) -> Callable[[dict[str, Any]], None]
 def continue_from_weights(path: Path, to_save: dict[str, Any]) -> None:
     """A new run from the weights of ``path``: the model is loaded (keys and shapes checked first); the optimizer,
     the learning-rate schedule and the trainer start fresh, at epoch 0. Not an exact resume, and said so."""
-    import ignite.distributed as idist
-
     load_checkpoint(path, {"model": to_save["model"]})  # onto the CPU, as resume
     if idist.get_rank() == 0:
         logger.warning(

@@ -40,7 +40,7 @@ class GlobalBatchSampler(DistributedSampler):
         drop_last: bool = False,
     ) -> None:
         super().__init__(dataset, num_replicas, rank, shuffle=shuffle, seed=seed)  # type: ignore[arg-type]
-        self.batch_size, self.drop_last_batch, self.start = batch_size, drop_last, 0
+        self.batch_size, self.start = batch_size, 0
         size = len(dataset)
         self.batches = size // batch_size if drop_last else math.ceil(size / batch_size)
         last = size - (self.batches - 1) * batch_size

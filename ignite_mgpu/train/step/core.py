@@ -32,7 +32,8 @@ class Shares:
 @dataclass(frozen=True, eq=False)
 class Step:
     """The parts of ``create_trainer``'s training step, chosen once (``trainer.step``): the steps read them when they
-    are built, never per iteration. The parts stay the same; ``micro_batching``'s size changes under ``auto``."""
+    are built, never per iteration. The parts stay the same; ``micro_batching``'s size changes under ``auto``, and
+    ``shares``' weights are set at every epoch's start (read per iteration only while the shares are uneven)."""
 
     model: nn.Module  # as prepare_model placed it: DDP, DataParallel, FSDP or plain
     optimizer: torch.optim.Optimizer
