@@ -76,9 +76,8 @@ def check_job(cfg: Config) -> None:
 
         check_loss(cfg.train.loss, cfg.train.loss_args)
     names = (m.name, o.name, o.param_groups or "", cfg.train.loss)
-    if any(
-        ":" in name for name in names
-    ):  # the user's code ("package.module:factory"): called once here, as in the workers
+    # The user's code ("package.module:factory"): called once here, as in the workers.
+    if any(":" in name for name in names):
         from ignite_mgpu.train.models import check_factories
 
         check_factories(m, cfg.train.loss, cfg.train.loss_args, o)

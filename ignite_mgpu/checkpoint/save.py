@@ -146,7 +146,9 @@ def adopt_existing(
     """On resume, let the handlers manage the files the interrupted run left (keep n_saved, one best, ranked with
     checkpoint.metric_mode ``mode``); sharded folders need nothing: their handler counts the folders on disk."""
     if isinstance(full, Checkpoint):
-        files = [p for p in list_checkpoints(dirname) if p.is_file() and _complete_or_set_aside(p)]
+        # Only rank 0 removes files: the others need not read (and CRC-check) every checkpoint again.
+        check = _complete_or_set_aside if idist.get_rank() == 0 else lambda p: True
+        files = [p for p in list_checkpoints(dirname) if p.is_file() and check(p)]
         found = [(int(m.group(1)), p.name) for p in files if (m := CKPT_NAME.match(p.name))]
         full.load_state_dict({"_saved": sorted(found)})
     bests = [

@@ -6,6 +6,7 @@ Precedence is fixed: dataclass defaults < ``--config FILE.yaml`` < dotted overri
 
 from __future__ import annotations
 
+import io
 import os
 from typing import Any
 
@@ -95,7 +96,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
             ) from None
         try:
             # yaml.SafeLoader underneath: no code runs.
-            layers.append((OmegaConf.create(text), f"from {path}"))
+            layers.append((OmegaConf.load(io.StringIO(text)), f"from {path}"))
         except Exception as err:  # yaml.YAMLError and friends: report the file, not a traceback
             raise ConfigError(f"--config {path}: not valid YAML{_yaml_where(err)}. Fix the file's syntax.") from None
         if not isinstance(layers[-1][0], DictConfig):

@@ -138,7 +138,15 @@ def offload_mesh() -> Any:
     backend = offload_backend(str(dist.get_backend()))
     if backend is None:
         return None
-    return DeviceMesh.from_group(cast(dist.ProcessGroup, dist.new_group(backend=backend)), "cuda")
+    # One group per job's group: each new one would hold another NCCL communicator (GPU memory) for good.
+    world = id(dist.group.WORLD)
+    if world not in _OFFLOAD_MESHES:
+        group = cast(dist.ProcessGroup, dist.new_group(backend=backend))
+        _OFFLOAD_MESHES[world] = DeviceMesh.from_group(group, "cuda")
+    return _OFFLOAD_MESHES[world]
+
+
+_OFFLOAD_MESHES: dict[int, Any] = {}
 
 
 def find_fsdp(model: nn.Module) -> FSDPModule | None:

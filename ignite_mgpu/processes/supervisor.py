@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import multiprocessing as mp
 import os
@@ -184,9 +185,10 @@ class Supervisor:
             self.starting = True
             refused = self._start_all(plan, args, str(folder), attempt)
             self.starting = False
-            # (the first waits for the fork server's imports): none has begun,.
+            # Stopped while the workers started (the first waits for the fork server's imports): none has begun,
+            # and one started after the signal never got it.
             if self.stopped_while_starting:
-                self._signal_all(signal.SIGKILL)  # and one started after the signal never got it
+                self._signal_all(signal.SIGKILL)
             if refused is None:
                 self._watch(folder)
         except KeyboardInterrupt:
@@ -221,8 +223,10 @@ class Supervisor:
                 break  # stopped while starting: start no more workers
             try:
                 self.procs.append(self._start(plan, local_rank, args, folder, attempt))
-            # EAGAIN from fork (ulimit -u, memory); EOFError: the fork server died of it before it answered.
+            # EAGAIN or ENOMEM from fork (ulimit -u, memory); EOFError: the fork server died of it before it answered.
             except (OSError, EOFError) as err:
+                if isinstance(err, OSError) and err.errno not in (errno.EAGAIN, errno.ENOMEM):
+                    raise
                 return Outcome(USAGE, refused_start(local_rank, plan.nproc, err))
         return None
 

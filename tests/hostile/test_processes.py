@@ -41,6 +41,15 @@ def test_a_refused_process_is_one_paragraph_exit_2_without_restart(capsys, err):
     assert "ulimit -u" in out and "Lower --nproc" in out and "Traceback" not in out and "restart" not in out
 
 
+def test_another_os_error_at_a_start_is_not_called_a_refused_process():
+    sup = Refused(LaunchPlan("gloo", 2), OSError(28, "No space left on device"))
+    with pytest.raises(OSError, match="No space left"):
+        sup._start_all(sup.plan, (), "unused", 0)
+    for p in sup.procs:
+        p.kill()
+        p.join()
+
+
 def test_the_fork_server_dies_of_a_refused_fork_without_a_traceback(capsys):
     import os
 

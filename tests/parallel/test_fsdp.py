@@ -150,7 +150,9 @@ def test_cpu_offload_shards_over_a_group_with_a_cpu_backend(monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(torch.distributed, "new_group", lambda backend=None, **_: made.append(backend) or "group")
     monkeypatch.setattr(DeviceMesh, "from_group", staticmethod(lambda group, device_type: (group, device_type)))
+    monkeypatch.setattr(fsdp, "_OFFLOAD_MESHES", {})
     assert fsdp.offload_mesh() == ("group", "cuda") and made == ["cuda:nccl,cpu:gloo"]
+    assert fsdp.offload_mesh() == ("group", "cuda") and len(made) == 1  # one group for the job, not one a model
     assert fsdp.offload_backend("gloo") is None  # gloo's own group handles CPU tensors
     sharded = []
     monkeypatch.setattr("ignite.distributed.get_world_size", lambda: 2)
