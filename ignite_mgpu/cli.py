@@ -224,6 +224,23 @@ def devices(as_json: bool) -> None:
 
 
 @main.command()
+@click.argument("target", metavar="RUN_DIR|PID")
+def stacks(target: str) -> None:
+    """Print every rank's Python stacks (all threads, and each rank's data-loader workers) of a live job, without
+    stopping or slowing it: a train job's run folder, or the pid of the ignite-mgpu train or run command.
+
+    \b
+    Each worker dumps its stacks on a signal (faulthandler), also while stuck in C code (a collective, a sleep);
+    a stopped (SIGSTOP) rank says so. docs/how-to/hangs.md: the hang watch and its report.
+    """
+    with _errors_to_exit():
+        from ignite_mgpu.processes.stacks import dump, format_dumps, live_ranks
+
+        ranks = live_ranks(target)
+    click.echo(format_dumps(dump(ranks)))
+
+
+@main.command()
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False), metavar="RUN_DIR...")
 @click.option(
     "--out",

@@ -191,6 +191,7 @@ def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[LaunchPl
         warn_double_warmup(cfg)
     try:
         plan = checked_plan(cfg)
+        plan.run_dir = str(run_dir(cfg.output_dir))  # where a hang's report goes
         # Every check passed: bad input never starts a process.
         if preload is not None and in_workers(plan):
             forkserver.start(preload, cluster.signal_number(cfg.dist.preempt_signal))

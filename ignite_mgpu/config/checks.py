@@ -117,6 +117,7 @@ def _check_dist(dist: DistConfig) -> None:
     port = dist.master_port
     _check(port is None or 1 <= port <= 65535, "dist.master_port", port, "use a TCP port in 1..65535")
     _check(dist.timeout > 0 and dist.stop_grace > 0, "dist.timeout/stop_grace", (dist.timeout, dist.stop_grace), "> 0")
+    _check(dist.hang_seconds >= 0, "dist.hang_seconds", dist.hang_seconds, ">= 0 (0: no hang watch)")
     _check(
         dist.max_restarts >= 0,
         "dist.max_restarts",

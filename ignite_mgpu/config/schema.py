@@ -146,6 +146,7 @@ class DistConfig:
     master_port: int | None = None  # TCP port on node 0 (None on one node = a private file rendezvous, no port)
     timeout: float = 300.0  # seconds any collective may wait after the first iteration
     stop_grace: float = 60.0  # seconds workers get to checkpoint and exit after SIGTERM/Ctrl-C
+    hang_seconds: float = 60.0  # a job silent max(this, 10 x its slowest step) is hung: stacks, then stop (0: off)
     cpu_binding: CpuBinding = "none"  # CPUs and threads of each process (cpus/binding.py)
     max_restarts: int = 0  # restart the processes after a curable failure, from the newest complete checkpoint
     preempt_signal: str | None = "SIGUSR1"  # SLURM's time-limit warning: checkpoint, requeue the job, exit (null: off)

@@ -1,7 +1,7 @@
 """How a worker process is told to stop, and what it tells its supervisor: the first stop signal it received, how
 long a collective may wait before the job gives up on a silent rank, and a status file (its last completed
-iteration, whether it is writing a checkpoint). The process layer sets them up; the guard and the checkpoint
-handlers use them.
+iteration, whether it is writing a checkpoint, its other progress: the heartbeat that the supervisor's hang watch
+reads). The process layer sets them up; the guard, the evaluator and the checkpoint handlers use them.
 
 Torch-free, a leaf like errors.py, so that the supervisor never imports the training code.
 """
@@ -19,8 +19,9 @@ from pathlib import Path
 _signal = 0
 _collective_timeout: float | None = None
 _map: mmap.mmap | None = None  # the worker's status file, mapped
-_status: memoryview | None = None  # _map as [last completed iteration, saving 0/1]
-_STATUS = struct.Struct("qq")
+# _map as [last completed iteration, saving 0/1, beats: progress that is not a training iteration]
+_status: memoryview | None = None
+_STATUS = struct.Struct("qqq")
 # Saves in progress: the training thread's and a background write.
 _saving, _saving_lock = 0, threading.Lock()
 
@@ -78,6 +79,13 @@ def note_progress(iteration: int) -> None:
         _status[0] = iteration
 
 
+def note_beat() -> None:
+    """Progress that is not a training iteration: training starts, an evaluation iteration, a save begins or
+    ends. The supervisor's hang watch (processes/heartbeat.py) counts it as a sign of life."""
+    if _status is not None:
+        _status[2] += 1
+
+
 @contextlib.contextmanager
 def saving() -> Iterator[None]:
     """While a checkpoint is being written: a supervisor stopping the job after another rank's failure waits for
@@ -88,6 +96,7 @@ def saving() -> Iterator[None]:
         _saving += 1
         if _status is not None:
             _status[1] = 1
+            _status[2] += 1
     try:
         yield
     finally:
@@ -95,16 +104,24 @@ def saving() -> Iterator[None]:
             _saving -= 1
             if _status is not None and not _saving:
                 _status[1] = 0
+                _status[2] += 1
 
 
 def read_status(path: str | Path) -> tuple[int, bool] | None:
     """(last completed iteration, writing a checkpoint now) from a worker's status file; None when there is
     none."""
+    progress = read_progress(path)
+    return None if progress is None else (progress[0], progress[1])
+
+
+def read_progress(path: str | Path) -> tuple[int, bool, int] | None:
+    """(last completed iteration, writing a checkpoint now, beats) from a worker's status file; None when there
+    is none."""
     try:
-        iteration, saving_now = _STATUS.unpack(Path(path).read_bytes())
+        iteration, saving_now, beats = _STATUS.unpack(Path(path).read_bytes())
     except (OSError, struct.error):
         return None
-    return iteration, bool(saving_now)
+    return iteration, bool(saving_now), beats
 
 
 def reset() -> None:

@@ -116,9 +116,14 @@ def _killed(first_failure: tuple[int, int], rank_offset: int) -> Outcome:
     )
 
 
+def timed_out(failure: Failure) -> bool:
+    """Whether a rank's failure is a collective that waited past dist.timeout."""
+    return "timed out" in failure["message"].lower() or "timeout" in failure["type"].lower()
+
+
 def _raised(failed: list[Failure], exit_codes: list[int | None], rank_offset: int, timeout: float) -> Outcome:
     """The job's ending when ranks raised: a collective that timed out on every failed rank, or the first error."""
-    timeouts = [f for f in failed if "timed out" in f["message"].lower() or "timeout" in f["type"].lower()]
+    timeouts = [f for f in failed if timed_out(f)]
     if failed and len(timeouts) == len(failed):
         waiting = {f["rank"] for f in timeouts}
         silent = [rank_offset + i for i in range(len(exit_codes)) if rank_offset + i not in waiting]

@@ -37,6 +37,9 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)  # set in every worker before torch starts
     timeout: float = 300.0
     stop_grace: float = 60.0
+    # The hang watch's shortest window (processes/heartbeat.py; 0: off), and the run folder its report goes to.
+    hang_seconds: float = 60.0
+    run_dir: str | None = None
     strategy: str = "ddp"
     external: bool = False  # started by torchrun / SLURM: join, spawn nothing
     # Physical GPU ids in CUDA order (None: as the environment has them)
@@ -226,6 +229,7 @@ def decide(
         master_port=cfg.master_port,
         timeout=cfg.timeout,
         stop_grace=cfg.stop_grace,
+        hang_seconds=cfg.hang_seconds,
         strategy=cfg.strategy,
         gpus=chosen,
         device="cuda" if n_cuda else "cpu",
@@ -334,6 +338,7 @@ def _external_plan(
         nnodes=max(1, world // nproc),
         timeout=cfg.timeout,
         stop_grace=cfg.stop_grace,
+        hang_seconds=cfg.hang_seconds,
         strategy=cfg.strategy,
         external=True,
         device="cuda" if n_cuda else "cpu",

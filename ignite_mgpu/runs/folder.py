@@ -23,6 +23,8 @@ MLFLOW_ARTIFACTS = "mlartifacts"  # its artifacts (config.yaml), with that defau
 WANDB = "wandb"
 # train.micro_batch=auto: the size it found, read back by a restart or a resume.
 MICRO_BATCH = "micro_batch.json"
+# Where every rank was when the job hung (hang_2026-12-03_11-30-41.txt), written by the supervisor.
+HANG_REPORT = "hang_{}.txt"
 REPORT_IMAGE = "report.png"  # ignite-mgpu report's figure of one run
 # The best model: best_model_<epoch>_val_<metric>=<score>.pt (or .safetensors: checkpoint.best_format); a loss used
 # to be written negated (val_loss=-2.4889).

@@ -14,6 +14,7 @@ from ignite.engine import Engine, Events
 from ignite.metrics import Accuracy, Loss, Metric
 from torch import nn
 
+from ignite_mgpu.env import stop
 from ignite_mgpu.parallel.fsdp import find_fsdp
 from ignite_mgpu.parallel.strategy import find_ddp, reduce_replica_losses
 from ignite_mgpu.train.data import batches
@@ -69,6 +70,8 @@ def create_evaluator(
     evaluator = Engine(eval_step)
     # Once per run: eval() visits every submodule.
     evaluator.add_event_handler(Events.STARTED, lambda: net.eval())
+    # A sign of life for the supervisor's hang watch: a long evaluation is progress, not a hang.
+    evaluator.add_event_handler(Events.ITERATION_COMPLETED, stop.note_beat)
     evaluator.logger.setLevel("CRITICAL")
     if fsdp:  # its forward is a collective: as many on every rank, before the metrics reduce
         attach_even_forwards(evaluator, eval_step)

@@ -165,6 +165,7 @@ class TrainingGuard:
     def _started(self, engine: Engine) -> None:  # every run(), also a second one on the same engine
         self._next, self._losses, self._stacked = 0, [], []
         self._saved_at, self._at_epoch_end = time.monotonic(), (False, 0)
+        stop.note_beat()  # the hang watch starts here: the time before the first iteration counts as its work
         # Attached now, so it runs after every epoch-end handler attached before run()
         if not self._late:
             self._late = True

@@ -1,0 +1,278 @@
+"""A hang's report: where each rank is, read from its stacks (``stacks.dump``), in a few lines of the failure
+report, and every rank's full stacks in ``hang_<time>.txt``. A rank waiting in a collective is told apart from
+the rank it waits for; for each, the innermost frame of the user's code (torch's, ignite's, ignite-mgpu's and the
+standard library's frames skipped) and the collective it is in (the innermost ``torch.distributed`` call, or a
+backward pass, where DDP's gradient all-reduce waits). On NCCL, the Flight Recorder (``flight_recorder_env``) adds
+each rank's last collective that did not complete.
+
+Torch-free: the supervisor writes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import os
+import pickle
+import re
+import shutil
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from ignite_mgpu.errors import FAILED
+from ignite_mgpu.processes import stacks
+from ignite_mgpu.processes.heartbeat import FACTOR, Silence
+from ignite_mgpu.processes.outcome import Outcome
+from ignite_mgpu.runs.folder import HANG_REPORT
+from ignite_mgpu.text import plural
+
+if TYPE_CHECKING:
+    from ignite_mgpu.processes.plan import LaunchPlan
+
+_FRAME = re.compile(r'\s*File "(.*)", line (\d+) in (.*)')
+_FR_PREFIX, _FR_PIPE = "nccl_trace_rank_", "nccl_pipe_rank_"
+
+
+class Frame(NamedTuple):
+    file: str
+    line: int
+    function: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} in {self.function}"
+
+
+_Dirs = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
+
+
+def _library_dirs() -> _Dirs:
+    """(torch's, ignite's and ignite-mgpu's folders, the standard library's, the installed packages')."""
+    packages = []
+    for name in ("torch", "ignite", "ignite_mgpu"):
+        with contextlib.suppress(ImportError, ValueError):
+            spec = importlib.util.find_spec(name)  # finds without importing
+            if spec is not None and spec.origin:
+                packages.append(os.path.dirname(spec.origin) + os.sep)
+    paths = sysconfig.get_paths()
+    stdlib = tuple({paths["stdlib"] + os.sep, paths["platstdlib"] + os.sep})
+    return tuple(packages), stdlib, tuple({paths["purelib"] + os.sep, paths["platlib"] + os.sep})
+
+
+def is_library(file: str, dirs: _Dirs | None = None) -> bool:
+    """Whether a frame's file is torch's, ignite's, ignite-mgpu's or the standard library's (not the user's)."""
+    packages, stdlib, installed = dirs or _library_dirs()
+    if file.startswith("<") or file.startswith(packages):  # <frozen importlib._bootstrap> and the like
+        return True
+    # The standard library's folder holds site-packages, whose other packages (PIL, the user's) are shown.
+    return file.startswith(stdlib) and not file.startswith(installed)
+
+
+def threads(text: str) -> list[list[Frame]]:
+    """The threads of one faulthandler dump, each as its frames, innermost first."""
+    found: list[list[Frame]] = []
+    for line in text.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x", "Stack (most recent")):
+            found.append([])
+        elif found and (m := _FRAME.match(line)):
+            found[-1].append(Frame(m[1], int(m[2]), m[3]))
+    return found
+
+
+def main_thread(text: str) -> list[Frame]:
+    """The worker's main thread: the one that runs ``worker_main`` (else the first of the dump)."""
+    every = threads(text)
+    for frames in every:
+        if any(f.function == "worker_main" and f.file.endswith(os.path.join("processes", "worker.py")) for f in frames):
+            return frames
+    return every[0] if every else []
+
+
+@dataclass
+class Where:
+    """Where one rank's main thread is."""
+
+    frame: Frame | None  # the innermost frame of the user's code, else of ignite-mgpu's
+    collective: str | None = None  # the collective it waits in ("all_gather"; "backward": DDP's all-reduce)
+    called_at: Frame | None = None  # where that collective was called, outside torch and ignite
+
+
+def where(text: str) -> Where:
+    frames = main_thread(text)
+    dirs = _library_dirs()
+    own = [f for f in frames if not is_library(f.file, dirs)]
+    ours = [f for f in frames if os.sep + "ignite_mgpu" + os.sep in f.file]
+    found = Where(own[0] if own else ours[0] if ours else None)
+    for i, f in enumerate(frames):
+        c10d = f.file.endswith(os.path.join("distributed", "distributed_c10d.py")) and not f.function.startswith("_")
+        backward = os.sep + "autograd" + os.sep in f.file and f.function in ("backward", "_engine_run_backward")
+        if c10d or backward:
+            found.collective = f.function if c10d else "backward"
+            outside = [g for g in frames[i + 1 :] if not is_library(g.file, dirs) or g in ours]
+            found.called_at = outside[0] if outside else None
+            break
+    return found
+
+
+def describe(rank_where: Where) -> str:
+    if rank_where.collective == "backward":
+        at = f", called at {rank_where.called_at}" if rank_where.called_at else ""
+        return f"waits in backward (where DDP's gradient all-reduce waits for the other ranks){at}"
+    if rank_where.collective:
+        at = f", called at {rank_where.called_at}" if rank_where.called_at else ""
+        return f"waits in the collective {rank_where.collective}{at}"
+    return f"is in {rank_where.frame}" if rank_where.frame else "has no Python frame to show"
+
+
+@dataclass
+class RankInfo:
+    """What the report says of a rank beside its stacks."""
+
+    pid: int
+    gpu: int | None  # its physical GPU
+    iteration: int | None  # its last completed iteration
+
+
+def summary(texts: dict[int, str], info: dict[int, RankInfo], nccl: dict[int, str]) -> tuple[list[int], list[str]]:
+    """(the stuck ranks, one line per rank). Stuck: not waiting in a collective, or (all waiting) every rank."""
+    wheres = {rank: where(text) for rank, text in texts.items()}
+    stuck = [rank for rank, w in wheres.items() if w.collective is None] or sorted(wheres)
+    lines = []
+    for rank in sorted(texts):
+        facts = [f"pid {info[rank].pid}"] if rank in info else []
+        if rank in info and info[rank].gpu is not None:
+            facts.append(f"physical GPU {info[rank].gpu}")
+        if rank in info and info[rank].iteration is not None:
+            facts.append(f"last completed iteration {info[rank].iteration}")
+        state = texts[rank].splitlines()[0] if texts[rank].startswith("(") else ""
+        line = f"  rank {rank} ({', '.join(facts)}) {describe(wheres[rank])}{' ' + state if state else ''}"
+        lines.append(line + (f"; NCCL Flight Recorder: {nccl[rank]}" if rank in nccl else ""))
+    return stuck, lines
+
+
+def write_report(folder: Path, header: str, lines: list[str], texts: dict[int, str], nccl_dir: Path | None) -> Path:
+    """``hang_<time>.txt`` in ``folder``: the summary, then every rank's full stacks; the Flight Recorder's dumps
+    beside it (``nccl_trace_<time>/``, read by ``python -m torch.distributed.flight_recorder.fr_trace``)."""
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    path = folder / HANG_REPORT.format(stamp)
+    body = [header, *lines, ""]
+    dumps = sorted(nccl_dir.glob(f"{_FR_PREFIX}*")) if nccl_dir is not None else []
+    if dumps:
+        saved = folder / f"nccl_trace_{stamp}"
+        saved.mkdir(exist_ok=True)
+        for dump_file in dumps:
+            shutil.copy(dump_file, saved / dump_file.name)
+        body.append(
+            f"NCCL Flight Recorder dumps: {saved} (python -m torch.distributed.flight_recorder.fr_trace {saved})"
+        )
+    body += [f"=== rank {rank} ===\n{text.rstrip()}\n" for rank, text in sorted(texts.items())]
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(body))
+    return path
+
+
+def flight_recorder_env(folder: str | Path) -> dict[str, str]:
+    """The NCCL Flight Recorder's variables for an nccl job's workers: a trace of the last 2000 collectives,
+    dumped into ``folder`` on a collective timeout or when the supervisor asks (``ask_flight_recorder``)."""
+    trace, pipe = str(Path(folder, _FR_PREFIX)), str(Path(folder, _FR_PIPE))
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace,  # before PyTorch 2.7: the dump's file
+        "TORCH_FR_DUMP_TEMP_FILE": trace,
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": pipe,  # writing to <pipe><rank>.pipe asks for a dump
+    }
+
+
+def ask_flight_recorder(folder: Path, ranks: list[int], wait: float = 3.0) -> None:
+    """Ask every rank's Flight Recorder for a dump now (its pipe) and wait for the files, up to ``wait`` s."""
+    asked = []
+    for rank in ranks:
+        with contextlib.suppress(OSError):
+            fd = os.open(folder / f"{_FR_PIPE}{rank}.pipe", os.O_WRONLY | os.O_NONBLOCK)
+            os.write(fd, b"1")
+            os.close(fd)
+            asked.append(folder / f"{_FR_PREFIX}{rank}")
+    deadline = time.monotonic() + wait
+    while asked and time.monotonic() < deadline and not all(p.exists() for p in asked):
+        time.sleep(0.1)
+
+
+def flight_recorder(folder: Path) -> dict[int, str]:
+    """Each rank's oldest collective that did not complete, from the Flight Recorder's dumps in ``folder``."""
+    found = {}
+    for path in folder.glob(f"{_FR_PREFIX}*"):
+        with contextlib.suppress(Exception):  # a dump being written, or of another format: nothing to say
+            rank = int(path.name[len(_FR_PREFIX) :])
+            # Our own workers' dump, in this process's private folder (as torch's fr_trace reads it).
+            entries: list[dict[str, Any]] = pickle.loads(path.read_bytes())["entries"]
+            pending = [e for e in entries if e.get("state") != "completed"]
+            if pending:
+                e = pending[0]
+                found[rank] = (
+                    f"{e.get('profiling_name', '?')} #{e.get('collective_seq_id', '?')} "
+                    f"(process group {e.get('pg_id', '?')}) {e.get('state', '?')}, not completed"
+                )
+            else:
+                found[rank] = f"every one of its last {plural(len(entries), 'collective')} completed"
+    return found
+
+
+@dataclass
+class Hang:
+    """What the supervisor found of a hang: the stuck ranks, one line each, the report's file."""
+
+    stuck: list[int]
+    lines: list[str]
+    path: Path
+    silence: Silence | None = None  # found by the hang watch (else: a timeout, a stop not answered)
+
+
+def collect(folder: Path, plan: LaunchPlan, why: str, silence: Silence | None = None) -> Hang:
+    """Every rank's stacks now (a stopped rank is continued so that it answers: the job is killed next), the
+    Flight Recorder's dumps on nccl, and the report written to the run folder (the working directory for a job
+    without one). ``why``: the report's first line."""
+    ranks = stacks.ranks_in(folder)
+    if plan.backend == "nccl":
+        ask_flight_recorder(folder, [r.rank for r in ranks])
+    texts = stacks.dump(ranks, resume_stopped=True)
+    offset = plan.node_rank * plan.nproc
+    iterations = silence.iterations if silence else {}
+    info = {r.rank: RankInfo(r.pid, _gpu(plan, r.rank - offset), iterations.get(r.rank)) for r in ranks}
+    stuck, lines = summary(texts, info, flight_recorder(folder))
+    path = write_report(Path(plan.run_dir or "."), why, lines, texts, folder)
+    return Hang(stuck, lines, path, silence)
+
+
+def _gpu(plan: LaunchPlan, local_rank: int) -> int | None:
+    gpus = plan.gpus
+    return gpus[local_rank] if gpus is not None and plan.device == "cuda" and local_rank < len(gpus) else None
+
+
+def hang_cause(silence: Silence) -> str:
+    return (
+        f"the job hung: no rank made progress for {silence.seconds:.0f} s, longer than the hang watch's window of "
+        f"{silence.window:.0f} s (max(dist.hang_seconds, {FACTOR:g} x the slowest interval so far, "
+        f"{silence.slowest:.1f} s)); every rank was stopped."
+    )
+
+
+def with_hang(result: Outcome, hang: Hang, stopped: bool) -> Outcome:
+    """The attempt's outcome with where every rank was: a hang found by the watch is the cause (unless the job
+    was asked to stop: its ending stays a stop); otherwise the lines follow the cause (a timeout, a stop)."""
+    where = "\n".join([f"Where each rank was (rank(s) {', '.join(map(str, hang.stuck))} stuck):", *hang.lines])
+    tail = f"{where}\nEvery rank's stacks: {hang.path}"
+    details = "\n".join(filter(None, [result.details, tail]))
+    if hang.silence is not None and not stopped:
+        return Outcome(
+            FAILED,
+            hang_cause(hang.silence),
+            "Look at what the stuck rank(s) wait for (data, I/O, a rank-dependent branch); --resume auto continues "
+            "from the last checkpoint; dist.hang_seconds sets the watch's shortest window (0: off).",
+            details,
+            failed=f"rank(s) {', '.join(map(str, hang.stuck))}",
+        )
+    return dataclasses.replace(result, details=details)

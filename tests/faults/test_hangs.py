@@ -1,0 +1,127 @@
+"""Hangs against the real CLI (docs/how-to/hangs.md): a rank stuck in its data loader, in a collective the other
+rank never joins, or SIGSTOPped ends the job within the hang watch's window, with the stuck frame named and every
+rank's stacks in hang_<time>.txt; a slow but live rank and a long evaluation are not reported; `ignite-mgpu
+stacks` prints both ranks of a live job that goes on. The window's floor is dist.hang_seconds=3 here (60 by
+default). Run: `python -m pytest tests/faults/test_hangs.py -q`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faults.harness import REPO, Harness
+from tests.faults.test_faults import wait_until
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+HANGS = [
+    "train",
+    "--nproc",
+    "2",
+    "--backend",
+    "gloo",
+    "model.name=faultmod:make8",
+    "data.name=hangdata:images",
+    "data.batch_size=64",
+    "train.epochs=1",
+    "train.check_every=1",
+    "train.progress_bar=false",
+    "checkpoint.every_iters=0",
+    "dist.hang_seconds=3",
+]
+
+
+@pytest.fixture
+def h(tmp_path: Path):
+    harness = Harness(tmp_path)
+    yield harness
+    harness.cleanup()
+
+
+def hang_file(out: Path) -> str:
+    files = list(out.glob("hang_*.txt"))
+    assert len(files) == 1, sorted(p.name for p in out.iterdir())
+    text = files[0].read_text()
+    assert "=== rank 0 ===" in text and "=== rank 1 ===" in text, text
+    return text
+
+
+@pytest.mark.timeout(120)
+def test_rank_stuck_in_its_data_loader_is_named(h: Harness) -> None:
+    out = h.root / "out"
+    r = h.run([*HANGS, "data.args={hang: '1:200'}", "--output-dir", str(out)], timeout=60)
+    assert r.rc == 1, str(r)
+    assert "the job hung: no rank made progress" in r.stderr, str(r)
+    assert "rank(s) 1 stuck" in r.stderr, str(r)
+    assert re.search(
+        r"rank 1 \(pid \d+, last completed iteration 6\) is in \S*hangdata\.py:\d+ in __getitem__", r.stderr
+    )
+    assert re.search(r"rank 0 .* waits in backward", r.stderr), str(r)
+    assert "__getitem__" in hang_file(out)
+    assert r.stderr.count("the job hung") == 1, str(r)  # one report
+    h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(120)
+def test_rank_stuck_in_a_collective_the_other_never_joins(h: Harness) -> None:
+    out = h.root / "out"
+    r = h.run([*HANGS, "data.args={collective: '1:200'}", "--output-dir", str(out)], timeout=60)
+    assert r.rc == 1, str(r)
+    assert re.search(
+        r"rank 1 .* waits in the collective all_reduce, called at \S*hangdata\.py:\d+ in __getitem__", r.stderr
+    )
+    assert re.search(r"rank 0 .* waits in backward", r.stderr), str(r)
+    hang_file(out)
+    h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(120)
+def test_sigstopped_rank_is_found_and_named(h: Harness) -> None:
+    out = h.root / "out"
+    job = h.start([*HANGS, "data.args={slow: '1:0.002'}", "data.train_size=64000", "--output-dir", str(out)])
+    forward = job.pids_dir / "forward1"
+    wait_until(lambda: forward.is_file() and len(forward.read_text().splitlines()) >= 2, job, 60, "rank 1 training")
+    pid = int(forward.read_text().split()[0])
+    os.kill(pid, signal.SIGSTOP)
+    r = job.wait(timeout=time.monotonic() - job.start + 40)  # within 40 s of the stop
+    assert r.rc == 1, str(r)
+    assert re.search(rf"rank 1 \(pid {pid}, .*\(process {pid} was stopped \(SIGSTOP, state T\)\)", r.stderr), str(r)
+    assert "File " in hang_file(out).split("=== rank 1 ===")[1]  # it answered once continued
+    h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(150)
+def test_slow_live_rank_and_long_evaluation_are_not_reported(h: Harness) -> None:
+    """Rank 1 reads 16x slower than rank 0; the evaluation (10 s) lasts longer than the window (3 s)."""
+    out = h.root / "out"
+    data = "data.args={slow: '1:0.005', val_slow: 0.02, val: 1000}"
+    r = h.run([*HANGS, data, "--output-dir", str(out)], timeout=120)
+    assert r.rc == 0, str(r)
+    assert "hung" not in r.stderr and not list(out.glob("hang_*")), str(r)
+
+
+@pytest.mark.timeout(150)
+def test_stacks_prints_both_ranks_of_a_live_job(h: Harness) -> None:
+    out = h.root / "out"
+    job = h.start([*HANGS, "data.args={slow: '0:0.01'}", "data.train_size=1920", "--output-dir", str(out)])
+    forward = job.pids_dir / "forward1"
+    wait_until(lambda: forward.is_file() and len(forward.read_text().splitlines()) >= 2, job, 60, "training")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for target in (str(out), str(job.pid)):
+        shown = subprocess.run(
+            [sys.executable, "-m", "ignite_mgpu", "stacks", target], env=env, capture_output=True, text=True, timeout=30
+        )
+        assert shown.returncode == 0, shown.stderr
+        assert "=== rank 0 ===" in shown.stdout and "=== rank 1 ===" in shown.stdout, shown.stdout
+        assert shown.stdout.count("in worker_main") == 2, shown.stdout
+    r = job.wait(timeout=120)
+    assert r.rc == 0, str(r)  # the job went on to its end
+    h.assert_no_leftovers()
