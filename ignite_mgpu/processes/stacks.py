@@ -44,7 +44,7 @@ def register(folder: str | Path, rank: int) -> None:
     The file gets its final name only once the handler is in place, so whoever finds it may signal the process
     (the signal's default action would end it). Appending: each dump lands after the previous one."""
     temporary = Path(folder, f".stacks{rank}")
-    file = temporary.open("a")  # noqa: SIM115  # kept open: faulthandler writes to it until the worker exits
+    file = temporary.open("a")  # kept open: faulthandler writes to it until the worker exits
     faulthandler.register(STACKS_SIGNAL, file=file, all_threads=True, chain=False)
     _files.append(file)
     temporary.rename(Path(folder, f"stacks{rank}-{os.getpid()}.txt"))
@@ -132,7 +132,8 @@ def dump(ranks: list[Rank], resume_stopped: bool = False, wait: float = 2.0) -> 
     for r in ranks:
         text = texts.get(r.pid, "")
         if r.pid in stopped:
-            text = f"(process {r.pid} was stopped (SIGSTOP, state T){'' if resume_stopped else '; no stack until it continues'})\n{text}"
+            later = "" if resume_stopped else "; no stack until it continues"
+            text = f"(process {r.pid} was stopped (SIGSTOP, state T){later})\n{text}"
         elif not text:
             text = _silent(r.pid)
         # One at a time: the loader workers write into their rank's file.

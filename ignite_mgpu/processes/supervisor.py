@@ -88,7 +88,8 @@ class Supervisor:
         self.failed_at: float | None = None  # time.time() of the attempt's first failure
         self.cut_short = False  # a stop ended at once: a second signal, or the stop's grace ran out
         # The attempt's hang watch, and where every rank was when the attempt hung (hang_report.py)
-        self.watch, self.hang = HangWatch(plan.hang_seconds), None
+        self.watch = HangWatch(plan.hang_seconds)
+        self.hang: hang_report.Hang | None = None
         # The next attempt's anchors: a restart adds the failure's time and progress.
         self.clock = plan.clock
 
