@@ -158,6 +158,7 @@ def write_report(folder: Path, header: str, lines: list[str], texts: dict[int, s
     beside it (``nccl_trace_<time>/``, read by ``python -m torch.distributed.flight_recorder.fr_trace``)."""
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     path = folder / HANG_REPORT.format(stamp)
+    folder.mkdir(parents=True, exist_ok=True)
     body = [header, *lines, ""]
     dumps = sorted(nccl_dir.glob(f"{_FR_PREFIX}*")) if nccl_dir is not None else []
     if dumps:
@@ -169,7 +170,6 @@ def write_report(folder: Path, header: str, lines: list[str], texts: dict[int, s
             f"NCCL Flight Recorder dumps: {saved} (python -m torch.distributed.flight_recorder.fr_trace {saved})"
         )
     body += [f"=== rank {rank} ===\n{text.rstrip()}\n" for rank, text in sorted(texts.items())]
-    folder.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(body))
     return path
 
