@@ -70,10 +70,8 @@ def test_summary_tells_the_stuck_rank_from_the_waiting_one():
         "  rank 0 (pid 10, physical GPU 2, last completed iteration 6) waits in the collective all_gather"
     )
     assert lines[0].endswith("; NCCL Flight Recorder: nccl:all_gather #7 (process group 0) started")
-    assert (
-        lines[1]
-        == "  rank 1 (pid 11, physical GPU 3, last completed iteration 6) is in /home/me/project/data.py:35 in __getitem__"
-    )
+    facts = "(pid 11, physical GPU 3, last completed iteration 6)"
+    assert lines[1] == f"  rank 1 {facts} is in /home/me/project/data.py:35 in __getitem__"
 
 
 def test_a_hang_found_by_the_watch_is_the_cause_a_timeouts_lines_follow_it(tmp_path: Path):
