@@ -187,6 +187,14 @@ def flight_recorder_env(folder: str | Path) -> dict[str, str]:
     }
 
 
+def prepare_worker(folder: str | Path, rank: int, backend: str | None) -> None:
+    """In a worker: its stacks on request (``stacks.register``, for a hang's report and ``ignite-mgpu stacks``);
+    on nccl, the Flight Recorder's variables, where the user set none."""
+    stacks.register(folder, rank)
+    if backend == "nccl":
+        os.environ.update({**flight_recorder_env(folder), **os.environ})
+
+
 def ask_flight_recorder(folder: Path, ranks: list[int], wait: float = 3.0) -> None:
     """Ask every rank's Flight Recorder for a dump now (its pipe) and wait for the files, up to ``wait`` s."""
     asked = []
@@ -253,10 +261,12 @@ def _gpu(plan: LaunchPlan, local_rank: int) -> int | None:
 
 
 def hang_cause(silence: Silence) -> str:
+    # The supervisor reads the progress twice a second: a shorter interval is not measured.
+    slowest = f"{silence.slowest:.1f} s" if silence.slowest >= 1 else "under 1 s"
     return (
         f"the job hung: no rank made progress for {silence.seconds:.0f} s, longer than the hang watch's window of "
-        f"{silence.window:.0f} s (max(dist.hang_seconds, {FACTOR:g} x the slowest interval so far, "
-        f"{silence.slowest:.1f} s)); every rank was stopped."
+        f"{silence.window:.0f} s (max(dist.hang_seconds, {FACTOR:g} x the slowest interval so far, {slowest})); "
+        "every rank was stopped."
     )
 
 

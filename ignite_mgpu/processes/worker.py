@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ignite_mgpu.cpus.binding import apply_binding, current, free_group_threads, thread_ids
 from ignite_mgpu.env import clock, cluster, stop
 from ignite_mgpu.errors import FAILED, ScriptArgumentsError, TrainingStopped, is_user_error
-from ignite_mgpu.processes import forkserver, stacks
-from ignite_mgpu.processes.hang_report import flight_recorder_env
+from ignite_mgpu.processes import forkserver, hang_report
 
 if TYPE_CHECKING:
     from ignite_mgpu.processes.plan import LaunchPlan
@@ -299,10 +298,7 @@ def worker_main(
     _set_signals(plan)
     # How far it got, and whether it is saving.
     stop.set_status_file(Path(error_dir, f"status{rank}"))
-    # Its stacks on request (a hang's report, ignite-mgpu stacks); on nccl, the Flight Recorder (the user's wins).
-    stacks.register(error_dir, rank)
-    if plan.backend == "nccl":
-        os.environ.update({**flight_recorder_env(error_dir), **os.environ})
+    hang_report.prepare_worker(error_dir, rank, plan.backend)  # its stacks on request; NCCL's Flight Recorder
     # When the command started, when the previous attempt failed: goodput's anchors.
     clock.set_clock(plan.clock)
     code = 0
