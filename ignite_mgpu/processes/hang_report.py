@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 _FRAME = re.compile(r'\s*File "(.*)", line (\d+) in (.*)')
 _FR_PREFIX, _FR_PIPE = "nccl_trace_rank_", "nccl_pipe_rank_"
+_PENDING = ", not completed"  # a Flight Recorder's collective that this rank waits in
 
 
 class Frame(NamedTuple):
@@ -139,7 +140,10 @@ class RankInfo:
 def summary(texts: dict[int, str], info: dict[int, RankInfo], nccl: dict[int, str]) -> tuple[list[int], list[str]]:
     """(the stuck ranks, one line per rank). Stuck: not waiting in a collective, or (all waiting) every rank."""
     wheres = {rank: where(text) for rank, text in texts.items()}
-    stuck = [rank for rank, w in wheres.items() if w.collective is None] or sorted(wheres)
+    # On NCCL a waiting rank's Python thread may be past the collective's call (in a CUDA synchronisation): its
+    # Flight Recorder's collective that did not complete says that it waits.
+    waiting = {rank for rank, w in wheres.items() if w.collective or _PENDING in nccl.get(rank, "")}
+    stuck = [rank for rank in sorted(wheres) if rank not in waiting] or sorted(wheres)
     lines = []
     for rank in sorted(texts):
         facts = [f"pid {info[rank].pid}"] if rank in info else []
@@ -222,7 +226,7 @@ def flight_recorder(folder: Path) -> dict[int, str]:
                 e = pending[0]
                 found[rank] = (
                     f"{e.get('profiling_name', '?')} #{e.get('collective_seq_id', '?')} "
-                    f"(process group {e.get('pg_id', '?')}) {e.get('state', '?')}, not completed"
+                    f"(process group {e.get('pg_id', '?')}) {e.get('state', '?')}{_PENDING}"
                 )
             else:
                 found[rank] = f"every one of its last {plural(len(entries), 'collective')} completed"

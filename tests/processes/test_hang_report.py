@@ -74,6 +74,14 @@ def test_summary_tells_the_stuck_rank_from_the_waiting_one():
     assert lines[1] == f"  rank 1 {facts} is in /home/me/project/data.py:35 in __getitem__"
 
 
+def test_on_nccl_the_flight_recorder_tells_a_waiting_rank():
+    """A rank past the collective's call (in a CUDA synchronisation) whose recorder has a collective pending."""
+    synchronising = dump((f"{OURS}/train/step/guard.py", 55, "gather_checks"), *BOTTOM)
+    pending = {0: "nccl:all_gather #7 (process group 0) started, not completed"}
+    assert summary({0: synchronising, 1: IN_LOADER}, {}, pending)[0] == [1]
+    assert summary({0: synchronising, 1: IN_LOADER}, {}, {})[0] == [0, 1]
+
+
 def test_a_hang_found_by_the_watch_is_the_cause_a_timeouts_lines_follow_it(tmp_path: Path):
     hang = Hang(
         [1], ["  rank 1 (pid 11) is in data.py:35 in __getitem__"], tmp_path / "hang_x.txt", Silence(64, 60, 0.4, {})
