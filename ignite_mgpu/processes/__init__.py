@@ -8,7 +8,7 @@
 - ``outcome``: how a job ended (one exit code, one message) and whether a restart can cure it;
 - ``notebook``: where ``launch()`` is called from (a notebook's function is forked, a script's spawned);
 - ``script``: ``ignite-mgpu run``: a user's script in the workers, as python would run it;
-- ``heartbeat``: the hang watch: no rank's progress for far longer than the job's slowest work is a hang;
+- ``heartbeat``: the hang watch (no progress for far longer than the job's slowest work: hung), the supervisor's side;
 - ``stacks``: every rank's Python stacks on a signal (faulthandler), for a hang's report and ``ignite-mgpu stacks``;
 - ``hang_report``: where each rank is (the stuck frame, the collective), ``hang_<time>.txt``, NCCL's Flight Recorder.
 """

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ignite_mgpu.errors import FAILED
 from ignite_mgpu.processes import stacks
-from ignite_mgpu.processes.heartbeat import FACTOR, Silence
 from ignite_mgpu.processes.outcome import Outcome
 from ignite_mgpu.runs.folder import HANG_REPORT
 from ignite_mgpu.text import plural
@@ -240,38 +239,27 @@ class Hang:
     stuck: list[int]
     lines: list[str]
     path: Path
-    silence: Silence | None = None  # found by the hang watch (else: a timeout, a stop not answered)
+    cause: str | None = None  # the hang watch's finding (None: found by a timeout, a stop not answered)
 
 
-def collect(folder: Path, plan: LaunchPlan, why: str, silence: Silence | None = None) -> Hang:
+def collect(folder: Path, plan: LaunchPlan, why: str, iterations: dict[int, int], cause: str | None = None) -> Hang:
     """Every rank's stacks now (a stopped rank is continued so that it answers: the job is killed next), the
     Flight Recorder's dumps on nccl, and the report written to the run folder (the working directory for a job
-    without one). ``why``: the report's first line."""
+    without one). ``why``: the report's first line; ``cause``: the hang watch's finding, the job's cause."""
     ranks = stacks.ranks_in(folder)
     if plan.backend == "nccl":
         ask_flight_recorder(folder, [r.rank for r in ranks])
     texts = stacks.dump(ranks, resume_stopped=True)
     offset = plan.node_rank * plan.nproc
-    iterations = silence.iterations if silence else {}
     info = {r.rank: RankInfo(r.pid, _gpu(plan, r.rank - offset), iterations.get(r.rank)) for r in ranks}
     stuck, lines = summary(texts, info, flight_recorder(folder))
     path = write_report(Path(plan.run_dir or "."), why, lines, texts, folder)
-    return Hang(stuck, lines, path, silence)
+    return Hang(stuck, lines, path, cause)
 
 
 def _gpu(plan: LaunchPlan, local_rank: int) -> int | None:
     gpus = plan.gpus
     return gpus[local_rank] if gpus is not None and plan.device == "cuda" and local_rank < len(gpus) else None
-
-
-def hang_cause(silence: Silence) -> str:
-    # The supervisor reads the progress twice a second: a shorter interval is not measured.
-    slowest = f"{silence.slowest:.1f} s" if silence.slowest >= 1 else "under 1 s"
-    return (
-        f"the job hung: no rank made progress for {silence.seconds:.0f} s, longer than the hang watch's window of "
-        f"{silence.window:.0f} s (max(dist.hang_seconds, {FACTOR:g} x the slowest interval so far, {slowest})); "
-        "every rank was stopped."
-    )
 
 
 def with_hang(result: Outcome, hang: Hang, stopped: bool) -> Outcome:
@@ -280,10 +268,10 @@ def with_hang(result: Outcome, hang: Hang, stopped: bool) -> Outcome:
     where = "\n".join([f"Where each rank was (rank(s) {', '.join(map(str, hang.stuck))} stuck):", *hang.lines])
     tail = f"{where}\nEvery rank's stacks: {hang.path}"
     details = "\n".join(filter(None, [result.details, tail]))
-    if hang.silence is not None and not stopped:
+    if hang.cause is not None and not stopped:
         return Outcome(
             FAILED,
-            hang_cause(hang.silence),
+            hang.cause,
             "Look at what the stuck rank(s) wait for (data, I/O, a rank-dependent branch); --resume auto continues "
             "from the last checkpoint; dist.hang_seconds sets the watch's shortest window (0: off).",
             details,

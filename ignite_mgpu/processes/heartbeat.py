@@ -8,12 +8,24 @@ iteration (data loader start, compilation); while any rank writes a checkpoint n
 length does not count as pace. A job whose workers never note progress (a script under ``ignite-mgpu run`` that
 uses no ignite-mgpu trainer) is never judged; ``dist.timeout`` still bounds every collective.
 
-Torch-free, pure over what it is shown: the supervisor passes the statuses and the time.
+``HangWatch`` is pure over what it is shown (statuses and times); ``HangChecks`` is the supervisor's side: the
+watch over one attempt's status files, and the hang's report (``hang_report.collect``) taken before the ranks are
+killed, whether the watch found the hang, a collective timed out or the ranks did not answer a stop. Torch-free.
 """
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ignite_mgpu.env import stop
+from ignite_mgpu.processes import hang_report
+from ignite_mgpu.processes.outcome import Failure, Outcome, timed_out
+
+if TYPE_CHECKING:
+    from ignite_mgpu.processes.plan import LaunchPlan
 
 FACTOR = 10.0  # how many times its slowest interval a job may stay silent
 
@@ -76,3 +88,58 @@ class HangWatch:
         if silent <= window:
             return None
         return Silence(silent, window, slowest, {rank: p.seen[0] for rank, p in self.paces.items()})
+
+
+def hang_cause(silence: Silence) -> str:
+    # The supervisor reads the progress twice a second: a shorter interval is not measured.
+    slowest = f"{silence.slowest:.1f} s" if silence.slowest >= 1 else "under 1 s"
+    return (
+        f"the job hung: no rank made progress for {silence.seconds:.0f} s, longer than the hang watch's window of "
+        f"{silence.window:.0f} s (max(dist.hang_seconds, {FACTOR:g} x the slowest interval so far, {slowest})); "
+        "every rank was stopped."
+    )
+
+
+class HangChecks:
+    """One attempt's hangs, for the supervisor: ``hung`` (the watch, at every look), ``after_failure`` and
+    ``after_stop`` (before the living ranks are killed), then ``outcome``: where every rank was, in the report."""
+
+    def __init__(self, plan: LaunchPlan, folder: Path) -> None:
+        self.plan, self.folder = plan, folder
+        self.watch = HangWatch(plan.hang_seconds)
+        self.hang: hang_report.Hang | None = None
+        self.iterations: dict[int, int] = {}
+
+    def hung(self, nprocs: int, now: float) -> bool:
+        """Whether the watch finds the job hung now (its report is then taken: kill the ranks)."""
+        if self.hang is not None:
+            return False
+        offset = self.plan.node_rank * self.plan.nproc
+        statuses = {rank: stop.read_progress(self.folder / f"status{rank}") for rank in range(offset, offset + nprocs)}
+        silence = self.watch.observe(statuses, now)
+        if silence is None:
+            return False
+        self.iterations = silence.iterations
+        self._collect(hang_cause(silence), watched=True)
+        return True
+
+    def after_failure(self, first_failure: tuple[int, int] | None, failures: list[Failure]) -> None:
+        """A rank timed out in a collective (or NCCL's watchdog aborted it): the living ranks are stuck."""
+        aborted = first_failure is not None and first_failure[1] == -signal.SIGABRT
+        if aborted or any(timed_out(f) for f in failures):
+            self._collect("a rank timed out in a collective; the other ranks did not exit")
+
+    def after_stop(self) -> None:
+        self._collect(f"the workers did not stop within {self.plan.stop_grace:.0f} s (dist.stop_grace)")
+
+    def _collect(self, why: str, watched: bool = False) -> None:
+        if self.hang is not None:
+            return
+        try:
+            self.hang = hang_report.collect(self.folder, self.plan, why, self.iterations, why if watched else None)
+        except OSError as err:  # the report is a help: the job still ends as it must
+            print(f"ignite-mgpu: could not write the hang's report ({err}).", flush=True)
+
+    def outcome(self, result: Outcome, stopped: bool) -> Outcome:
+        """The attempt's outcome, with where every rank was when a report was taken."""
+        return result if self.hang is None else hang_report.with_hang(result, self.hang, stopped)

@@ -148,6 +148,8 @@ def _silent(pid: int) -> str:
     letter = state(pid)
     if not letter or letter == "Z":
         return f"(process {pid} has exited)\n"
+    if letter in ("T", "t"):
+        return f"(process {pid} was stopped (SIGSTOP, state T) before it answered)\n"
     if letter == "D":
         wchan = _proc(pid, "wchan").strip()
         return f"(process {pid} did not answer: it is in uninterruptible sleep in the kernel ({wchan or '?'}): I/O)\n"

@@ -25,8 +25,8 @@ from typing import Any
 from ignite_mgpu.env import stop
 from ignite_mgpu.env.clock import JobClock
 from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, USAGE, signal_exit_code
-from ignite_mgpu.processes import forkserver, hang_report
-from ignite_mgpu.processes.heartbeat import HangWatch, Silence
+from ignite_mgpu.processes import forkserver
+from ignite_mgpu.processes.heartbeat import HangChecks
 from ignite_mgpu.processes.outcome import (
     Failure,
     Outcome,
@@ -34,7 +34,6 @@ from ignite_mgpu.processes.outcome import (
     no_restart_reason,
     outcome,
     refused_start,
-    timed_out,
 )
 from ignite_mgpu.processes.plan import LaunchPlan, Restart, free_port
 from ignite_mgpu.processes.worker import RESULT_FILE, worker_main
@@ -87,9 +86,8 @@ class Supervisor:
         self.deadline = self.failure_deadline = self.failure_time = float("inf")
         self.failed_at: float | None = None  # time.time() of the attempt's first failure
         self.cut_short = False  # a stop ended at once: a second signal, or the stop's grace ran out
-        # The attempt's hang watch, and where every rank was when the attempt hung (hang_report.py)
-        self.watch = HangWatch(plan.hang_seconds)
-        self.hang: hang_report.Hang | None = None
+        # The attempt's hang watch, and its report of where every rank was (heartbeat.py)
+        self.hangs = HangChecks(plan, Path(self.error_dir))
         # The next attempt's anchors: a restart adds the failure's time and progress.
         self.clock = plan.clock
 
@@ -184,7 +182,7 @@ class Supervisor:
                 # A script rendezvous through MASTER_PORT (env://): a port free now, a fresh one for every attempt.
                 plan = dataclasses.replace(plan, master_port=free_port(plan.master_addr))
         self.procs, self.first_failure, self.died, self.signalled = [], None, [], False
-        self.watch, self.hang = HangWatch(plan.hang_seconds), None
+        self.hangs = HangChecks(plan, folder)
         self.deadline = self.failure_deadline = self.failure_time = float("inf")
         self.failed_at = None
         refused = None
@@ -213,8 +211,7 @@ class Supervisor:
         result = outcome(failures, exit_codes, self.first_failure, self.signal_received, offset, plan.timeout)
         result = cut_short_while_saving(result, self.cut_short and any(s[1] for s in self._statuses(folder)))
         reason = no_restart_reason(failures, exit_codes, self.first_failure, self.signal_received)
-        if self.hang is not None:  # where every rank was: the cause itself when the hang watch found it
-            result = hang_report.with_hang(result, self.hang, bool(self.signal_received))
+        result = self.hangs.outcome(result, bool(self.signal_received))  # where every rank was, if it hung
         if self.died == [self.first_failure[0] if self.first_failure else -1] and result.rank is not None:
             # One rank's death: its first restart need not wait.
             result = dataclasses.replace(result, died=True)
@@ -301,15 +298,14 @@ class Supervisor:
                     self.failure_time, self.failed_at = time.monotonic(), time.time()
                     self.failure_deadline = self.failure_time + FAILURE_SETTLE
             now = time.monotonic()
-            if alive and self.failure_time == float("inf") and self.hang is None:
-                self._watch_progress(folder, now)
+            if alive and self.failure_time == float("inf") and self.hangs.hung(len(self.procs), now):
+                self._signal_all(signal.SIGKILL)  # every rank's stacks are in the hang's report
             if alive and now > self.failure_deadline:
                 living = [self.plan.node_rank * self.plan.nproc + self.procs.index(p) for p in alive.values()]
                 # A dead rank's flag is stale.
                 saving = any(status[1] for status in self._statuses(folder, living))
                 if not saving or now > self.failure_time + self.plan.stop_grace:
-                    if self._hung_after_failure(folder):
-                        self._collect(folder, "a rank timed out in a collective; the others did not exit")
+                    self.hangs.after_failure(self.first_failure, self._read_failures(folder))
                     self._signal_all(signal.SIGKILL)
                     self.failure_deadline = float("inf")
             if now > self.deadline:
@@ -318,31 +314,9 @@ class Supervisor:
                     file=sys.stderr,
                 )
                 self.cut_short = True
-                if self.hang is None:
-                    self._collect(folder, f"the workers did not stop within {self.plan.stop_grace:.0f} s")
+                self.hangs.after_stop()
                 self._signal_all(signal.SIGKILL)
                 self.deadline = float("inf")
-
-    def _watch_progress(self, folder: Path, now: float) -> None:
-        """The hang watch (heartbeat.py) over every rank's status file: a hung job is reported and stopped."""
-        offset = self.plan.node_rank * self.plan.nproc
-        ranks = range(offset, offset + len(self.procs))
-        silence = self.watch.observe({rank: stop.read_progress(folder / f"status{rank}") for rank in ranks}, now)
-        if silence is not None:
-            self._collect(folder, hang_report.hang_cause(silence), silence)
-            self._signal_all(signal.SIGKILL)
-
-    def _hung_after_failure(self, folder: Path) -> bool:
-        """A rank timed out in a collective (or NCCL's watchdog aborted it): the ranks still alive are stuck."""
-        aborted = self.first_failure is not None and self.first_failure[1] == -signal.SIGABRT
-        return self.hang is None and (aborted or any(timed_out(f) for f in self._read_failures(folder)))
-
-    def _collect(self, folder: Path, why: str, silence: Silence | None = None) -> None:
-        """Every living rank's stacks into the hang's report, before they are killed."""
-        try:
-            self.hang = hang_report.collect(folder, self.plan, why, silence)
-        except OSError as err:  # the report is a help: the job still ends as it must
-            _print(f"could not write the hang's report ({err}); stopping the workers.")
 
     @staticmethod
     def _statuses(folder: Path, ranks: list[int] | None = None) -> list[tuple[int, bool]]:

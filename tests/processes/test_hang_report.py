@@ -12,7 +12,7 @@ from pathlib import Path
 from ignite_mgpu.errors import FAILED
 from ignite_mgpu.processes import hang_report
 from ignite_mgpu.processes.hang_report import Hang, RankInfo, is_library, summary, where, with_hang
-from ignite_mgpu.processes.heartbeat import Silence
+from ignite_mgpu.processes.heartbeat import Silence, hang_cause
 from ignite_mgpu.processes.outcome import Outcome
 
 TORCH = os.path.dirname(importlib.util.find_spec("torch").origin)
@@ -84,7 +84,10 @@ def test_on_nccl_the_flight_recorder_tells_a_waiting_rank():
 
 def test_a_hang_found_by_the_watch_is_the_cause_a_timeouts_lines_follow_it(tmp_path: Path):
     hang = Hang(
-        [1], ["  rank 1 (pid 11) is in data.py:35 in __getitem__"], tmp_path / "hang_x.txt", Silence(64, 60, 0.4, {})
+        [1],
+        ["  rank 1 (pid 11) is in data.py:35 in __getitem__"],
+        tmp_path / "hang_x.txt",
+        hang_cause(Silence(64, 60, 0.4, {})),
     )
     killed = Outcome(FAILED, "rank 0 terminated with signal SIGKILL", rank=0)
     found = with_hang(killed, hang, stopped=False)

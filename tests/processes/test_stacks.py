@@ -60,6 +60,9 @@ def test_a_registered_process_answers_with_its_stack_and_goes_on(child):
 def test_a_stopped_process_is_named_and_answers_once_continued(child):
     proc, folder = child
     os.kill(proc.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while stacks.state(proc.pid) != "T" and time.monotonic() < deadline:
+        time.sleep(0.01)
     try:
         ranks = stacks.ranks_in(folder)
         text = stacks.dump(ranks, wait=0.5)[3]
