@@ -42,6 +42,7 @@ TIED = "ignite_mgpu.tied"
 METADATA = ".metadata"
 # In a sharded folder: everything but the model and the optimizer, one plain file.
 TRAIN_STATE = "train_state.pt"
+_SKIPPED: set[Path] = set()  # the names list_checkpoints has warned about
 
 
 def list_checkpoints(dirname: str | Path) -> list[Path]:
@@ -56,7 +57,8 @@ def _regular_or_folder(path: Path) -> bool:
     """A checkpoint's name on a FIFO, a device or a socket (or a symlink to one) is skipped, with a warning: reading
     it would block or never end."""
     why = None if path.is_dir() else why_not_regular(path)
-    if why is not None:
+    if why is not None and path not in _SKIPPED:  # said once: the folder is listed at every save and resume
+        _SKIPPED.add(path)
         logger.warning("skipping %s: it %s; only regular files are read as checkpoints", path, why)
     return why is None
 
