@@ -12,7 +12,16 @@ from typing import Any
 
 import click
 
-from ignite_mgpu.cli_options import FLAGS, dist_options, fail, gpus_value, preempt_signal, refuse_unknown_options
+from ignite_mgpu.cli_options import (
+    FLAGS,
+    ScriptCommand,
+    dist_options,
+    fail,
+    gpus_value,
+    preempt_signal,
+    refuse_unknown_options,
+    wait_and_share,
+)
 from ignite_mgpu.config.schema import CPU_BINDINGS, STRATEGIES
 from ignite_mgpu.errors import exit_codes_text, signal_exit_code
 
@@ -124,6 +133,7 @@ def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | Non
 
 
 @main.command(
+    cls=ScriptCommand,
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
     epilog=f"Exit codes: {exit_codes_text()}.",
 )
@@ -152,6 +162,7 @@ def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | Non
     help="SLURM's warning before the time limit (sbatch --signal=B:USR1@90, passed on by the batch script): sent "
     "to every process, then the SLURM job is requeued; none: off [SIGUSR1].",
 )
+@wait_and_share(share_default=False)
 def run(script: str, script_args: tuple[str, ...], module: bool, **flags: Any) -> None:
     """Run your own training SCRIPT (or -m MODULE) in N processes, as torchrun starts them.
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ignite_mgpu.cpus.binding import apply_binding, current, free_group_threads, thread_ids
 from ignite_mgpu.env import clock, cluster, stop
 from ignite_mgpu.errors import FAILED, ScriptArgumentsError, TrainingStopped, is_user_error
-from ignite_mgpu.processes import forkserver
+from ignite_mgpu.processes import elastic, forkserver
 
 if TYPE_CHECKING:
     from ignite_mgpu.processes.plan import LaunchPlan
@@ -245,8 +245,11 @@ def write_result(path: Path, value: Any) -> None:
 
 
 def _set_signals(plan: LaunchPlan) -> None:
-    """Ctrl-C is the launcher's; SIGTERM and the pre-emption signal stop the job (a script's: its own handler)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Ctrl-C is the launcher's, which passes it on: to the default job as SIGTERM (a stop at the next check), to a
+    script as SIGINT (KeyboardInterrupt: its ``except KeyboardInterrupt`` and ``finally`` run, as under torchrun).
+    SIGTERM and the pre-emption signal stop the job (a script's: its own handler, or the default action)."""
+    # Python's own handler for a script (the worker's process may have started with SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if plan.join_group else signal.default_int_handler)
     # The fork server starts with these blocked until it ignores them: a worker never keeps them blocked.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM, *filter(None, [plan.preempt_signal])])
     # A script knows nothing of our stop requests: SIGTERM ends it, as torchrun's SIGTERM does.
@@ -290,11 +293,20 @@ def worker_main(
     address = plan.master_addr, plan.master_port or 29500
     # A requeued SLURM job's restarts count too (SLURM_RESTART_COUNT)
     restarts = cluster.outer_restarts() + attempt
-    os.environ.update(
-        cluster.worker_environment(
-            rank, local_rank, plan.world_size, plan.nproc, plan.node_rank, *address, restarts, plan.max_restarts
-        )
+    # The error file: where torch's @record writes this rank's uncaught error, for the supervisor's report.
+    torchrun_vars = cluster.worker_environment(
+        rank,
+        local_rank,
+        plan.world_size,
+        plan.nproc,
+        plan.node_rank,
+        *address,
+        restarts,
+        plan.max_restarts,
+        run_id=plan.run_id,
+        error_file=elastic.error_file(error_dir, rank),
     )
+    os.environ.update(torchrun_vars)
     _set_signals(plan)
     # How far it got, and whether it is saving.
     stop.set_status_file(Path(error_dir, f"status{rank}"))
