@@ -23,6 +23,7 @@ from ignite_mgpu.cli_options import (
     wait_and_share,
 )
 from ignite_mgpu.config.schema import CPU_BINDINGS, STRATEGIES
+from ignite_mgpu.env import clock
 from ignite_mgpu.errors import exit_codes_text, signal_exit_code
 
 
@@ -76,6 +77,9 @@ def main() -> None:
       ignite-mgpu devices                              # which GPUs exist and which are busy
       ignite-mgpu report runs/dp runs/ddp              # their curves and per-GPU memory in ./report.png
     """
+    # Goodput's start-up counts from this interpreter's start: under `sh -c '... && ignite-mgpu train'` the shell
+    # execs this command, and the process's start would count what the shell ran first.
+    clock.use_interpreter_start()
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
