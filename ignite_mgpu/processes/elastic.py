@@ -52,7 +52,8 @@ def read_error_file(path: Path) -> dict[str, Any] | None:
     if isinstance(body, str):
         text, traceback, stamp = body, "", data.get("timestamp", 0)
     elif isinstance(body, dict):
-        extra = body.get("extraInfo") if isinstance(body.get("extraInfo"), dict) else {}
+        info = body.get("extraInfo")
+        extra: dict[str, Any] = info if isinstance(info, dict) else {}
         text, traceback = str(body.get("message", "")), str(extra.get("py_callstack", ""))
         stamp = extra.get("timestamp")
     else:
