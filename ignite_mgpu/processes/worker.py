@@ -260,6 +260,27 @@ def _set_signals(plan: LaunchPlan) -> None:
         signal.signal(plan.preempt_signal, _on_signal if plan.join_group else signal.SIG_DFL)
 
 
+def _torchrun_variables(plan: LaunchPlan, local_rank: int, attempt: int, error_dir: str) -> dict[str, str]:
+    """What torchrun would give this process (cluster.worker_environment), its error file that torch's @record
+    fills included (read by the supervisor's report)."""
+    rank = plan.node_rank * plan.nproc + local_rank
+    # A requeued SLURM job's restarts count too (SLURM_RESTART_COUNT)
+    restarts = cluster.outer_restarts() + attempt
+    address = plan.master_addr, plan.master_port or 29500
+    return cluster.worker_environment(
+        rank,
+        local_rank,
+        plan.world_size,
+        plan.nproc,
+        plan.node_rank,
+        *address,
+        restarts,
+        plan.max_restarts,
+        run_id=plan.run_id,
+        error_file=elastic.error_file(error_dir, rank),
+    )
+
+
 def worker_main(
     local_rank: int,
     plan: LaunchPlan,
@@ -290,23 +311,7 @@ def worker_main(
     # Before anything imports torch here (unless unpickling the job function already did: then it resizes the pool).
     apply_binding(binding)
     _blas_threads_as_torch(binding.threads)
-    address = plan.master_addr, plan.master_port or 29500
-    # A requeued SLURM job's restarts count too (SLURM_RESTART_COUNT)
-    restarts = cluster.outer_restarts() + attempt
-    # The error file: where torch's @record writes this rank's uncaught error, for the supervisor's report.
-    torchrun_vars = cluster.worker_environment(
-        rank,
-        local_rank,
-        plan.world_size,
-        plan.nproc,
-        plan.node_rank,
-        *address,
-        restarts,
-        plan.max_restarts,
-        run_id=plan.run_id,
-        error_file=elastic.error_file(error_dir, rank),
-    )
-    os.environ.update(torchrun_vars)
+    os.environ.update(_torchrun_variables(plan, local_rank, attempt, error_dir))
     _set_signals(plan)
     # How far it got, and whether it is saving.
     stop.set_status_file(Path(error_dir, f"status{rank}"))
