@@ -12,8 +12,18 @@ from typing import Any
 
 import click
 
-from ignite_mgpu.cli_options import FLAGS, dist_options, fail, gpus_value, preempt_signal, refuse_unknown_options
+from ignite_mgpu.cli_options import (
+    FLAGS,
+    ScriptCommand,
+    dist_options,
+    fail,
+    gpus_value,
+    preempt_signal,
+    refuse_unknown_options,
+    wait_and_share,
+)
 from ignite_mgpu.config.schema import CPU_BINDINGS, STRATEGIES
+from ignite_mgpu.env import clock
 from ignite_mgpu.errors import exit_codes_text, signal_exit_code
 
 
@@ -67,6 +77,9 @@ def main() -> None:
       ignite-mgpu devices                              # which GPUs exist and which are busy
       ignite-mgpu report runs/dp runs/ddp              # their curves and per-GPU memory in ./report.png
     """
+    # Goodput's start-up counts from this interpreter's start: under `sh -c '... && ignite-mgpu train'` the shell
+    # execs this command, and the process's start would count what the shell ran first.
+    clock.use_interpreter_start()
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -124,6 +137,7 @@ def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | Non
 
 
 @main.command(
+    cls=ScriptCommand,
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
     epilog=f"Exit codes: {exit_codes_text()}.",
 )
@@ -152,6 +166,7 @@ def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | Non
     help="SLURM's warning before the time limit (sbatch --signal=B:USR1@90, passed on by the batch script): sent "
     "to every process, then the SLURM job is requeued; none: off [SIGUSR1].",
 )
+@wait_and_share(share_default=False)
 def run(script: str, script_args: tuple[str, ...], module: bool, **flags: Any) -> None:
     """Run your own training SCRIPT (or -m MODULE) in N processes, as torchrun starts them.
 
@@ -159,14 +174,18 @@ def run(script: str, script_args: tuple[str, ...], module: bool, **flags: Any) -
       ignite-mgpu run --nproc 2 train.py --epochs 1
       ignite-mgpu run --gpus 2,3 -m mypkg.train --lr 0.1
       ignite-mgpu run --gpus auto:2 --max-restarts 1 train.py --resume last.pt
+      ignite-mgpu run --gpus auto:2 --wait train.py          # in line until 2 GPUs are free
 
     Each process gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
-    MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...), so init_process_group(), ignite's
-    idist.Parallel and ignite_mgpu.launch() in the script join the group unchanged; the script chooses the
-    backend and its collective timeout. Options go before SCRIPT; what follows it is the script's. A rank that
-    fails stops every process, and its error is shown once; a script that exits with 2 (argparse, click)
-    rejected its arguments, and nothing restarts it. SLURM's warning before the time limit (--preempt-signal) is
-    passed to every process, then the SLURM job is requeued. Refused under torchrun or srun: one launcher at a time.
+    MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_RUN_ID, TORCHELASTIC_ERROR_FILE, ...), so
+    init_process_group(), ignite's idist.Parallel, ignite_mgpu.launch(), Lightning and Accelerate in the script see
+    a torchrun launch; the script chooses the backend and its collective timeout. Options go before SCRIPT; what
+    follows it is the script's. A rank that fails stops every process, and its error is shown once (the one torch's
+    @record wrote, where it did); a script that exits with 2 (argparse, click) rejected its arguments, and nothing
+    restarts it. Ctrl-C reaches every process as SIGINT (KeyboardInterrupt), SIGTERM as SIGTERM, as torchrun
+    passes them on; SIGKILL 60 s later. The GPUs are claimed as train claims them (--wait, --share). SLURM's warning
+    before the time limit (--preempt-signal) is passed to every process, then the SLURM job is requeued. Refused
+    under torchrun or srun: one launcher at a time.
     """
     from ignite_mgpu.config.schema import DistConfig
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import click
@@ -82,6 +83,58 @@ def preempt_signal(ctx: click.Context, param: click.Parameter, value: str) -> st
     return signal_name(value)
 
 
+def wait_and_share(share_default: bool | None = None) -> Callable[[Any], Any]:
+    """--wait [SECONDS] and --share, as ``train`` and ``run`` both have them (gpus/acquire.py: the claims, the
+    line). ``share_default``: None where an unset flag must leave the config's value alone."""
+    options = [
+        click.option(
+            "--wait",
+            is_flag=False,
+            flag_value="inf",
+            callback=_seconds,
+            metavar="[SECONDS]",
+            help="Wait (up to SECONDS; alone: no limit) until the GPUs are free, in line with other waiting jobs.",
+        ),
+        click.option(
+            "--share", is_flag=True, default=share_default, help="Run on GPUs that other jobs claim, and claim none."
+        ),
+    ]
+
+    def decorate(fn: Any) -> Any:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return decorate
+
+
+class ScriptCommand(click.Command):
+    """``run``: everything after SCRIPT is the script's, so ``--wait`` directly before it is the flag alone (no
+    limit), not a wait of "train.py" seconds (click gives an optional value the next word that is not an option)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, _wait_alone_before_the_script(self, args))
+
+
+def _wait_alone_before_the_script(command: click.Command, args: list[str]) -> list[str]:
+    """``args`` with ``--wait WORD`` written ``--wait=inf WORD`` where WORD is not a number (the script), among the
+    options before the script."""
+    takes_value = {o for p in command.params if isinstance(p, click.Option) and not p.is_flag for o in p.opts}
+    args, i = list(args), 0
+    while i < len(args) and args[i].startswith("-"):
+        if args[i] == "--wait" and i + 1 < len(args) and not args[i + 1].startswith("-"):
+            try:
+                float(args[i + 1])
+            except ValueError:
+                args[i] = "--wait=inf"
+            else:
+                i += 1  # its value
+        elif args[i] in takes_value and args[i] != "--wait":
+            i += 1  # the option's value
+        i += 1
+    return args
+
+
 def dist_options(fn: Any) -> Any:
     """The process/GPU flags shared by ``train`` and ``evaluate``."""
     options = [
@@ -110,16 +163,8 @@ def dist_options(fn: Any) -> Any:
             type=click.Choice(CPU_BINDINGS),
             help="Bind each process to its CPUs: cores (its own share), numa (its GPU's node), auto [none].",
         ),
-        click.option(
-            "--wait",
-            is_flag=False,
-            flag_value="inf",
-            callback=_seconds,
-            metavar="[SECONDS]",
-            help="Wait (up to SECONDS; alone: no limit) until the GPUs are free, in line with other waiting jobs.",
-        ),
-        click.option("--share", is_flag=True, default=None, help="Run on GPUs that other jobs claim, and claim none."),
     ]
+    fn = wait_and_share()(fn)
     for option in reversed(options):
         fn = option(fn)
     return fn

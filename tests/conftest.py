@@ -48,6 +48,19 @@ def _no_leaked_environment():
         pytest.fail(f"the test changed os.environ without monkeypatch: {leaked}")
 
 
+@pytest.fixture
+def one_rank(tmp_path, monkeypatch):
+    """A one-process gloo group: DDP and fully_shard work as on N ranks. idist, which finds it, forgets it after (the
+    autouse teardown above destroys the group if a test leaves one)."""
+    import ignite.distributed as idist
+    import torch.distributed as dist
+
+    monkeypatch.setenv("LOCAL_RANK", "0")  # as a launcher sets it: idist need not guess it from the host names
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    idist.finalize()
+
+
 @pytest.fixture(autouse=True)
 def _private_claims_dir(_no_leaked_environment, tmp_path_factory, monkeypatch):
     """GPU claims (gpus/claims.py) in a folder of the test's own, never the machine's shared one; the test's

@@ -22,7 +22,7 @@ from ignite_mgpu.errors import CheckpointError
 
 # The best model's name, with the run folder's names.
 from ignite_mgpu.runs.folder import BEST_NAME as BEST_NAME
-from ignite_mgpu.runs.regular import why_not_regular
+from ignite_mgpu.runs.regular import NotRegular, opened_regular, why_not_regular
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +42,7 @@ TIED = "ignite_mgpu.tied"
 METADATA = ".metadata"
 # In a sharded folder: everything but the model and the optimizer, one plain file.
 TRAIN_STATE = "train_state.pt"
+_SKIPPED: set[Path] = set()  # the names list_checkpoints has warned about
 
 
 def list_checkpoints(dirname: str | Path) -> list[Path]:
@@ -56,7 +57,8 @@ def _regular_or_folder(path: Path) -> bool:
     """A checkpoint's name on a FIFO, a device or a socket (or a symlink to one) is skipped, with a warning: reading
     it would block or never end."""
     why = None if path.is_dir() else why_not_regular(path)
-    if why is not None:
+    if why is not None and path not in _SKIPPED:  # said once: the folder is listed at every save and resume
+        _SKIPPED.add(path)
         logger.warning("skipping %s: it %s; only regular files are read as checkpoints", path, why)
     return why is None
 
@@ -66,14 +68,12 @@ def is_complete(path: Path) -> bool:
     with its metadata and a complete train state."""
     if path.is_dir():
         return (path / METADATA).is_file() and is_complete(path / TRAIN_STATE)
-    if why_not_regular(path) is not None:  # a FIFO would block, /dev/zero would be read without end
-        return False
     if is_safetensors(path):
         return _safetensors_complete(path)
-    try:
-        with zipfile.ZipFile(path) as zf:
+    try:  # a FIFO would block, /dev/zero would be read without end: regular files only
+        with opened_regular(path) as name, zipfile.ZipFile(name) as zf:
             return zf.testzip() is None
-    except (OSError, zipfile.BadZipFile, EOFError):
+    except (OSError, zipfile.BadZipFile, EOFError):  # NotRegular is an OSError
         return False
 
 
@@ -82,12 +82,10 @@ def is_safetensors(path: str | Path) -> bool:
     path = Path(path)
     if path.suffix == SAFETENSORS:
         return True
-    if why_not_regular(path) is not None:
-        return False
     try:
-        with open(path, "rb") as f:
+        with opened_regular(path) as name, open(name, "rb") as f:
             head = f.read(9)
-    except OSError:
+    except OSError:  # NotRegular too
         return False
     return len(head) == 9 and head[8:] == b"{" and int.from_bytes(head[:8], "little") < 2**27
 
@@ -95,13 +93,14 @@ def is_safetensors(path: str | Path) -> bool:
 def _safetensors_complete(path: Path) -> bool:
     """The header reads as JSON and the file ends where its last tensor does (the format covers every byte)."""
     try:
-        with open(path, "rb") as f:
+        with opened_regular(path) as name, open(name, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
             header: dict[str, Any] = json.loads(f.read(size)) if 0 < size < 2**27 else {}
+            length = os.fstat(f.fileno()).st_size
         ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
         if not header:
             return False
-        return path.stat().st_size == 8 + size + max(ends, default=0)
+        return length == 8 + size + max(ends, default=0)
     except (OSError, ValueError, AttributeError, KeyError, TypeError, IndexError):
         return False
 
@@ -190,8 +189,10 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
     import torch
 
     try:
-        with _numpy_rng_globals():
-            obj = torch.load(path, map_location=map_location, weights_only=True)
+        with opened_regular(path) as name, _numpy_rng_globals():
+            obj = torch.load(name, map_location=map_location, weights_only=True)
+    except NotRegular as err:  # swapped for something else since the check above
+        raise CheckpointError(f"checkpoint {err}; pass the path of a .pt or .safetensors file.") from None
     except Exception as err:
         text = str(err) or type(err).__name__
         if path.stat().st_size == 0:
@@ -221,9 +222,11 @@ def read_safetensors(path: Path, map_location: Any = "cpu") -> tuple[dict[str, t
     from safetensors import SafetensorError, safe_open
 
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with opened_regular(path) as by_fd, safe_open(by_fd, framework="pt", device="cpu") as f:
             metadata = dict(f.metadata() or {})
             state = {name: f.get_tensor(name) for name in f.keys()}
+    except NotRegular as err:
+        raise CheckpointError(f"checkpoint {err}; pass the path of a .pt or .safetensors file.") from None
     except (SafetensorError, OSError) as err:
         raise CheckpointError(f"{path} is corrupt or truncated and cannot be loaded (safetensors: {err}).") from None
     try:

@@ -10,6 +10,9 @@ import time
 from dataclasses import dataclass
 
 _IMPORTED = time.time()
+# The CPU time this process had used by then: the interpreter's start-up and the imports before this one.
+_CPU_BEFORE = time.process_time()
+_command_start: list[float] = []  # set by the CLI (use_interpreter_start)
 
 
 # One value per process (a forked child keeps its parent's: its job's plan was made there)
@@ -28,11 +31,31 @@ def process_start() -> float:
         return _IMPORTED
 
 
+def interpreter_start() -> float:
+    """When this Python interpreter began: this module's import less the CPU time the process had used by then
+    (the interpreter's start-up and imports are CPU work), never before the process's start. Later than
+    ``process_start()`` when the process ran another program first and then became Python by exec: ``sh -c
+    'pip install ... && ignite-mgpu train'`` (a shell execs its last command), whose start would count the install."""
+    return max(process_start(), _IMPORTED - _CPU_BEFORE)
+
+
+def use_interpreter_start() -> None:
+    """The command is this interpreter (``ignite-mgpu ...``): goodput's start is the interpreter's, not the process's
+    (see ``interpreter_start``). Called by the CLI; Python code calling ``fit`` keeps its process's start (its
+    script's own start-up, the time before the call, counts)."""
+    _command_start[:] = [interpreter_start()]
+
+
+def command_start() -> float:
+    """Goodput's start of a job launched from here: the interpreter's for the CLI, else the process's."""
+    return _command_start[0] if _command_start else process_start()
+
+
 @dataclass(frozen=True)
 class JobClock:
     """The anchors of one attempt of a job, as ``time.time()`` values."""
 
-    # The command's start (the launching process's); under torchrun / SLURM, this process's.
+    # The command's start (command_start() of the launching process); under torchrun / SLURM, this process's.
     started: float
     # A restart: when the previous attempt's first rank failed (None: a first start)
     failed_at: float | None = None
@@ -50,5 +73,5 @@ def set_clock(clock: JobClock | None) -> None:
 
 
 def job_clock() -> JobClock:
-    """The anchors set for this process; without any (the job function called directly), this process's start."""
-    return _current if _current is not None else JobClock(process_start())
+    """The anchors set for this process; without any (the job function called directly), the command's start."""
+    return _current if _current is not None else JobClock(command_start())

@@ -69,11 +69,15 @@ def worker_environment(
     master_port: int,
     restart_count: int = 0,
     max_restarts: int = 0,
+    run_id: str = "none",
+    error_file: str = "",
 ) -> dict[str, str]:
     """The variables a spawned worker gets: the ones torchrun gives its processes, so ``idist``,
-    ``init_process_group()`` and a script written for torchrun read them as they would under torchrun.
-    (Not TORCHELASTIC_USE_AGENT_STORE: the job's rank 0 hosts the rendezvous store on MASTER_PORT.)"""
-    return {
+    ``init_process_group()``, ``is_torchelastic_launched()`` (TORCHELASTIC_RUN_ID, which Lightning reads) and a
+    script written for torchrun read them as they would under torchrun. TORCHELASTIC_USE_AGENT_STORE is "False":
+    the job's rank 0 hosts the rendezvous store on MASTER_PORT, as under torchrun's static rendezvous.
+    ``error_file``: where torch's ``@record`` writes the rank's uncaught error (TORCHELASTIC_ERROR_FILE)."""
+    env = {
         "RANK": str(rank),
         "LOCAL_RANK": str(local),
         "WORLD_SIZE": str(world_size),
@@ -87,7 +91,12 @@ def worker_environment(
         "MASTER_PORT": str(master_port),
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
     }
+    if error_file:
+        env["TORCHELASTIC_ERROR_FILE"] = error_file
+    return env
 
 
 def slurm_task_variables(environ: Mapping[str, str] = os.environ) -> list[str]:

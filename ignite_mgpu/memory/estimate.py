@@ -291,21 +291,17 @@ def _fake_group(world_size: int) -> Iterator[Any]:
 def shard(cfg: Config, model: nn.Module, mesh: Any) -> int:
     """``fully_shard`` as ``fsdp.shard_model`` applies it (the same blocks, precision, resharding); returns the
     largest unit's gathered parameter bytes in the compute dtype (the root's own parameters are a unit too)."""
-    from torch.distributed.fsdp import fully_shard
-
-    from ignite_mgpu.parallel.fsdp import check_blocks, default_blocks, mixed_precision
+    from ignite_mgpu.parallel.fsdp import check_blocks, default_blocks, fsdp_units, mixed_precision, shard_units
 
     m = cfg.model
     names = list(m.fsdp_blocks) if m.fsdp_blocks is not None else default_blocks(model)
     if m.fsdp_blocks is not None:
         check_blocks(model, names, m.name)
-    units = [u for u in model.modules() if u is not model and type(u).__name__ in names]
+    units = fsdp_units(model, names)
     size = 2 if cfg.train.precision != "fp32" else None
     owned = _unit_bytes(model, units, size)
     policy = mixed_precision(cfg.train.precision)
-    for unit in reversed(units):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=m.fsdp_reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    shard_units(model, units, m.fsdp_reshard_after_forward, mesh=mesh, mp_policy=policy)
     return max(owned, default=0)
 
 

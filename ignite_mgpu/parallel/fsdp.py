@@ -107,11 +107,8 @@ def shard_model(
     if cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy()
         common["mesh"] = offload_mesh()
-    units = [m for m in model.modules() if m is not model and type(m).__name__ in names]
-    # modules() is outermost first: children must be sharded before their parents.
-    for unit in reversed(units):
-        fully_shard(unit, reshard_after_forward=reshard_after_forward, **common)
-    fully_shard(model, **common)
+    units = fsdp_units(model, names)
+    shard_units(model, units, reshard_after_forward, **common)
     logger.info(
         "fsdp: %d block(s) of %s sharded over %d processes, then the root (%s)",
         len(units),
@@ -120,6 +117,19 @@ def shard_model(
         "parameters in " + str(common["mp_policy"].param_dtype or torch.float32).replace("torch.", ""),
     )
     return model
+
+
+def fsdp_units(model: nn.Module, names: Sequence[str]) -> list[nn.Module]:
+    """The modules whose class is named in ``names``, outermost first (as ``modules()`` lists them); not the root."""
+    return [m for m in model.modules() if m is not model and type(m).__name__ in names]
+
+
+def shard_units(model: nn.Module, units: list[nn.Module], reshard_after_forward: bool, **common: Any) -> None:
+    """``fully_shard`` on each unit, innermost first (children before their parents), then on the root, whose
+    parameters stay gathered from forward to backward; ``common`` goes to every call (mesh, precision, offload)."""
+    for unit in reversed(units):
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **common)
+    fully_shard(model, **common)
 
 
 def offload_backend(backend: str) -> str | None:

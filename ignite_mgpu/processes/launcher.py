@@ -177,6 +177,7 @@ def launch(
             SIGINT/SIGTERM (130/143); the failing rank's error has been printed once.
         JobFailed: the same, from a notebook or an interactive session: the failing rank's error is its message.
     """
+    notebook.leave_if_importing_main()
     choices = {"backend": (backend, BACKENDS), "strategy": (strategy, STRATEGIES)}
     _check_choices(**choices, cpu_binding=(cpu_binding, CPU_BINDINGS))
     dist_cfg = DistConfig(

@@ -9,6 +9,7 @@ Torch-free: torch is inspected only where it is already imported.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -27,6 +28,36 @@ _HOW_TO_FIX = (
     ".to('cuda') and torch.cuda calls inside the function; or put the function in a .py file and import it, so "
     "that launch() spawns fresh processes instead."
 )
+
+
+# A worker's exit code when it found launch() called at the top level of the script it imports (no main guard).
+NO_MAIN_GUARD = 86
+
+
+def leave_if_importing_main() -> None:
+    """In a worker that is importing the launching script (as ``__mp_main__``, to find the job function): a
+    ``launch()`` there is the script's top level running again, without ``if __name__ == "__main__":``. The worker
+    leaves at once with ``NO_MAIN_GUARD``, and the launcher says so once, where multiprocessing would print its
+    long error in every worker (``outcome.py``)."""
+    frame = inspect.currentframe()
+    while frame is not None:  # multiprocessing.spawn.prepare() runs the script while a worker starts
+        if frame.f_globals.get("__name__") == "multiprocessing.spawn" and frame.f_code.co_name == "prepare":
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(NO_MAIN_GUARD)
+        frame = frame.f_back
+
+
+def no_main_guard(script: str) -> str:
+    """The paragraph for workers that left with ``NO_MAIN_GUARD``."""
+    name = os.path.basename(script) if script else "the script"
+    return (
+        f'{name} calls launch() at its top level, without `if __name__ == "__main__":`. Each worker imports '
+        f"{name} to find the job function, which runs its top level, and so launch(), again (multiprocessing's "
+        f'error: "An attempt has been made to start a new process before the current process has finished its '
+        f'bootstrapping phase"). Put the launch() call, and whatever else should run once, under `if __name__ == '
+        f'"__main__":` at the end of {name}; the job function stays at the top level.'
+    )
 
 
 def main_is_importable() -> bool:

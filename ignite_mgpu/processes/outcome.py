@@ -7,10 +7,12 @@ import dataclasses
 import os
 import re
 import signal
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, USAGE, signal_exit_code
+from ignite_mgpu.processes.notebook import NO_MAIN_GUARD, no_main_guard
 
 # A worker's failure file (worker.failure_record): rank, time, type, message, traceback, code.
 Failure = dict[str, Any]
@@ -68,6 +70,8 @@ def outcome(
         return Outcome(signal_exit_code(signal_received), f"{message}.")
     if all(c == 0 for c in exit_codes):
         return Outcome(SUCCESS)
+    if NO_MAIN_GUARD in exit_codes and not failures:
+        return Outcome(USAGE, no_main_guard(getattr(sys.modules.get("__main__"), "__file__", None) or ""))
     if len(stopped) == len(exit_codes):  # every worker was signalled directly (e.g. by a scheduler)
         return Outcome(int(stopped[0]["code"]), f"{stopped[0]['message']}.")
     # A script rejected its arguments (ignite-mgpu run)
@@ -157,6 +161,8 @@ def no_restart_reason(
         return "the job succeeded"
     if any(f["code"] == USAGE for f in failures):
         return "the script rejected its arguments, and a restart would give it the same ones"
+    if NO_MAIN_GUARD in exit_codes and not failures:
+        return "the script has no main guard"
     if any(f["code"] == DIVERGED for f in failures):
         return "training diverged, and a restart from the last checkpoint would diverge again"
     if first_failure and first_failure[1] in (-signal.SIGINT, -signal.SIGTERM):

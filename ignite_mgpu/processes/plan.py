@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.cpus.binding import BindingPlan, plan_for_job
 from ignite_mgpu.env import cluster
-from ignite_mgpu.env.clock import JobClock, process_start
+from ignite_mgpu.env.clock import JobClock, command_start
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.gpus import acquire, selection
 from ignite_mgpu.gpus.claims import GpuClaims
+from ignite_mgpu.processes import elastic
 
 
 @dataclass
@@ -61,8 +62,10 @@ class LaunchPlan:
     start_method: str = "spawn"
     # False: the job creates its own process group (ignite-mgpu run: a user's script)
     join_group: bool = True
+    # TORCHELASTIC_RUN_ID of the workers (elastic.run_id): is_torchelastic_launched() is True in them, as under torchrun
+    run_id: str = "none"
     # When the command started (and, for a restart, when the previous attempt failed): goodput's anchors.
-    clock: JobClock = field(default_factory=lambda: JobClock(process_start()), compare=False, repr=False)
+    clock: JobClock = field(default_factory=lambda: JobClock(command_start()), compare=False, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -146,7 +149,7 @@ def make_plan(
     except BaseException:
         held.close()
         raise
-    return dataclasses.replace(plan, binding=binding, claims=held)
+    return dataclasses.replace(plan, binding=binding, claims=held, run_id=elastic.run_id(environ, cfg.nnodes))
 
 
 def check_outer_launcher(cfg: DistConfig, environ: Mapping[str, str]) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 from ignite_mgpu.env import stop
 from ignite_mgpu.env.clock import JobClock
 from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, USAGE, signal_exit_code
-from ignite_mgpu.processes import forkserver
+from ignite_mgpu.processes import elastic, forkserver
 from ignite_mgpu.processes.heartbeat import HangChecks
 from ignite_mgpu.processes.outcome import (
     Failure,
@@ -114,14 +114,14 @@ class Supervisor:
         preempt = signum not in _STOP_SIGNALS
         name_of = signal.Signals(signum).name
         within = f" (up to {self.plan.stop_grace:.0f} s)"
-        # A script's own handler decides what the signal does (by default, it ends the process)
+        # A script gets the signal itself, as torchrun passes it on (SIGINT: KeyboardInterrupt), and its own handler
+        # decides what it does; after the grace, SIGKILL (torchrun: after --shutdown-timeout).
         if preempt:
             what = "stops and writes a checkpoint at the next check" if self.plan.join_group else f"is sent {name_of}"
             what += f"{within}; the job then requeues itself"
         else:
-            # A script: as torchrun.
-            what = "stops at the next check" if self.plan.join_group else "is sent SIGTERM"
-            what += within
+            what = "stops at the next check" if self.plan.join_group else f"is sent {name_of}"
+            what += within if self.plan.join_group else f" (then SIGKILL after {self.plan.stop_grace:.0f} s)"
         name = f"{name_of} received{' (pre-emption)' if preempt else ''}"
         self.stopped_while_starting = self.starting
         if self.starting:  # _attempt kills what it started: no worker of this attempt has begun
@@ -131,8 +131,9 @@ class Supervisor:
                 f"ignite-mgpu: {name}: every rank {what}; press Ctrl-C again to stop at once.",
                 file=sys.stderr,
             )
-        # The pre-emption signal is passed on as it is: every rank must stop for the same reason (its exit code).
-        self._signal_all(signum if preempt else signal.SIGTERM)
+        # The pre-emption signal is passed on as it is: every rank must stop for the same reason (its exit code); the
+        # default job's workers stop on SIGTERM (their SIGINT is ignored: a terminal's Ctrl-C is the launcher's).
+        self._signal_all(signum if preempt or not self.plan.join_group else signal.SIGTERM)
         self.deadline = time.monotonic() + self.plan.stop_grace
 
     def run(self) -> int:
@@ -205,9 +206,10 @@ class Supervisor:
                 p.join(5)
         if refused is not None:  # no restart: the machine would refuse it again
             return refused, refused.cause, 0
-        failures = self._read_failures(folder)
         exit_codes = [p.exitcode for p in self.procs]
         offset = plan.node_rank * plan.nproc
+        failed_ranks = [offset + i for i, code in enumerate(exit_codes) if code]
+        failures = elastic.with_error_files(self._read_failures(folder), folder, failed_ranks)
         result = outcome(failures, exit_codes, self.first_failure, self.signal_received, offset, plan.timeout)
         result = cut_short_while_saving(result, self.cut_short and any(s[1] for s in self._statuses(folder)))
         reason = no_restart_reason(failures, exit_codes, self.first_failure, self.signal_received)

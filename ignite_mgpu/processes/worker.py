@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ignite_mgpu.cpus.binding import apply_binding, current, free_group_threads, thread_ids
 from ignite_mgpu.env import clock, cluster, stop
 from ignite_mgpu.errors import FAILED, ScriptArgumentsError, TrainingStopped, is_user_error
-from ignite_mgpu.processes import forkserver, hang_report
+from ignite_mgpu.processes import elastic, forkserver, hang_report
 
 if TYPE_CHECKING:
     from ignite_mgpu.processes.plan import LaunchPlan
@@ -245,8 +245,11 @@ def write_result(path: Path, value: Any) -> None:
 
 
 def _set_signals(plan: LaunchPlan) -> None:
-    """Ctrl-C is the launcher's; SIGTERM and the pre-emption signal stop the job (a script's: its own handler)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Ctrl-C is the launcher's, which passes it on: to the default job as SIGTERM (a stop at the next check), to a
+    script as SIGINT (KeyboardInterrupt: its ``except KeyboardInterrupt`` and ``finally`` run, as under torchrun).
+    SIGTERM and the pre-emption signal stop the job (a script's: its own handler, or the default action)."""
+    # Python's own handler for a script (the worker's process may have started with SIGINT ignored)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if plan.join_group else signal.default_int_handler)
     # The fork server starts with these blocked until it ignores them: a worker never keeps them blocked.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT, signal.SIGTERM, *filter(None, [plan.preempt_signal])])
     # A script knows nothing of our stop requests: SIGTERM ends it, as torchrun's SIGTERM does.
@@ -255,6 +258,27 @@ def _set_signals(plan: LaunchPlan) -> None:
     if plan.preempt_signal:
         # (a script's own handler, installed when it starts, or the default action: the script ends)
         signal.signal(plan.preempt_signal, _on_signal if plan.join_group else signal.SIG_DFL)
+
+
+def _torchrun_variables(plan: LaunchPlan, local_rank: int, attempt: int, error_dir: str) -> dict[str, str]:
+    """What torchrun would give this process (cluster.worker_environment), its error file that torch's @record
+    fills included (read by the supervisor's report)."""
+    rank = plan.node_rank * plan.nproc + local_rank
+    # A requeued SLURM job's restarts count too (SLURM_RESTART_COUNT)
+    restarts = cluster.outer_restarts() + attempt
+    address = plan.master_addr, plan.master_port or 29500
+    return cluster.worker_environment(
+        rank,
+        local_rank,
+        plan.world_size,
+        plan.nproc,
+        plan.node_rank,
+        *address,
+        restarts,
+        plan.max_restarts,
+        run_id=plan.run_id,
+        error_file=elastic.error_file(error_dir, rank),
+    )
 
 
 def worker_main(
@@ -287,14 +311,7 @@ def worker_main(
     # Before anything imports torch here (unless unpickling the job function already did: then it resizes the pool).
     apply_binding(binding)
     _blas_threads_as_torch(binding.threads)
-    address = plan.master_addr, plan.master_port or 29500
-    # A requeued SLURM job's restarts count too (SLURM_RESTART_COUNT)
-    restarts = cluster.outer_restarts() + attempt
-    os.environ.update(
-        cluster.worker_environment(
-            rank, local_rank, plan.world_size, plan.nproc, plan.node_rank, *address, restarts, plan.max_restarts
-        )
-    )
+    os.environ.update(_torchrun_variables(plan, local_rank, attempt, error_dir))
     _set_signals(plan)
     # How far it got, and whether it is saving.
     stop.set_status_file(Path(error_dir, f"status{rank}"))

@@ -5,8 +5,10 @@ a leaf."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 # O_NONBLOCK: a FIFO swapped in after the check still never blocks open; O_NOCTTY: a terminal never becomes ours.
@@ -44,11 +46,11 @@ def why_not_regular(path: str | os.PathLike) -> str | None:
     return f"is {'a symlink to ' if path.is_symlink() else ''}{kind(mode)}, not a regular file"
 
 
-def read_regular(path: str | os.PathLike, limit: int) -> bytes:
-    """The bytes of the regular file ``path``, at most ``limit`` of them.
+def open_regular(path: str | os.PathLike) -> int:
+    """A file descriptor of ``path``, checked to be a regular file once open (what is read is what was checked).
 
     Raises:
-        NotRegular: not a regular file, or larger than ``limit`` (the message says which).
+        NotRegular: not a regular file, or it cannot be opened (the message says which).
     """
     why = why_not_regular(path)
     if why is not None:
@@ -57,10 +59,35 @@ def read_regular(path: str | os.PathLike, limit: int) -> bytes:
         fd = os.open(path, OPEN_FLAGS)
     except OSError as err:
         raise NotRegular(f"{path} cannot be opened ({err.strerror or err})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):  # swapped between the check and the open
+        os.close(fd)
+        raise NotRegular(f"{path} is {kind(mode)}, not a regular file")
+    return fd
+
+
+@contextlib.contextmanager
+def opened_regular(path: str | os.PathLike) -> Iterator[str]:
+    """A name of the regular file ``path`` that cannot be swapped for another file while it is used: the open,
+    checked descriptor's ``/proc/self/fd/N`` (where the system has it), for readers that take a name (torch.load's
+    zip reader, safetensors' memory map, zipfile). Raises ``NotRegular`` as ``open_regular`` does."""
+    fd = open_regular(path)
+    try:
+        by_fd = f"/proc/self/fd/{fd}"
+        yield by_fd if os.path.exists(by_fd) else os.fspath(path)
+    finally:
+        os.close(fd)
+
+
+def read_regular(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of the regular file ``path``, at most ``limit`` of them.
+
+    Raises:
+        NotRegular: not a regular file, or larger than ``limit`` (the message says which).
+    """
+    fd = open_regular(path)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # swapped between the check and the open
-            raise NotRegular(f"{path} is {kind(st.st_mode)}, not a regular file")
         if st.st_size > limit:
             raise NotRegular(f"{path} is {st.st_size} bytes, more than the {limit} a file of its kind may have")
         chunks, left = [], limit + 1

@@ -62,17 +62,16 @@ def folder_problem(output_dir: str | os.PathLike) -> str | None:
     """Why ``output_dir`` cannot be made or written, as one paragraph (None: it can), checked without writing."""
     out = Path(output_dir)
     found = _nearest_existing(out)
-    if found == Path(os.path.abspath(out)) and not found.is_dir():
-        what = (why_not_regular(found) or "is a regular file").removesuffix(", not a regular file")
-        return f"output_dir {out} {what}, not a folder: remove it or {FIX}."
+    itself = found == Path(os.path.abspath(out))
     if not found.is_dir():
         what = (why_not_regular(found) or "is a regular file").removesuffix(", not a regular file")
+        if itself:
+            return f"output_dir {out} {what}, not a folder: remove it or {FIX}."
         return f"output_dir {out} cannot be made: {found} {what}, not a folder. Remove it or {FIX}."
     why = _why_unwritable(found)
     if why is None:
         return None
-    verb = "cannot be written" if found == Path(os.path.abspath(out)) else "cannot be made"
-    return f"output_dir {out} {verb}: {why}. Fix that or {FIX}."
+    return f"output_dir {out} {'cannot be written' if itself else 'cannot be made'}: {why}. Fix that or {FIX}."
 
 
 def os_error_paragraph(output_dir: str | os.PathLike, err: OSError) -> str:

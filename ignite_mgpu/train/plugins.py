@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.runs.regular import why_not_regular
 
 FORM = "package.module:factory"
 
@@ -34,8 +35,9 @@ def resolve(name: str, key: str) -> Callable[..., Any]:
     except ModuleNotFoundError as err:
         if err.name is not None and module_name.startswith(err.name):
             raise ConfigError(
-                f"{key}={name}: cannot import module '{module_name}' (no module named '{err.name}'). Install the "
-                "package, or start from the folder that holds it (the working directory is importable)."
+                f"{key}={name}: cannot import module '{module_name}' (no module named '{err.name}')"
+                f"{_not_a_module_file(module_name)}. Install the package, or start from the folder that holds it "
+                "(the working directory is importable)."
             ) from None
         raise _user_code_failed(key, name, f"importing '{module_name}'", err) from None
     except Exception as err:  # the user's module itself raised while it was imported
@@ -47,6 +49,14 @@ def resolve(name: str, key: str) -> Callable[..., Any]:
     if not callable(obj):
         raise ConfigError(f"{key}={name} is a {type(obj).__name__}, not a function or class that can be called.")
     return obj
+
+
+def _not_a_module_file(module_name: str) -> str:
+    """Python's importer takes only regular files as modules (a FIFO or a device is never opened, so never blocks):
+    when the module's name in the working directory is something else, say so rather than "no module"."""
+    path = os.path.join(os.getcwd(), *module_name.split(".")) + ".py"
+    why = why_not_regular(path) if os.path.lexists(path) else None
+    return f" ({path} {why}; a module must be a regular file)" if why else ""
 
 
 def accepts(fn: Callable[..., Any], parameter: str) -> bool:

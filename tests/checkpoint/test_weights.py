@@ -215,14 +215,6 @@ def test_the_default_best_model_is_still_the_torch_save_file(tmp_path):
     assert path.name == "best_model_1_val_loss=0.5000.pt" and path.read_bytes() == expected.getvalue()
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    """A one-process gloo group (the conftest tears it down): fully_shard works as on N ranks."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-
-
 def test_a_sharded_model_is_gathered_and_written_with_its_tie_once(one_rank, tmp_path):
     from torch.distributed.fsdp import fully_shard
 

@@ -102,3 +102,33 @@ def test_an_fsdp_checkpoint_resumed_under_ddp_on_another_count_is_the_same_run(r
     got = final_weights(resumed(reference["fsdp-full"], ["optim.name=adamw"], 3, tmp_path))
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5, msg=f"fsdp on 2 -> ddp on 3: {key}")
+
+
+@pytest.mark.timeout(400)
+def test_a_deterministic_run_resumed_mid_epoch_on_three_is_the_same_run(tmp_path):
+    """ignite's DeterministicEngine replays the resumed epoch's first global batches itself: on 3 processes it skips
+    the same global batches the 2-process run had trained, and goes on with the same samples."""
+    extra = ["train.deterministic=true"]
+    with cpu_only(tmp_path / "claims"):
+        two = tmp_path / "two"
+        result = run_cli(["train", *ARGS, *extra, "--nproc", "2", "--output-dir", str(two)], tmp_path, timeout=180)
+        assert result.returncode == 0, result.stderr[-3000:]
+        want, got = final_weights(two), final_weights(resumed(two, extra, 3, tmp_path))
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5, msg=f"deterministic 2 -> 3: {key}")
+
+
+@pytest.mark.timeout(300)
+def test_a_resume_mid_epoch_of_an_explicit_epoch_length_says_samples_may_repeat(tmp_path):
+    """train.epoch_length other than the data's batches has no sample position to resume at: said once, on rank 0."""
+    args = [*ARGS, "train.epoch_length=4", "train.epochs=1", "checkpoint.every_iters=2"]
+    with cpu_only(tmp_path / "claims"):
+        first = tmp_path / "first"
+        result = run_cli(["train", *args, "--nproc", "2", "--output-dir", str(first)], tmp_path, timeout=180)
+        assert result.returncode == 0, result.stderr[-3000:]
+        again = tmp_path / "again"
+        resume = ["--resume", str(first / "checkpoint_2.pt"), "--output-dir", str(again)]
+        result = run_cli(["train", *args, "--nproc", "2", *resume], tmp_path, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("some of its samples may repeat") == 1, result.stderr[-3000:]
+    assert "train.epoch_length=4 iterations, not the data's 5 global batches" in result.stderr

@@ -8,6 +8,7 @@ runs in its own session with a hard timeout, and no process may outlive it (test
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -305,3 +306,161 @@ def test_gpu_the_ddp_tutorial_on_2_gpus_matches_torchrun_and_a_failing_rank_ends
     crashed = g.run(["run", "--gpus", "0,1", "where.py", "crash"], 150, tag="crash")
     assert crashed.rc == 1 and "rank 1 failed with RuntimeError: rank 1 lost its GPU" in crashed.stderr, crashed
     g.assert_no_leftovers()
+
+
+# ------------------------------------------------------------------------------- torchrun parity (issue 43)
+
+# Every rank waits in its loop until Ctrl-C; its `except KeyboardInterrupt` and `finally` leave a marker each.
+INTERRUPTED = """
+import os, time
+
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+open(f"started.{rank}", "w").close()
+try:
+    while True:
+        time.sleep(0.01)
+except KeyboardInterrupt:
+    open(f"interrupted.{rank}", "w").close()
+    raise
+finally:
+    open(f"finally.{rank}", "w").close()
+"""
+
+
+@pytest.mark.timeout(200)
+def test_ctrl_c_reaches_every_rank_as_keyboardinterrupt_and_the_job_exits_130(h: Harness) -> None:
+    """As torchrun passes it on: SIGINT to every rank (their `except KeyboardInterrupt` and `finally` run), not
+    SIGTERM, which would end them without either."""
+    from tests.faults.test_faults import wait_until
+
+    (h.root / "interrupted.py").write_text(INTERRUPTED)
+    job = h.start(["run", "--nproc", "2", "interrupted.py"])
+    wait_until(lambda: all((h.root / f"started.{r}").exists() for r in (0, 1)), job, 120, "both ranks")
+    os.kill(job.pid, signal.SIGINT)
+    r = job.wait(150)
+    assert r.rc == 130, str(r)
+    assert (
+        "ignite-mgpu: SIGINT received: every rank is sent SIGINT (then SIGKILL after 60 s); press Ctrl-C again to "
+        "stop at once."
+    ) in r.stderr, r
+    assert r.stderr.rstrip().endswith("ignite-mgpu: stopped by SIGINT."), r
+    for marker in ("interrupted", "finally"):
+        assert all((h.root / f"{marker}.{rank}").exists() for rank in (0, 1)), marker
+    h.assert_no_leftovers()
+
+
+# Plain DDP with torch's @record, as torchrun's docs write it; the script ends a failure with sys.exit(1) itself, so
+# only the error file that @record fills names the error.
+RECORDED = """
+import json, os, sys
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@record
+def main():
+    dist.init_process_group("gloo")
+    seen = {v: os.environ[v] for v in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE")}
+    seen["launched"] = dist.is_torchelastic_launched()
+    with open(f"seen.{dist.get_rank()}", "w") as f:
+        json.dump(seen, f)
+    dist.barrier()
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 found a corrupt batch")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        sys.exit(1)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_script_sees_a_torchelastic_launch_and_records_set_the_report(h: Harness) -> None:
+    (h.root / "recorded.py").write_text(RECORDED)
+    r = h.run(["run", "--nproc", "2", "recorded.py"], 150)
+    assert r.rc == 1, str(r)
+    assert r.stderr.count("ignite-mgpu: rank 1 failed with ValueError: rank 1 found a corrupt batch") == 1, r
+    line = next(n for n, text in enumerate(RECORDED.splitlines(), 1) if "raise ValueError" in text)
+    assert f'recorded.py", line {line}, in main' in r.stderr, r  # the traceback from the error file
+    seen = [json.loads((h.root / f"seen.{rank}").read_text()) for rank in (0, 1)]
+    assert all(s["launched"] for s in seen)  # torch.distributed.is_torchelastic_launched()
+    assert seen[0]["TORCHELASTIC_RUN_ID"] == seen[1]["TORCHELASTIC_RUN_ID"] != "none"
+    assert [Path(s["TORCHELASTIC_ERROR_FILE"]).name for s in seen] == ["error0.json", "error1.json"]
+    h.assert_no_leftovers()
+
+
+# Lightning's Trainer asking for more devices than the processes started: under torchrun, Lightning's own
+# TorchElasticEnvironment finds the mismatch at once (without it, it would start its own processes and hang).
+LIGHTNING = """
+import torch
+import lightning.pytorch as pl
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)), batch_size=2)
+trainer = pl.Trainer(accelerator="cpu", devices=4, strategy="ddp", max_epochs=1, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(Tiny(), data)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_lightning_reads_the_launch_and_names_its_own_mismatch(h: Harness) -> None:
+    if importlib.util.find_spec("lightning") is None:  # not imported here: it sets CUDA variables at import
+        pytest.skip("Lightning (the dev extra) is not installed")
+    (h.root / "lightning_job.py").write_text(LIGHTNING)
+    r = h.run(["run", "--nproc", "2", "lightning_job.py"], 250)
+    assert r.rc == 1, str(r)
+    mismatch = (
+        "failed with ValueError: You set `devices=4` and `num_nodes=1` in Lightning, but the product (4 * 1) does "
+        "not match the world size (2)."
+    )
+    assert r.stderr.count(mismatch) == 1, r
+    h.assert_no_leftovers()
+
+
+NO_GUARD = """
+from ignite_mgpu import launch
+
+
+def work(local_rank):
+    return local_rank
+
+
+print("top level ran")
+launch(work, nproc=2, backend="gloo")
+"""
+
+
+@pytest.mark.timeout(200)
+def test_launch_at_a_scripts_top_level_gets_one_paragraph(h: Harness) -> None:
+    (h.root / "noguard.py").write_text(NO_GUARD)
+    r = h.run(["noguard.py"], 150, command=[sys.executable])
+    assert r.rc == 2, str(r)
+    assert r.stderr.strip() == (
+        'ignite-mgpu: noguard.py calls launch() at its top level, without `if __name__ == "__main__":`. Each worker '
+        "imports noguard.py to find the job function, which runs its top level, and so launch(), again "
+        "(multiprocessing's error: \"An attempt has been made to start a new process before the current process has "
+        'finished its bootstrapping phase"). Put the launch() call, and whatever else should run once, under '
+        '`if __name__ == "__main__":` at the end of noguard.py; the job function stays at the top level.'
+    ), r
+    h.assert_no_leftovers()

@@ -71,7 +71,9 @@ def test_who_started_the_process_and_where_it_stands():
 
 
 def test_a_worker_gets_torchruns_variables_and_drops_the_launchers_slurm_task():
-    env = cluster.worker_environment(5, 1, 8, 4, 1, "10.0.0.1", 29500, restart_count=1, max_restarts=2)
+    env = cluster.worker_environment(
+        5, 1, 8, 4, 1, "10.0.0.1", 29500, restart_count=1, max_restarts=2, run_id="j7", error_file="/e/error5.json"
+    )
     assert env == {
         "RANK": "5",
         "LOCAL_RANK": "1",
@@ -86,7 +88,11 @@ def test_a_worker_gets_torchruns_variables_and_drops_the_launchers_slurm_task():
         "MASTER_PORT": "29500",
         "TORCHELASTIC_RESTART_COUNT": "1",
         "TORCHELASTIC_MAX_RESTARTS": "2",
+        "TORCHELASTIC_RUN_ID": "j7",  # torch.distributed.is_torchelastic_launched(): Lightning reads it
+        "TORCHELASTIC_USE_AGENT_STORE": "False",  # rank 0 hosts the store, as torchrun's static rendezvous
+        "TORCHELASTIC_ERROR_FILE": "/e/error5.json",  # filled by torch's @record
     }
+    assert "TORCHELASTIC_ERROR_FILE" not in cluster.worker_environment(0, 0, 1, 1, 0, "h", 1)
     assert cluster.outer_restarts(env) == 1  # a restarted script reads it as it would under torchrun
     assert cluster.started_externally(env)  # what the job function sees is what torchrun would give it
     slurm = {"SLURM_PROCID": "0", "SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "1", "PATH": "/bin"}

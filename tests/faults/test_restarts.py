@@ -280,3 +280,31 @@ def test_slurm_preemption_checkpoints_requeues_and_the_requeued_job_resumes(h: H
     assert log.read_text() == "requeue 4242\n"
     assert rows(out) == [(1, 1 if stopped_at < 10 else 0), (2, 1)]  # SLURM_RESTART_COUNT
     h.assert_no_leftovers()
+
+
+def test_a_preempted_job_requeued_on_three_processes_is_the_same_run(h: Harness, reference: Path) -> None:
+    """A SLURM pre-emption at any iteration (the stop's checkpoint is as unplanned as a time-based one), and the
+    requeued job gets 3 processes, not 2: it resumes at the stop and ends within 1e-5 of the uninterrupted run."""
+    out, bin_dir = h.root / "out", h.root / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    slurm = {"SLURM_JOB_ID": "4243", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}
+    slurm["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
+    args = [*EXACT, "train.epochs=2", "--resume", "auto", "--output-dir", str(out)]
+    job = h.start(args, "slow:*:1:0.2", extra=slurm)
+    wait_until(lambda: (out / "checkpoint_4.pt").exists(), job, 90, "the first checkpoint")
+    for pid in [job.pid, *job.recorded_pids()]:
+        os.kill(pid, signal.SIGUSR1)
+    r = job.wait(60)
+    assert r.rc == 138, str(r)
+    stopped_at = int(re.search(r"stopped by SIGUSR1 at iteration (\d+)", r.stderr).group(1))  # type: ignore[union-attr]
+    on_three = [a if a != "2" or args[i - 1] != "--nproc" else "3" for i, a in enumerate(args)]
+    r = h.run(on_three, 120, None, tag="b", extra={**slurm, "SLURM_RESTART_COUNT": "1"})
+    assert r.rc == 0, str(r)
+    assert re.search(rf"resumed from \S*checkpoint_{stopped_at}\.pt at iteration {stopped_at}", r.stderr), str(r)
+    want, got = final_state(reference / "checkpoint_20.pt"), final_state(out / "checkpoint_20.pt")
+    assert got["trainer"] == want["trainer"] == 20
+    for key, value in want["model"].items():
+        torch.testing.assert_close(got["model"][key], value, rtol=0, atol=1e-5, msg=key)
+    h.assert_no_leftovers()

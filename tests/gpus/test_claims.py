@@ -240,6 +240,29 @@ def test_the_real_command_waits_then_ends_with_exit_code_4(fake_gpus, jobs, tmp_
     )
 
 
+@pytest.mark.timeout(120)
+def test_run_waits_in_line_as_train_does_and_shares_on_purpose(fake_gpus, jobs, tmp_path):
+    """`ignite-mgpu run` takes the GPUs the way train does: in line with --wait (exit code 4 when it runs out,
+    the script never started), beside the other jobs' claims with --share."""
+    holder = jobs("--gpus", "2", "--hold")
+    assert holder.line()["gpus"] == [2]
+    (tmp_path / "train.py").write_text("open('started', 'w').close()\n")
+    result = run_cli(["run", "--gpus", "2", "--wait", "0.5", "train.py"], tmp_path)
+    assert result.returncode == 4, result.stderr[-3000:]
+    waiting = (
+        r"^ignite-mgpu: waiting for 1 free GPU \(--gpus 2; 0.5 s left\): GPU 2 is claimed by \S+ \(pid "
+        rf"{holder.proc.pid}, `claimer.py --gpus 2 --hold`, since "
+    )
+    assert re.search(waiting, result.stderr, re.M), result.stderr
+    assert "ignite-mgpu: error: --wait 0.5: --gpus 2 did not find 1 free GPU within 0.5 s" in result.stderr
+    refused = run_cli(["run", "--gpus", "2", "train.py"], tmp_path)
+    assert refused.returncode == 2 and "GPU 2 is claimed by" in refused.stderr, refused.stderr[-3000:]
+    # Past the claims: PyTorch here sees none of the stand-in's GPUs.
+    shared = run_cli(["run", "--gpus", "2", "--share", "train.py"], tmp_path)
+    assert shared.returncode == 2 and "PyTorch sees no CUDA device" in shared.stderr, shared.stderr[-3000:]
+    assert not (tmp_path / "started").exists()
+
+
 def _group_ends(pgid: int, timeout: float) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:

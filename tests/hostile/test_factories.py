@@ -5,6 +5,8 @@ its traceback once and exits 2; a model that cannot be built on the meta device 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from click.testing import CliRunner
 
@@ -47,3 +49,20 @@ def test_a_model_that_cannot_be_built_on_meta_is_left_to_the_workers(tmp_path, s
     assert result.exit_code == 0, result.output
     assert "cannot be built on the meta device" in result.output and "checked in the workers instead" in result.output
     assert len(started) == 1
+
+
+@pytest.mark.parametrize("what", ["fifo", "device"])
+def test_a_factory_module_that_is_not_a_regular_file_is_one_paragraph(tmp_path, monkeypatch, started, what):
+    """`model.name=fifomod:make` where fifomod.py is a FIFO or a symlink to /dev/zero: Python's importer takes only
+    regular files as modules (it never opens these, so nothing blocks or reads without end); the paragraph says
+    what the file is."""
+    monkeypatch.chdir(tmp_path)
+    module = tmp_path / f"{what}mod.py"
+    os.mkfifo(module) if what == "fifo" else os.symlink("/dev/zero", module)
+    args = ["train", *SMALL, "--output-dir", str(tmp_path / "out"), f"model.name={what}mod:make"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert f"model.name={what}mod:make: cannot import module '{what}mod'" in said
+    kind = "a FIFO (named pipe)" if what == "fifo" else "a symlink to a character device"
+    assert f"({module} is {kind}, not a regular file; a module must be a regular file)" in said and not started

@@ -49,13 +49,36 @@ def test_read_regular_is_bounded(tmp_path, fifo):
             read_regular(path, 1 << 20)
 
 
+def test_what_is_read_is_the_file_that_was_checked(tmp_path, monkeypatch):
+    """A checkpoint swapped for a FIFO after its check: the reader holds the checked file open and reads it through
+    its descriptor; swapped between the check and the open, the open file's own kind refuses it, without blocking."""
+    import torch
+
+    from ignite_mgpu.checkpoint.files import read_checkpoint
+    from ignite_mgpu.runs import regular
+
+    path = tmp_path / "checkpoint_4.pt"
+    torch.save({"model": {"w": torch.ones(2)}}, path)
+    with regular.opened_regular(path) as name:
+        path.unlink()
+        os.mkfifo(path)  # what a later open of the path would block on
+        assert torch.equal(torch.load(name, weights_only=True)["model"]["w"], torch.ones(2))
+    monkeypatch.setattr(regular, "why_not_regular", lambda _: None)  # the check saw a regular file
+    with pytest.raises(NotRegular, match="is a FIFO"):
+        regular.open_regular(path)
+    with pytest.raises(CheckpointError, match="is a FIFO .named pipe., not a regular file; pass the path"):
+        read_checkpoint(path)
+    assert not is_complete(path) and not is_safetensors(path)
+
+
 def test_checkpoint_checks_never_open_what_is_not_a_regular_file(tmp_path, fifo, caplog):
     os.symlink(ZERO, tmp_path / "checkpoint_9.pt")
     for path in (fifo, tmp_path / "checkpoint_9.pt", Path(ZERO)):
         assert not is_safetensors(path) and not is_complete(path)
     assert list_checkpoints(tmp_path) == []
     assert find_resumable(tmp_path) is None
-    assert "only regular files are read as checkpoints" in caplog.text
+    # said once for each name, however often the folder is listed
+    assert caplog.text.count("only regular files are read as checkpoints") == 2, caplog.text
 
 
 @pytest.mark.parametrize("target", ["fifo", ZERO])

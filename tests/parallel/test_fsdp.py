@@ -77,14 +77,6 @@ def test_one_process_shards_nothing_and_places_the_model():
         prepare_model(nn.Linear(2, 2), "fsdp", sync_batchnorm=True)
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    """A one-process gloo group (the conftest tears it down): fully_shard works as on N ranks."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-
-
 def sharded(seed=0):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))

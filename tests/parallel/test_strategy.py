@@ -125,14 +125,6 @@ def test_unwrap_a_compiled_module_whose_truth_value_calls_len():
     assert find_ddp(compiled) is None
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    """A one-process gloo group (the conftest tears it down): DDP and fully_shard work as on N ranks."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-
-
 def test_no_sync_is_the_strategys_own(one_rank):
     """DDP's no_sync (also under torch.compile), FSDP2's gradient sync off; nothing for DataParallel or a plain
     model."""

@@ -4,6 +4,7 @@ torchrun beside it) are in tests/distributed/test_run_script.py. `python -m pyte
 
 import argparse
 import atexit
+import math
 import os
 import re
 import signal
@@ -18,7 +19,7 @@ from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.errors import ConfigError, ScriptArgumentsError
 from ignite_mgpu.processes import launcher, script
 from ignite_mgpu.processes.outcome import no_restart_reason, outcome
-from ignite_mgpu.processes.plan import Machine, decide
+from ignite_mgpu.processes.plan import Machine, decide, make_plan
 from ignite_mgpu.processes.worker import failure_record
 
 
@@ -56,6 +57,35 @@ def test_the_flags_reach_the_plan_and_everything_after_the_script_is_its_own(cap
     assert (plan.nproc, plan.max_restarts, plan.join_group, plan.spawn_one) == (2, 1, False, True)
     assert plan.preempt_signal == signal.SIGUSR1  # SLURM's warning, passed on to the script
     assert kwargs["restart"](1).name == "train.py" and not kwargs["restart"](1).resumes
+
+
+@pytest.mark.parametrize(
+    "flags, wait, share",
+    [
+        (["--wait"], math.inf, False),  # directly before the script: the flag alone, not "train.py" seconds
+        (["--wait", "30"], 30.0, False),
+        (["--wait", "1e3"], 1000.0, False),
+        (["--share"], None, True),
+        ([], None, False),
+    ],
+)
+def test_wait_and_share_reach_the_gpu_claims_as_trains_do(captured, tmp_path, monkeypatch, flags, wait, share):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    asked = []
+    monkeypatch.setattr(script, "make_plan", lambda cfg, *a, **k: asked.append(cfg) or make_plan(cfg, *a, **k))
+    result = CliRunner().invoke(main, ["run", *flags, "train.py", "--wait", "x"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert (asked[0].wait, asked[0].share) == (wait, share)
+    assert captured[0][2] == ("train.py", ["--wait", "x"], False)  # the script's own --wait
+
+
+def test_wait_and_share_together_are_refused_as_train_refuses_them(captured, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    result = CliRunner().invoke(main, ["run", "--share", "--wait", "train.py"])
+    assert result.exit_code == 2 and not captured
+    assert "--share runs beside the other jobs' claims and --wait waits for them to end" in result.output
 
 
 @pytest.mark.parametrize("value, number", [("usr2", signal.SIGUSR2), ("SIGUSR2", signal.SIGUSR2), ("none", None)])

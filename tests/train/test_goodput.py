@@ -8,7 +8,7 @@ import time
 import pytest
 from ignite.engine import Engine, Events
 
-from ignite_mgpu.env.clock import JobClock, process_start
+from ignite_mgpu.env.clock import JobClock, command_start, process_start
 from ignite_mgpu.runs.goodput_parts import FIELDS, PARTS, read_totals
 from ignite_mgpu.train.goodput import Goodput
 from ignite_mgpu.train.step.guard import GuardEvents
@@ -80,10 +80,10 @@ def test_a_restart_goes_on_from_the_progress_saved_with_its_checkpoint(tmp_path)
     assert totals["redone_iterations"] == 2  # once, though the restart's own progress was saved since
 
 
-def test_without_anchors_the_clock_is_the_processs_start():
+def test_without_anchors_the_clock_is_the_commands_start():
     from ignite_mgpu.env.clock import job_clock
 
-    assert job_clock() == JobClock(process_start()) and process_start() <= time.time()
+    assert job_clock() == JobClock(command_start()) and process_start() <= command_start() <= time.time()
 
 
 def test_nothing_is_timed_per_iteration(tmp_path):

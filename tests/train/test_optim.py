@@ -17,18 +17,6 @@ from ignite_mgpu.train.optim import check_optim, create_optimizer
 PKG = "tests.plugins_pkg.optim_factories"
 
 
-@pytest.fixture
-def one_rank(tmp_path, monkeypatch):
-    """A one-process gloo group: DDP and fully_shard work as on N ranks. idist, which found it, forgets it after."""
-    import ignite.distributed as idist
-    import torch.distributed as dist
-
-    monkeypatch.setenv("LOCAL_RANK", "0")  # as a launcher sets it: idist need not guess it from the host names
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    yield
-    idist.finalize()
-
-
 def build(model, *overrides):
     """What the default job builds for these overrides, after the pre-flight's check (the job's own wiring)."""
     cfg = load_config(overrides=list(overrides))

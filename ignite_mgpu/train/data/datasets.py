@@ -4,8 +4,10 @@ here imports ignite."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Mapping
+from multiprocessing.sharedctypes import RawValue
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -44,19 +46,44 @@ class SyntheticImages(Dataset):
         return self.images[index], int(self.targets[index])
 
 
-class _CheckedImageFolder(Dataset):
-    """ImageFolder whose errors name the file; with ``skip`` a bad file is logged and dropped from its batch."""
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one sample's augmentation in one epoch: the same on any rank and any process count. A hash, 32
+    bits: the CPU generator's Mersenne Twister takes only the seed's low 32 bits."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
 
-    def __init__(self, root: Path, transform: Any, skip: bool) -> None:
+
+class _CheckedImageFolder(Dataset):
+    """ImageFolder whose errors name the file; with ``skip`` a bad file is logged and dropped from its batch.
+
+    With a ``seed``, a sample's random transforms draw from a generator seeded by (seed, epoch, index) and not from
+    the process's own: sample i of epoch e gets the same crop and flip on whichever rank serves it, on any process
+    count (a run resumed on other GPUs stays the same run), and the process's own generator (dropout) is untouched.
+    The epoch is in shared memory, so that the loader's persistent worker processes see ``set_epoch``.
+    """
+
+    def __init__(self, root: Path, transform: Any, skip: bool, seed: int | None = None) -> None:
         from torchvision.datasets import ImageFolder
 
         self.inner = ImageFolder(str(root), transform=transform)
-        self.skip = skip
+        self.skip, self.seed = skip, seed
+        self.epoch = RawValue("q", 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose augmentation the next samples draw (the trainer calls it with the sampler's)."""
+        self.epoch.value = epoch
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def __getitem__(self, index: int) -> Any:
+        if self.seed is None:
+            return self._read(index)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed(self.seed, self.epoch.value, index))
+            return self._read(index)
+
+    def _read(self, index: int) -> Any:
         path = self.inner.samples[index][0]
         try:
             return self.inner[index]
@@ -155,7 +182,7 @@ def _builtin(cfg: DataConfig, num_classes: int, seed: int) -> tuple[Dataset, Dat
         train_tf = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(), norm])
         val_tf = T.Compose([T.Resize(int(size * 1.14)), T.CenterCrop(size), T.ToTensor(), norm])
         return (
-            _CheckedImageFolder(root / "train", train_tf, cfg.skip_bad_samples),
+            _CheckedImageFolder(root / "train", train_tf, cfg.skip_bad_samples, seed),
             _CheckedImageFolder(root / "val", val_tf, cfg.skip_bad_samples),
         )
     gray = cfg.name in ("mnist", "fashion_mnist")

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from ignite_mgpu.train.step.deterministic import PortableDeterministicEngine, us
 from ignite_mgpu.train.step.guard import TrainingGuard, accumulation_window
 from ignite_mgpu.train.step.micro_batch import MicroBatching
 from ignite_mgpu.train.step.micro_step import micro_batch_step
+
+logger = logging.getLogger(__name__)
 
 # Fp16 needs a GradScaler, which PyTorch ships for CUDA; bf16 is the CPU's choice.
 FP16_DEVICE_TYPES = ("cuda",)
@@ -226,6 +229,10 @@ def _set_sampler_epoch(engine: Engine) -> None:
     set_epoch = getattr(sampler, "set_epoch", None)
     if set_epoch is not None:
         set_epoch(engine.state.epoch - 1)
+    # A dataset whose per-sample randomness follows the epoch (the built-in image folder's augmentation).
+    dataset_epoch = getattr(getattr(loader, "dataset", None), "set_epoch", None)
+    if dataset_epoch is not None:
+        dataset_epoch(engine.state.epoch - 1)
     if isinstance(sampler, GlobalBatchSampler) and isinstance(engine, Trainer):
         _follow_global_batches(engine, sampler)
 
@@ -236,6 +243,16 @@ def _follow_global_batches(trainer: Trainer, sampler: GlobalBatchSampler) -> Non
     state = trainer.state
     position = state.iteration % state.epoch_length if state.epoch_length else 0
     # The DeterministicEngine skips the resumed epoch's first batches itself.
-    if position and state.epoch_length == sampler.batches and not isinstance(trainer, DeterministicTrainer):
-        sampler.set_start(position)
+    if position and not isinstance(trainer, DeterministicTrainer):
+        if state.epoch_length == sampler.batches:
+            sampler.set_start(position)
+        elif idist.get_rank() == 0:
+            logger.warning(
+                "resumed at iteration %d of an epoch of train.epoch_length=%d iterations, not the data's %d global "
+                "batches: the rest of this epoch comes from a new pass over the data, so some of its samples may "
+                "repeat. Leave train.epoch_length unset for a resume that continues at the exact sample.",
+                position,
+                state.epoch_length,
+                sampler.batches,
+            )
     trainer.step.shares.weights = None if sampler.even else sampler.weights()

@@ -4,6 +4,7 @@
 import pytest
 import torch
 from PIL import Image
+from torch.utils.data import DataLoader
 
 from ignite_mgpu.config.schema import DataConfig
 from ignite_mgpu.errors import ConfigError
@@ -50,6 +51,38 @@ def test_imagefolder_names_a_corrupt_file_or_skips_it(tmp_path):
     cfg.skip_bad_samples = True
     train = build_datasets(cfg, 2, 0).train
     assert train[index] is None and train[(index + 1) % len(train)][0].shape == (3, 8, 8)
+
+
+def test_imagefolder_augmentation_follows_the_sample_and_epoch_not_the_process(tmp_path):
+    """Random crops and flips of the built-in image folder are a function of (seed, epoch, index): the same on
+    whichever rank serves a sample (a resume on another process count), new each epoch, seen by persistent loader
+    workers, and the process's own generator (dropout) is not touched."""
+    noise = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for cls in ("a", "b"):
+            folder = tmp_path / split / cls
+            folder.mkdir(parents=True)
+            for k in range(2):
+                pixels = torch.randint(0, 256, (24, 24, 3), generator=noise, dtype=torch.uint8).numpy()
+                Image.fromarray(pixels).save(folder / f"{k}.png")
+    cfg = DataConfig(name="imagefolder", root=str(tmp_path), image_size=8)
+    one, other = build_datasets(cfg, 2, seed=5).train, build_datasets(cfg, 2, seed=5).train
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    epoch0 = [one[i][0] for i in range(4)]
+    assert torch.equal(torch.rand(3), expected_next)  # the process's generator is untouched
+    torch.manual_seed(999)  # another process's state: no effect on a sample
+    assert all(torch.equal(other[i][0], epoch0[i]) for i in reversed(range(4)))
+    other.set_epoch(1)
+    epoch1 = [other[i][0] for i in range(4)]
+    assert not all(torch.equal(a, b) for a, b in zip(epoch0, epoch1, strict=True))  # a new draw each epoch
+    assert not torch.equal(build_datasets(cfg, 2, seed=6).train[0][0], epoch0[0])  # and each seed
+    loader = DataLoader(one, batch_size=4, num_workers=1, persistent_workers=True)
+    for epoch, want in ((0, epoch0), (1, epoch1)):
+        one.set_epoch(epoch)
+        ((images, _),) = list(loader)
+        assert torch.equal(images, torch.stack(want))
 
 
 def test_torchvision_dataset_missing_without_download(tmp_path):
