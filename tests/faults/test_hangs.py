@@ -125,3 +125,19 @@ def test_stacks_prints_both_ranks_of_a_live_job(h: Harness) -> None:
     r = job.wait(timeout=120)
     assert r.rc == 0, str(r)  # the job went on to its end
     h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(150)
+def test_stacks_of_a_script_under_run(h: Harness) -> None:
+    job = h.start(["run", "--nproc", "2", str(Path(__file__).parent / "live_script.py"), "40"])
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    deadline = time.monotonic() + 60
+    while True:  # until both ranks are in the script's loop
+        shown = subprocess.run(
+            [sys.executable, "-m", "ignite_mgpu", "stacks", str(job.pid)], env=env, capture_output=True, text=True
+        )
+        if shown.stdout.count("in reduce_for") == 2 or time.monotonic() > deadline or not job.running():
+            break
+        time.sleep(1)
+    assert shown.returncode == 0 and shown.stdout.count("in reduce_for") == 2, shown.stdout + shown.stderr
+    job.kill_all()
