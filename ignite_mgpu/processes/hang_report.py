@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ignite_mgpu.processes.plan import LaunchPlan
 
 _FRAME = re.compile(r'\s*File "(.*)", line (\d+) in (.*)')
+_LOADER = re.compile(r"^-- data-loader worker, pid (\d+) --$", re.MULTILINE)  # stacks.dump's heading
 _FR_PREFIX, _FR_PIPE = "nccl_trace_rank_", "nccl_pipe_rank_"
 _PENDING = ", not completed"  # a Flight Recorder's collective that this rank waits in
 
@@ -98,10 +99,13 @@ class Where:
     frame: Frame | None  # the innermost frame of the user's code, else of ignite-mgpu's
     collective: str | None = None  # the collective it waits in ("all_gather"; "backward": DDP's all-reduce)
     called_at: Frame | None = None  # where that collective was called, outside torch and ignite
+    loader: tuple[int, Frame] | None = None  # (pid, frame) of a data-loader worker in the user's code
 
 
 def where(text: str) -> Where:
-    frames = main_thread(text)
+    """Where a rank's main thread is, from its dump (``stacks.dump``: the rank's, then its loader workers')."""
+    own, *loaders = _LOADER.split(text)
+    frames = main_thread(own)
     dirs = _library_dirs()
     own = [f for f in frames if not is_library(f.file, dirs)]
     ours = [f for f in frames if os.sep + "ignite_mgpu" + os.sep in f.file]
@@ -114,7 +118,18 @@ def where(text: str) -> Where:
             outside = [g for g in frames[i + 1 :] if not is_library(g.file, dirs) or g in ours]
             found.called_at = outside[0] if outside else None
             break
+    if not own_frames(found, dirs):  # waiting for its data: where its loader workers are
+        for pid, loader_text in zip(loaders[::2], loaders[1::2], strict=True):
+            user = [f for f in (threads(loader_text) or [[]])[0] if not is_library(f.file, dirs)]
+            if user:
+                found.loader = int(pid), user[0]
+                break
     return found
+
+
+def own_frames(found: Where, dirs: _Dirs) -> bool:
+    """Whether the rank itself is in a collective or in the user's code."""
+    return found.collective is not None or (found.frame is not None and not is_library(found.frame.file, dirs))
 
 
 def describe(rank_where: Where) -> str:
@@ -124,6 +139,8 @@ def describe(rank_where: Where) -> str:
     if rank_where.collective:
         at = f", called at {rank_where.called_at}" if rank_where.called_at else ""
         return f"waits in the collective {rank_where.collective}{at}"
+    if rank_where.loader:
+        return f"waits for its data-loader worker (pid {rank_where.loader[0]}), which is in {rank_where.loader[1]}"
     return f"is in {rank_where.frame}" if rank_where.frame else "has no Python frame to show"
 
 

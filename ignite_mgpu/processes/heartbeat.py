@@ -3,8 +3,9 @@ written after every iteration by the guard, and the beats of an evaluation itera
 and judges the job hung when no rank has made progress for far longer than the slowest work seen so far.
 
 The rule: hung when no rank's progress moved for ``max(dist.hang_seconds, FACTOR x the slowest interval between
-two progress notes of any rank)``. The watch starts at the trainer's start, so the first interval holds the first
-iteration (data loader start, compilation); while any rank writes a checkpoint nobody is judged, and a save's
+two progress notes of any rank)``. The first interval, from the trainer's start to the first completed iteration
+(the data loader's start, a compilation: minutes for a large compiled model), counts as pace but is not judged: the
+job is judged once a rank completed an iteration. While any rank writes a checkpoint nobody is judged, and a save's
 length does not count as pace. A job whose workers never note progress (a script under ``ignite-mgpu run`` that
 uses no ignite-mgpu trainer) is never judged; ``dist.timeout`` still bounds every collective.
 
@@ -37,7 +38,7 @@ class _Pace:
     seen: tuple[int, int] = (0, 0)  # (iteration, beats) at the last change
     changed_at: float = 0.0
     slowest: float = 0.0  # the longest interval between two changes, saves left out
-    armed: bool = False  # the trainer has started
+    armed: bool = False  # the trainer has started: intervals are measured
     was_saving: bool = False
 
 
@@ -80,7 +81,7 @@ class HangWatch:
             for pace in armed:
                 pace.changed_at = now
             return None
-        if not armed:
+        if not any(p.seen[0] > 0 for p in armed):  # before the first iteration: measured, not judged
             return None
         slowest = max(p.slowest for p in armed)
         window = max(self.floor, self.factor * slowest)

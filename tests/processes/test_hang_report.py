@@ -126,3 +126,11 @@ def test_flight_recorder_variables_point_into_the_attempts_folder(tmp_path: Path
     assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == f"{tmp_path}/nccl_trace_rank_"
     assert env["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"] == f"{tmp_path}/nccl_pipe_rank_"
+
+
+def test_a_rank_waiting_for_its_loader_worker_names_the_workers_frame():
+    waiting = dump((f"{STDLIB}/threading.py", 331, "wait"), (f"{OURS}/train/data/loaders.py", 55, "__iter__"), *BOTTOM)
+    worker = dump(("/home/me/project/data.py", 35, "__getitem__"), (f"{TORCH}/utils/data/_utils/worker.py", 1, "loop"))
+    found = where(f"{waiting}\n-- data-loader worker, pid 77 --\n{worker}")
+    expected = "waits for its data-loader worker (pid 77), which is in /home/me/project/data.py:35 in __getitem__"
+    assert hang_report.describe(found) == expected

@@ -18,9 +18,14 @@ def steps(start: float, count: int, every: float, ranks=(0, 1), beats=1) -> list
     return [(start + i * every, {r: (i + 1, False, beats) for r in ranks}) for i in range(count)]
 
 
-def test_not_armed_before_the_trainer_starts():
+def test_not_judged_before_the_first_iteration():
+    """The trainer's start to the first iteration (a compilation, the loader's start) may take minutes."""
     watch = HangWatch(3.0)
     assert feed(watch, [(t, {0: (0, False, 0), 1: None}) for t in range(0, 100, 5)]) is None
+    assert feed(watch, [(t, {0: (0, False, 1), 1: (0, False, 1)}) for t in range(100, 400, 5)]) is None
+    # ... and it counts as the job's pace: 300 s, so a 3000 s window.
+    assert feed(watch, [(400.0, {0: (1, False, 1), 1: (1, False, 1)}), (3000.0, {0: (1, False, 1)})]) is None
+    assert feed(watch, [(3401.0, {0: (1, False, 1)})]) is not None
 
 
 def test_silent_past_the_floor_is_a_hang_naming_each_ranks_iteration():
