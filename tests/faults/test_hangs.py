@@ -54,22 +54,13 @@ def hang_file(out: Path) -> str:
     return text
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("workers", [0, 2])
-def test_rank_stuck_in_its_data_loader_is_named(h: Harness, workers: int) -> None:
-    """In the rank itself, or (data.num_workers=2: one per rank) in its data-loader worker."""
+@pytest.mark.timeout(120)
+def test_rank_stuck_in_its_data_loader_is_named(h: Harness) -> None:
     out = h.root / "out"
-    args = [*HANGS, "data.args={hang: '1:200'}", f"data.num_workers={workers}", "--output-dir", str(out)]
-    # The window is 10x the first iteration, which starts the loader workers (a few seconds on a busy machine).
-    r = h.run(args, timeout=100)
+    r = h.run([*HANGS, "data.args={hang: '1:200'}", "--output-dir", str(out)], timeout=60)
     assert r.rc == 1, str(r)
     assert "the job hung: no rank made progress" in r.stderr, str(r)
     assert "rank(s) 1 stuck" in r.stderr, str(r)
-    if workers:
-        where = r"waits for its data-loader worker \(pid \d+\), which is in \S*hangdata\.py:\d+ in __getitem__"
-        assert re.search(rf"rank 1 \(pid \d+, .*\) {where}", r.stderr), str(r)
-        h.assert_no_leftovers()
-        return
     assert re.search(
         r"rank 1 \(pid \d+, last completed iteration 6\) is in \S*hangdata\.py:\d+ in __getitem__", r.stderr
     )
