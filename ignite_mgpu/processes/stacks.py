@@ -14,8 +14,10 @@ import faulthandler
 import os
 import re
 import signal
+import socket
 import tempfile
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -86,13 +88,18 @@ def loader_children(pid: int) -> list[int]:
     return [child for child in children if catches(child)]
 
 
-def _signal_and_read(targets: list[tuple[int, Path]], wait: float) -> dict[int, str]:
-    """Signal every pid, then read what each appended to its file; "" where nothing came within ``wait``."""
+def _signal_and_read(
+    targets: list[tuple[int, Path]], wait: float, resume: AbstractSet[int] = frozenset()
+) -> dict[int, str]:
+    """Signal every pid, then read what each appended to its file; "" where nothing came within ``wait``.
+    ``resume``: stopped pids, continued after the signal (which they handle first, where they were stopped)."""
     start = {}
     for pid, path in targets:
         with contextlib.suppress(OSError):
             start[pid] = path.stat().st_size
             os.kill(pid, STACKS_SIGNAL)
+            if pid in resume:
+                os.kill(pid, signal.SIGCONT)
     sizes: dict[int, tuple[int, float]] = {}
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
@@ -123,11 +130,8 @@ def dump(ranks: list[Rank], resume_stopped: bool = False, wait: float = 2.0) -> 
     killed); otherwise its text says that it is stopped."""
     alive = [r for r in ranks if catches(r.pid)]
     stopped = {r.pid for r in alive if state(r.pid) in ("T", "t")}
-    for pid in stopped if resume_stopped else ():
-        os.kill(pid, STACKS_SIGNAL)  # delivered first, as the process continues
-        os.kill(pid, signal.SIGCONT)
     asked = [r for r in alive if resume_stopped or r.pid not in stopped]
-    texts = _signal_and_read([(r.pid, r.path) for r in asked], wait)
+    texts = _signal_and_read([(r.pid, r.path) for r in asked], wait, stopped if resume_stopped else set())
     out = {}
     for r in ranks:
         text = texts.get(r.pid, "")
@@ -178,7 +182,7 @@ def live_ranks(target: str) -> list[Rank]:
     else:
         owner = lock_owner(Path(target)) if Path(target).is_dir() else None
         match = re.fullmatch(r"pid (\d+) on host (\S+)", owner or "")
-        if match is None or match[2] != os.uname().nodename:
+        if match is None or match[2] != socket.gethostname():
             where = f"is held by {owner}" if owner else "is held by no running job"
             raise ConfigError(
                 f"{target} holds no live job on this machine: its lock {where}. Give the run folder of a train job "
