@@ -232,9 +232,21 @@ def plan_memory(cfg: Config, as_json: bool = False) -> int:
     activations per sample and the peak of a training step under ddp, dp and fsdp, measured on fake tensors (nothing
     allocated, no process started), and which strategy and micro-batch fit the selected GPUs' free memory (on a
     machine without GPUs: the available RAM). Returns 0, or 2 with the reason when a check fails."""
-    from ignite_mgpu.memory.budget import capacity, make_memory_plan
-    from ignite_mgpu.memory.table import format_plan, to_json
+    try:
+        from ignite_mgpu.memory.budget import capacity, make_memory_plan
+        from ignite_mgpu.memory.table import format_plan, to_json
+    except ModuleNotFoundError as err:  # PyTorch's memory trackers are newer than the oldest torch trains with
+        if not (err.name or "").startswith("torch."):
+            raise
+        import torch
 
+        return _refused(
+            ConfigError(
+                f"ignite-mgpu plan measures a step with PyTorch's memory trackers ({err.name}), which torch "
+                f"{torch.__version__} does not have. Upgrade torch to plan (pip install -U torch); training works "
+                "without the plan, and train.micro_batch=auto splits the batch after an out-of-memory error."
+            )
+        )
     try:
         validate(cfg)
         check_job(cfg)

@@ -216,9 +216,8 @@ def test_the_default_best_model_is_still_the_torch_save_file(tmp_path):
 
 
 def test_a_sharded_model_is_gathered_and_written_with_its_tie_once(one_rank, tmp_path):
-    from torch.distributed.fsdp import fully_shard
-
     from ignite_mgpu.checkpoint.state import FullModelState
+    from ignite_mgpu.parallel.fsdp import fully_shard  # torch.distributed.fsdp on torch >= 2.6
 
     model, plain = TiedLM(), TiedLM()
     fully_shard(model.mid)
