@@ -20,7 +20,7 @@ from ignite_mgpu.env.clock import JobClock, command_start
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.gpus import acquire, selection
 from ignite_mgpu.gpus.claims import GpuClaims
-from ignite_mgpu.processes import elastic
+from ignite_mgpu.processes import torchelastic
 
 
 @dataclass
@@ -59,7 +59,7 @@ class LaunchPlan:
     start_method: str = "spawn"
     # False: the job creates its own process group (ignite-mgpu run: a user's script)
     join_group: bool = True
-    # TORCHELASTIC_RUN_ID of the workers (elastic.run_id): is_torchelastic_launched() is True in them, as under torchrun
+    # TORCHELASTIC_RUN_ID of the workers (torchelastic.run_id): is_torchelastic_launched() is True, as under torchrun
     run_id: str = "none"
     # When the command started (and, for a restart, when the previous attempt failed): goodput's anchors.
     clock: JobClock = field(default_factory=lambda: JobClock(command_start()), compare=False, repr=False)
@@ -146,7 +146,7 @@ def make_plan(
     except BaseException:
         held.close()
         raise
-    return dataclasses.replace(plan, binding=binding, claims=held, run_id=elastic.run_id(environ, cfg.nnodes))
+    return dataclasses.replace(plan, binding=binding, claims=held, run_id=torchelastic.run_id(environ, cfg.nnodes))
 
 
 def check_outer_launcher(cfg: DistConfig, environ: Mapping[str, str]) -> None:

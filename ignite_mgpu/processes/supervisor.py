@@ -25,7 +25,7 @@ from typing import Any
 from ignite_mgpu.env import stop
 from ignite_mgpu.env.clock import JobClock
 from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, USAGE, signal_exit_code
-from ignite_mgpu.processes import elastic, forkserver
+from ignite_mgpu.processes import forkserver, torchelastic
 from ignite_mgpu.processes.outcome import (
     Failure,
     Outcome,
@@ -204,7 +204,7 @@ class Supervisor:
         exit_codes = [p.exitcode for p in self.procs]
         offset = plan.node_rank * plan.nproc
         failed_ranks = [offset + i for i, code in enumerate(exit_codes) if code]
-        failures = elastic.with_error_files(self._read_failures(folder), folder, failed_ranks)
+        failures = torchelastic.with_error_files(self._read_failures(folder), folder, failed_ranks)
         result = outcome(failures, exit_codes, self.first_failure, self.signal_received, offset, plan.timeout)
         result = cut_short_while_saving(result, self.cut_short and any(s[1] for s in self._statuses(folder)))
         reason = no_restart_reason(failures, exit_codes, self.first_failure, self.signal_received)

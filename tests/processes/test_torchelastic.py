@@ -1,6 +1,6 @@
-"""What a worker shares with a torchrun-started process beyond its rank (processes/elastic.py): the run's id, and
+"""What a worker shares with a torchrun-started process beyond its rank (processes/torchelastic.py): the run's id, and
 the error file that torch's @record fills and the failure report reads; and the one paragraph for launch() at a
-script's top level. `python -m pytest tests/processes/test_elastic.py`."""
+script's top level. `python -m pytest tests/processes/test_torchelastic.py`."""
 
 import json
 import signal
@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from ignite_mgpu.errors import FAILED, USAGE
-from ignite_mgpu.processes import elastic
+from ignite_mgpu.processes import torchelastic
 from ignite_mgpu.processes.notebook import NO_MAIN_GUARD
 from ignite_mgpu.processes.outcome import no_restart_reason, outcome
 
@@ -25,15 +25,15 @@ def recorded(path, monkeypatch) -> None:
 
 
 def test_the_run_id_is_the_schedulers_job_else_one_of_its_own_on_one_node():
-    assert elastic.run_id({"SLURM_JOB_ID": "4242"}, nnodes=2) == "4242"
-    ours = elastic.run_id({}, nnodes=1)
-    assert len(ours) == 32 and ours != elastic.run_id({}, nnodes=1)  # as torchrun --standalone: a fresh one
-    assert elastic.run_id({}, nnodes=2) == "none"  # as torchrun without --rdzv-id: the nodes could not agree
+    assert torchelastic.run_id({"SLURM_JOB_ID": "4242"}, nnodes=2) == "4242"
+    ours = torchelastic.run_id({}, nnodes=1)
+    assert len(ours) == 32 and ours != torchelastic.run_id({}, nnodes=1)  # as torchrun --standalone: a fresh one
+    assert torchelastic.run_id({}, nnodes=2) == "none"  # as torchrun without --rdzv-id: the nodes could not agree
 
 
 def test_the_error_file_that_record_writes_is_read_as_a_failure(tmp_path, monkeypatch):
     recorded(tmp_path / "error1.json", monkeypatch)
-    found = elastic.read_error_file(tmp_path / "error1.json")
+    found = torchelastic.read_error_file(tmp_path / "error1.json")
     assert found is not None
     assert (found["type"], found["message"]) == ("ValueError", "the batch on rank 1 is corrupt")
     assert found["traceback"].startswith("Traceback (most recent call last):")
@@ -47,13 +47,13 @@ def test_the_error_file_that_record_writes_is_read_as_a_failure(tmp_path, monkey
 )
 def test_an_unreadable_error_file_is_no_error_file(tmp_path, content):
     (tmp_path / "error0.json").write_text(content)
-    assert elastic.read_error_file(tmp_path / "error0.json") is None
-    assert elastic.read_error_file(tmp_path / "missing.json") is None
+    assert torchelastic.read_error_file(tmp_path / "error0.json") is None
+    assert torchelastic.read_error_file(tmp_path / "missing.json") is None
 
 
 def test_a_plain_message_is_taken_as_it_is(tmp_path):
     (tmp_path / "error0.json").write_text(json.dumps({"message": "rank 0 lost its disk", "timestamp": "17"}))
-    found = elastic.read_error_file(tmp_path / "error0.json")
+    found = torchelastic.read_error_file(tmp_path / "error0.json")
     assert found == {"type": "Error", "message": "rank 0 lost its disk", "traceback": "", "time": 17.0}
 
 
@@ -70,16 +70,16 @@ def test_the_report_shows_the_error_files_error_where_the_worker_saw_only_an_exi
         "code": FAILED,
         "user_error": False,
     }
-    failures = elastic.with_error_files([own], tmp_path, failed_ranks=[1])
+    failures = torchelastic.with_error_files([own], tmp_path, failed_ranks=[1])
     assert failures == [{**own, "type": "ValueError", "message": "the batch on rank 1 is corrupt",
                          "traceback": failures[0]["traceback"]}]  # fmt: skip
     result = outcome(failures, [-signal.SIGKILL, 1])
     assert result.code == FAILED and result.cause == "rank 1 failed with ValueError: the batch on rank 1 is corrupt"
     assert 'raise ValueError("the batch on rank 1 is corrupt")' in result.details
     # A rank that wrote no failure file of its own (os._exit after @record): the error file alone.
-    alone = elastic.with_error_files([], tmp_path, failed_ranks=[1])
+    alone = torchelastic.with_error_files([], tmp_path, failed_ranks=[1])
     assert alone[0]["rank"] == 1 and alone[0]["type"] == "ValueError" and alone[0]["code"] == FAILED
-    assert elastic.with_error_files([], tmp_path, failed_ranks=[0]) == []  # rank 0's file: none
+    assert torchelastic.with_error_files([], tmp_path, failed_ranks=[0]) == []  # rank 0's file: none
 
 
 def test_workers_that_met_launch_at_the_scripts_top_level_give_one_paragraph(monkeypatch):
