@@ -66,6 +66,26 @@ def cuda_index_map(gpus: list[GpuInfo], environ: Mapping[str, str]) -> dict[int,
     return {g.index: visible.index(g.index) if g.index in visible else None for g in gpus}
 
 
+def _as_json(
+    gpus: list[GpuInfo], cuda: dict[int, int | None], fallback: dict[str, object] | None, held: Occupancy
+) -> str:
+    """``ignite-mgpu devices --json``: each GPU with its CUDA index and claim, and the elastic jobs."""
+    rows = [
+        {
+            **asdict(g),
+            "cuda_index": cuda[g.index],
+            "claim": held.claims[g.index].as_json() if g.index in held.claims else None,
+            "process_users": {str(pid): held.users[pid] for pid in g.pids if pid in held.users},
+        }
+        for g in gpus
+    ]
+    note = {"claims_note": held.note} if held.note else {}  # the claims folder cannot be read
+    elastic = [{"user": who.user, "pid": who.pid, "range": who.gpu_range, "holds": ids} for who, ids in
+               elastic_jobs(held)]  # fmt: skip
+    ranges = {"elastic_jobs": elastic} if elastic else {}  # jobs on --gpus auto:MIN-MAX
+    return json.dumps({"gpus": rows, "cpu_fallback": fallback, **ranges, **note}, indent=2)
+
+
 def format_devices(
     gpus: list[GpuInfo], environ: Mapping[str, str], as_json: bool = False, claims: Occupancy | None = None
 ) -> str:
@@ -75,20 +95,7 @@ def format_devices(
     fallback = {"backend": "gloo", "nproc": 1} if cpu_only else None
     held = claims or Occupancy()
     if as_json:
-        rows = [
-            {
-                **asdict(g),
-                "cuda_index": cuda[g.index],
-                "claim": held.claims[g.index].as_json() if g.index in held.claims else None,
-                "process_users": {str(pid): held.users[pid] for pid in g.pids if pid in held.users},
-            }
-            for g in gpus
-        ]
-        note = {"claims_note": held.note} if held.note else {}  # the claims folder cannot be read
-        elastic = [{"user": who.user, "pid": who.pid, "range": who.gpu_range, "holds": ids} for who, ids in
-                   elastic_jobs(held)]  # fmt: skip
-        ranges = {"elastic_jobs": elastic} if elastic else {}  # jobs on --gpus auto:MIN-MAX
-        return json.dumps({"gpus": rows, "cpu_fallback": fallback, **ranges, **note}, indent=2)
+        return _as_json(gpus, cuda, fallback, held)
     if not gpus:
         return _NO_GPU_TEXT
     unknown = visible_ids(gpus, environ) is None
