@@ -111,3 +111,28 @@ def test_on_real_gpus_a_rank_with_a_device_error_is_left_out(tmp_path, monkeypat
     assert result.returncode == 0, result.stderr[-4000:]
     assert re.search(r"left out GPU \d+ \(rank 1's error is a CUDA device error", result.stderr), result.stderr
     assert [r["processes"] for r in metrics(out)] == [2, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(400)
+def test_on_a_real_gpu_a_healthy_gpu_stays_and_one_with_a_device_error_is_never_below_min(tmp_path, monkeypatch):
+    """The twin on one GPU: the real nvidia-smi/NVML finds the job's GPU again by its UUID after a rank's SIGKILL
+    (a plain restart on it), and a device error on the only GPU of auto:1-1 ends the job instead of going below MIN."""
+    needs_gpus(1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    args = [a for a in ARGS if a not in ("--backend", "gloo")]
+    kept = tmp_path / "kept"
+    result = run_cli(["train", *args, "--gpus", "auto:1-1", "--max-restarts", "1", "--output-dir", str(kept)],
+                     tmp_path, 300, job_env(tmp_path, "once-kill:0:8"))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "left out" not in result.stderr and "restart 1 of 1" in result.stderr
+    assert [r["processes"] for r in metrics(kept)] == [1, 1] and metrics(kept)[1]["time_resize_s"] == 0
+    failed = tmp_path / "failed"
+    result = run_cli(["train", *args, "--gpus", "auto:1-1", "--max-restarts", "1", "--output-dir", str(failed)],
+                     tmp_path, 300, job_env(tmp_path / "second", "once-deverror:0:8"))  # fmt: skip
+    assert result.returncode == 1, result.stderr[-4000:]
+    assert re.search(
+        r"not restarted: GPU \d+ \(rank 0's error is a CUDA device error \('unspecified launch failure'\)\) "
+        r"failed, leaving 0 GPUs, below the range's MIN 1 \(--gpus auto:1-1\)",
+        result.stderr,
+    ), result.stderr
