@@ -61,7 +61,9 @@ def lost_gpus(plan: LaunchPlan, failures: list[Failure], snapshot: list[inventor
     if snapshot:
         listed = {claim_name(g.uuid, g.pci_bus_id): g for g in snapshot}
         for index in ids:
-            gpu = listed.get(plan.gpu_names.get(index, ""))
+            if index not in plan.gpu_names:
+                continue  # not known by name (CUDA_VISIBLE_DEVICES as exported): only its rank's error can tell
+            gpu = listed.get(plan.gpu_names[index])
             if gpu is None:
                 found[index] = "nvidia-smi no longer lists it"
             elif _LOST_FIELDS.search(gpu.name):

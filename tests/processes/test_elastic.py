@@ -60,6 +60,8 @@ def test_a_gpu_gone_from_the_snapshot_or_reported_lost_or_named_by_a_ranks_error
     # ids moved in the snapshot: the GPU is found by its UUID
     moved = [GpuInfo(i, "", "NVIDIA A100", 1, 81920, 0, 0, uuid=UUID(j)) for i, j in enumerate((0, 1, 3))]
     assert [x.physical_id for x in lost_gpus(plan(), [], moved)] == [2]
+    unnamed = LaunchPlan("nccl", 2, gpus=[0, 1])  # GPUs the plan knows no name of are never "no longer listed"
+    assert lost_gpus(unnamed, [], [gpu(3)]) == []
 
 
 def test_an_elastic_job_restarts_on_the_gpus_left_and_lets_go_of_the_failed_ones_claim():
