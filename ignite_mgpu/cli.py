@@ -146,7 +146,9 @@ def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | Non
 @click.option("-m", "--module", is_flag=True, help="SCRIPT is a module name, run as python -m MODULE.")
 @click.option("--nproc", type=int, help="Processes on this node [default: selected GPUs, or 1 on CPU].")
 @click.option(
-    "--gpus", callback=gpus_value, help="Physical GPU ids as nvidia-smi shows them (2,3), all, none, auto or auto:N."
+    "--gpus",
+    callback=gpus_value,
+    help="Physical GPU ids as nvidia-smi shows them (2,3), all, none, auto, auto:N or auto:MIN-MAX.",
 )
 @click.option("--nnodes", type=int, default=1, help="Machines in the job (multi-node: also --node-rank, --master-*).")
 @click.option("--node-rank", type=int, default=0, help="This machine's index, 0..nnodes-1.")

@@ -143,7 +143,7 @@ def dist_options(fn: Any) -> Any:
         click.option(
             "--gpus",
             callback=gpus_value,
-            help="Physical GPU ids as nvidia-smi shows them (2,3), all, none, auto or auto:N.",
+            help="Physical GPU ids as nvidia-smi shows them (2,3), all, none, auto, auto:N or auto:MIN-MAX.",
         ),
         click.option(
             "--strategy",

@@ -138,7 +138,7 @@ class DistConfig:
 
     nproc: int | None = None  # processes on this node (None = number of selected GPUs, or 1 on CPU)
     backend: Backend = "auto"  # auto = nccl when CUDA is available, else gloo
-    gpus: str | None = None  # "all", "none", "auto", "auto:N", or physical ids "2,3" (None = current environment)
+    gpus: str | None = None  # "all", "none", "auto", "auto:N", "auto:MIN-MAX", physical ids "2,3" (None: as exported)
     strategy: Strategy = "ddp"  # ddp: a process per GPU; dp: one, DataParallel; fsdp: sharded
     nnodes: int = 1  # machines in the job
     node_rank: int = 0  # this machine's index, 0..nnodes-1

@@ -20,6 +20,7 @@ from ignite_mgpu.env.clock import JobClock, command_start
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.gpus import acquire, selection
 from ignite_mgpu.gpus.claims import GpuClaims
+from ignite_mgpu.gpus.ranges import GpuRange, gpu_range
 from ignite_mgpu.processes import torchelastic
 
 
@@ -42,6 +43,9 @@ class LaunchPlan:
     external: bool = False  # started by torchrun / SLURM: join, spawn nothing
     # Physical GPU ids in CUDA order (None: as the environment has them)
     gpus: list[int] | None = None
+    gpu_names: dict[int, str] = field(default_factory=dict)  # physical id -> its claim name (UUID), to find it again
+    # --gpus auto:MIN-MAX: the restart leaves out a lost GPU, not below MIN (elastic.py)
+    gpu_range: GpuRange | None = None
     device: str = "cpu"  # what the workers train on: "cuda" or "cpu"
     # Run even a single process in a spawned worker, whose CUDA starts fresh.
     spawn_one: bool = False
@@ -231,6 +235,8 @@ def decide(
         stop_grace=cfg.stop_grace,
         strategy=cfg.strategy,
         gpus=chosen,
+        gpu_names=dict(gpu_plan.names) if gpu_plan else {},
+        gpu_range=gpu_range(cfg.gpus),
         device="cuda" if n_cuda else "cpu",
         # CUDA reads CUDA_VISIBLE_DEVICES once, when this process first asks it anything (torch.cuda.is_available()
         # included, without is_initialized() turning true), and this process may have asked before --gpus was

@@ -33,6 +33,7 @@ PART_NAMES = {
     "eval": "evaluation",
     "checkpoint": "checkpoint stall",
     "restart": "restarts",
+    "resize": "changes of size",
     "lost": "lost to restarts",
     "other": "other",
 }
