@@ -82,10 +82,11 @@ class TrainingDiverged(TrainingStopped):
 class TrainingInterrupted(TrainingStopped):
     """A stop signal (SIGTERM, Ctrl-C) reached some rank: every rank stopped at the same iteration."""
 
-    def __init__(self, signum: int, iteration: int) -> None:
+    def __init__(self, signum: int, iteration: int, then: str = "") -> None:
         name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} at iteration {iteration}; every rank stopped at the same iteration")
-        self.exit_code = signal_exit_code(signum)
+        said = f"stopped by {name} at iteration {iteration}; every rank stopped at the same iteration"
+        super().__init__(f"{said}; {then}" if then else said)  # then: the checkpoint written and how to go on
+        self.exit_code, self.signum, self.iteration = signal_exit_code(signum), signum, iteration
 
 
 class ScriptArgumentsError(ConfigError):

@@ -19,7 +19,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
-from ignite_mgpu.checkpoint.files import clean_stale_temp_files, weights_only_resume
+from ignite_mgpu.checkpoint.files import clean_stale_temp_files, find_resumable, weights_only_resume
 from ignite_mgpu.checkpoint.load import load_checkpoint
 from ignite_mgpu.checkpoint.resume import resume, run_signature
 from ignite_mgpu.checkpoint.save import RunInfo, adopt_existing, writes_awaited
@@ -27,9 +27,11 @@ from ignite_mgpu.checkpoint.state import checkpoint_objects
 from ignite_mgpu.config.loading import dump_config
 from ignite_mgpu.config.schema import Config, best_metric
 from ignite_mgpu.env.clock import job_clock
+from ignite_mgpu.errors import TrainingInterrupted
 from ignite_mgpu.env.cluster import outer_restarts
 from ignite_mgpu.parallel.strategy import model_devices, prepare_model
 from ignite_mgpu.runs import folder
+from ignite_mgpu.runs.closing import closing_lines, stopped_line
 from ignite_mgpu.runs.folder import run_dir
 from ignite_mgpu.train.allocator import setup_cpu_memory
 from ignite_mgpu.train.checkpointing import attach_checkpoints
@@ -129,11 +131,17 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
 
     # The last write too.
     with Trackers(cfg, trainer, evaluator, optimizer, epoch_log, out), writes_awaited(full):
-        trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
+        try:
+            trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
+        except TrainingInterrupted as stopped:
+            # The stop's checkpoint is written by now (its save is awaited): the message names it and how to go on.
+            raise TrainingInterrupted(stopped.signum, stopped.iteration, stopped_line(out, find_resumable(out))) from None
     if rank == 0:
+        # Three lines for a person; the figures are in metrics.jsonl.
         best_model = str(best.last_checkpoint) if best.last_checkpoint else None
-        summary = epoch_log.last | {"output_dir": str(out), "best_model": best_model}
-        logger.info("finished: %s", json.dumps(summary))
+        run_time = float(epoch_log.last.get("run_time_s") or 0.0)
+        for line in closing_lines(out, best_model, trainer.state.epoch, run_time):
+            logger.info(line)
 
 
 def _epoch_loss(trainer: Engine) -> dict[str, Any]:
