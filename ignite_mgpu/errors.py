@@ -12,12 +12,13 @@ EXIT_CODES = {
     2: "usage or config error, found before anything started",
     3: "training diverged (non-finite loss)",
     4: "--wait ran out before the GPUs were free (nothing started)",
+    5: "plan: nothing fits the memory, not even one sample per process (the table shows what each strategy needs)",
     130: "SIGINT (Ctrl-C)",
     138: "SIGUSR1, pre-emption (dist.preempt_signal, run --preempt-signal; 128 + its number): stopped (train: "
     "checkpointed), SLURM job requeued",
     143: "SIGTERM",
 }
-SUCCESS, FAILED, USAGE, DIVERGED, WAIT_TIMEOUT = 0, 1, 2, 3, 4
+SUCCESS, FAILED, USAGE, DIVERGED, WAIT_TIMEOUT, NOTHING_FITS = 0, 1, 2, 3, 4, 5
 
 
 def exit_codes_text() -> str:

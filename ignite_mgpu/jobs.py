@@ -17,7 +17,7 @@ from typing import Any
 from ignite_mgpu.config.checks import validate
 from ignite_mgpu.config.schema import Config
 from ignite_mgpu.env import cluster
-from ignite_mgpu.errors import CheckpointError, ConfigError
+from ignite_mgpu.errors import NOTHING_FITS, SUCCESS, CheckpointError, ConfigError
 from ignite_mgpu.preflight import (
     check_datasets,
     check_job,
@@ -231,7 +231,9 @@ def plan_memory(cfg: Config, as_json: bool = False) -> int:
     """Print the memory plan of ``cfg`` (``ignite-mgpu plan``): per process, parameters, gradients, optimizer state,
     activations per sample and the peak of a training step under ddp, dp and fsdp, measured on fake tensors (nothing
     allocated, no process started), and which strategy and micro-batch fit the selected GPUs' free memory (on a
-    machine without GPUs: the available RAM). Returns 0, or 2 with the reason when a check fails."""
+    machine without GPUs: the available RAM). Returns 0; 2 with the reason when a check fails (``--gpus 2,3`` on
+    a machine without them, as ``train``); 5 (NOTHING_FITS) after the table when nothing fits, not even one sample
+    per process, so that a script can test the plan's answer."""
     from ignite_mgpu.memory.budget import capacity, make_memory_plan
     from ignite_mgpu.memory.table import format_plan, to_json
 
@@ -242,4 +244,4 @@ def plan_memory(cfg: Config, as_json: bool = False) -> int:
     except ConfigError as err:
         return _refused(err)
     print(to_json(plan) if as_json else format_plan(plan))
-    return 0
+    return NOTHING_FITS if plan.nothing_fits else SUCCESS

@@ -77,13 +77,19 @@ class MemoryPlan:
     # On GPUs: checkpoint.async_save's snapshot in pinned host RAM, all processes together.
     host_snapshot: int = 0
 
+    @property
+    def nothing_fits(self) -> bool:
+        """No strategy fits, not even one sample per process in micro-batches (``plan`` exits with NOTHING_FITS)."""
+        return not any(r.micro_batch for r in self.rows)
+
 
 def capacity(cfg: Config, environ: Mapping[str, str] = os.environ, gpus: list[GpuInfo] | None = None) -> Capacity:
     """The selected GPUs' free memory (``--gpus`` as ``train`` reads it, nothing claimed; with ``--nproc``, the
     first ``nproc`` of them, as ``train`` uses them), else the RAM."""
     snapshot = query_gpus() if gpus is None else gpus
     spec = cfg.dist.gpus
-    chosen = selection.plan_gpus(spec, snapshot, environ, cfg.dist.nproc).physical_ids if snapshot else None
+    # Given --gpus is read as train reads it: ids on a machine without GPUs are refused, not planned on the CPU.
+    chosen = selection.plan_gpus(spec, snapshot, environ, cfg.dist.nproc).physical_ids if snapshot or spec else None
     if chosen and cfg.dist.nproc and cfg.dist.strategy != "dp":
         chosen = chosen[: cfg.dist.nproc]  # as the launch: local rank i on the i-th GPU, the others idle
     # Each process holds what this one holds (torch and the job's code imported); on GPUs CUDA's runtime on top.

@@ -297,3 +297,21 @@ def test_on_cuda_the_optimizer_runs_its_foreach_path_and_cublas_has_its_workspac
     assert set(ran) == {"_multi_tensor_adam"}
     assert (cpu.workspaces, cuda.workspaces) == (0, CUBLAS_WORKSPACES) and cuda.peak != cpu.peak + CUBLAS_WORKSPACES
     assert (cuda.params, cuda.optimizer) == (cpu.params, cpu.optimizer)
+
+
+def test_gpu_ids_on_a_machine_without_gpus_are_refused_as_train_refuses_them(monkeypatch):
+    monkeypatch.setattr(budget, "query_gpus", list)  # nvidia-smi finds none
+    result = CliRunner().invoke(main, ["plan", *STACK, "--gpus", "2,3"])
+    assert result.exit_code == 2, result.output
+    assert "--gpus 2,3 requested but no NVIDIA GPU is visible" in result.output
+    assert CliRunner().invoke(main, ["plan", *STACK, "--gpus", "none"]).exit_code == 0  # the CPU, as asked
+
+
+def test_nothing_fits_prints_the_table_and_exits_with_its_own_code(monkeypatch):
+    from ignite_mgpu.errors import EXIT_CODES, NOTHING_FITS
+
+    monkeypatch.setattr(budget, "query_gpus", list)
+    monkeypatch.setattr(budget, "_available_ram", lambda: 1 << 20)  # 1 MiB of RAM: not even the runtime fits
+    result = CliRunner().invoke(main, ["plan", *STACK])
+    assert result.exit_code == NOTHING_FITS == 5 and "plan: nothing fits" in EXIT_CODES[5]
+    assert "nothing fits in the CPU (RAM)" in result.output and "strategy" in result.output  # the table too
