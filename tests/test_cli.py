@@ -333,7 +333,7 @@ def test_plugin_mistakes_exit_2_before_anything_starts(captured, tmp_path, args,
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["optim.name=adam"], "ignite-mgpu: error: optim.name=adam is not known. Did you mean Adam, RAdam or NAdam?"),
+        (["optim.name=adma"], "ignite-mgpu: error: optim.name=adma is not known. Did you mean Adamax, Adam or RAdam?"),
         (["optim.scheduler=OneCycle"], "optim.scheduler=OneCycle is not known. Did you mean OneCycleLR?"),
         (["optim.scheduler=ReduceLROnPlateau"], "optim.scheduler=ReduceLROnPlateau is not supported"),
         (["optim.name=Adam", "optim.args.beta=0.9"], "optim.args gives beta, which optim.name=Adam does not accept"),

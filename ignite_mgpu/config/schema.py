@@ -70,7 +70,7 @@ class DataConfig:
 class OptimConfig:
     """`optim:` optimizer, parameter groups and learning-rate schedule."""
 
-    name: str = "sgd"  # sgd (Nesterov unless optim.nesterov=false), adamw, a torch.optim class (Adam), or a factory
+    name: str = "sgd"  # sgd (Nesterov unless optim.nesterov=false), adamw, a torch.optim class (Adam, adam), a factory
     lr: float = 0.05  # peak learning rate for the global batch (every optimizer gets it)
     momentum: float = 0.9  # to every optimizer with a momentum parameter (sgd, SGD, RMSprop); the others ignore it
     nesterov: bool = True  # sgd: Nesterov momentum; false: classic momentum, torch.optim.SGD's default (momentum > 0)

@@ -36,9 +36,7 @@ def closing_lines(output_dir: str | Path, best_model: str | Path | None, epochs:
         found = BEST_NAME.match(Path(best_model).name)
         metric = f" (val_{found[2]} {found[3]}, epoch {found[1]})" if found else ""
         best = f"best model: {best_model}{metric}"
-        evaluate = (
-            f"`ignite-mgpu evaluate --config {_quoted(out / CONFIG)} --checkpoint {_quoted(best_model)}`, "
-        )
+        evaluate = f"`ignite-mgpu evaluate --config {_quoted(out / CONFIG)} --checkpoint {_quoted(best_model)}`, "
     more = f"`{go_on_command(out)} train.epochs={2 * epochs}`"
     return [where, best, f"next: `ignite-mgpu report {_quoted(out)}`, {evaluate}or more epochs: {more}"]
 

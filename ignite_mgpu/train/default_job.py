@@ -27,8 +27,8 @@ from ignite_mgpu.checkpoint.state import checkpoint_objects
 from ignite_mgpu.config.loading import dump_config
 from ignite_mgpu.config.schema import Config, best_metric
 from ignite_mgpu.env.clock import job_clock
-from ignite_mgpu.errors import TrainingInterrupted
 from ignite_mgpu.env.cluster import outer_restarts
+from ignite_mgpu.errors import TrainingInterrupted
 from ignite_mgpu.parallel.strategy import model_devices, prepare_model
 from ignite_mgpu.runs import folder
 from ignite_mgpu.runs.closing import closing_lines, stopped_line
@@ -135,7 +135,8 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
             trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
         except TrainingInterrupted as stopped:
             # The stop's checkpoint is written by now (its save is awaited): the message names it and how to go on.
-            raise TrainingInterrupted(stopped.signum, stopped.iteration, stopped_line(out, find_resumable(out))) from None
+            then = stopped_line(out, find_resumable(out))
+            raise TrainingInterrupted(stopped.signum, stopped.iteration, then) from None
     if rank == 0:
         # Three lines for a person; the figures are in metrics.jsonl.
         best_model = str(best.last_checkpoint) if best.last_checkpoint else None

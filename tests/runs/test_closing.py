@@ -1,6 +1,6 @@
 """The end of a run as a person reads it (runs/closing.py): three lines, and the stop line's checkpoint.
 
-    pytest tests/runs/test_closing.py -q
+pytest tests/runs/test_closing.py -q
 """
 
 from __future__ import annotations
