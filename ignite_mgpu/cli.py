@@ -63,7 +63,7 @@ def main() -> None:
 
     \b
       ignite-mgpu train --nproc 2                      # default job: small CNN on synthetic data
-      ignite-mgpu train configs/cifar10_resnet18.yaml --gpus 2,3 optim.lr=0.1
+      ignite-mgpu train my.yaml --gpus 2,3 optim.lr=0.1      # my.yaml: start from `ignite-mgpu config`
       ignite-mgpu devices                              # which GPUs exist and which are busy
       ignite-mgpu report runs/dp runs/ddp              # their curves and per-GPU memory in ./report.png
     """
@@ -91,7 +91,7 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
     \b
     ARGS are dotted overrides such as optim.lr=0.05 train.epochs=3 data.batch_size=256
     (or a YAML file as the first argument). data.batch_size is the GLOBAL batch, split over all processes.
-    See configs/default.yaml for every key.
+    `ignite-mgpu config` prints every key with its default and meaning.
     """
     refuse_unknown_options(args)
     with _errors_to_exit():
@@ -99,6 +99,26 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
     from ignite_mgpu.jobs import fit
 
     sys.exit(fit(cfg))
+
+
+@main.command("config", context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1)
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML file over the defaults.")
+def config_command(args: tuple[str, ...], config_path: str | None) -> None:
+    """Print every config key with its value and meaning, as YAML: the defaults, or what train would run with a
+    FILE.yaml and key=value overrides (checked as train checks them).
+
+    \b
+      ignite-mgpu config                               # every key, its default and what it means
+      ignite-mgpu config > my.yaml                     # a start for your own config: edit, then train my.yaml
+      ignite-mgpu config my.yaml optim.lr=0.1          # the configuration that train my.yaml optim.lr=0.1 runs
+    """
+    refuse_unknown_options(args)
+    with _errors_to_exit():
+        cfg = _load(args, config_path, {})
+    from ignite_mgpu.config.keys import commented_yaml
+
+    click.echo(commented_yaml(cfg), nl=False)
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -194,8 +214,8 @@ def plan(args: tuple[str, ...], config_path: str | None, as_json: bool, **flags:
     optimizer state, activations per sample and the peak of one training step under ddp, dp and fsdp.
 
     \b
-      ignite-mgpu plan configs/default.yaml
-      ignite-mgpu plan examples/huggingface/gpt2.yaml --gpus auto:2 data.batch_size=64 --json
+      ignite-mgpu plan my.yaml
+      ignite-mgpu plan my.yaml --gpus auto:2 data.batch_size=64 --json
 
     The step runs on fake tensors on the CPU (the configured model, the first batch's shapes, loss, optimizer and
     precision, the global batch split over the processes): nothing is allocated, no process or GPU is used. It then
@@ -239,7 +259,7 @@ def report(run_dirs: tuple[str, ...], out: str | None, as_json: bool) -> None:
     the peak memory of each GPU (dp) or process (ddp) in the last epoch with its max/min ratio, and where each
     run's wall time went (goodput: start-up, training, data wait, evaluation, checkpoints, restarts). Several
     RUN_DIRs are overlaid, each named by its folder, strategy and process count. Without matplotlib
-    (pip install -e ".[plot]") only the table is printed. Reads files only: safe while a run is going.
+    (pip install "ignite-mgpu[plot]") only the table is printed. Reads files only: safe while a run is going.
     """
     with _errors_to_exit():
         from ignite_mgpu.runs.figure import write_image

@@ -56,9 +56,7 @@ class DataConfig:
     root: str | None = None  # dataset folder; required for all but synthetic/fake (imagefolder: root/train, root/val)
     download: bool = False  # let torchvision download mnist/fashion_mnist/cifar10 into root
     batch_size: int = 128  # GLOBAL batch: split evenly across all processes
-    num_workers: int | Literal["auto"] = (
-        0  # loader workers per node, split over its processes; auto: train/data/loaders.py
-    )
+    num_workers: int | Literal["auto"] = 0  # loader workers per node, split over its processes; auto: spare CPUs
     shuffle: bool = True  # shuffle the training set every epoch (seeded)
     image_size: int = 32  # side of the images; every dataset is resized to it
     train_size: int = 4096  # samples in the synthetic/fake training split

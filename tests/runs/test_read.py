@@ -78,7 +78,7 @@ def assert_table_equals_metrics(table, path):
 
 def test_help_says_where_the_image_goes_and_which_extra_draws_it():
     out = " ".join(report("--help").output.split())  # click wraps to the terminal's width
-    assert "report [OPTIONS] RUN_DIR..." in out and 'pip install -e ".[plot]"' in out
+    assert "report [OPTIONS] RUN_DIR..." in out and 'pip install "ignite-mgpu[plot]"' in out
     assert "[default: RUN_DIR/report.png for one run, ./report.png for several]" in out
     assert report().exit_code == 2  # click: Missing argument 'RUN_DIR...'
 
@@ -230,7 +230,7 @@ def test_without_matplotlib_the_table_is_printed_and_the_extra_named(tmp_path, m
     assert result.exit_code == 0, result.output
     assert_table_equals_metrics(result.stdout, run / "metrics.jsonl")
     assert result.stderr.startswith("no image drawn: matplotlib cannot be imported (")
-    assert 'pip install -e ".[plot]"' in result.stderr and not (run / "report.png").exists()
+    assert 'pip install "ignite-mgpu[plot]"' in result.stderr and not (run / "report.png").exists()
     assert json.loads(report(run, "--json").stdout)["image"] is None
     with pytest.raises(ConfigError, match="has no metrics.jsonl"):  # bad input is reported the same without it
         runs.read_run(tmp_path)
