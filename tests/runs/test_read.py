@@ -3,6 +3,7 @@ file's, bad input is one message, no matplotlib still prints the table. The repo
 tests/distributed/test_training.py. `python -m pytest tests/runs/test_read.py`."""
 
 import json
+from pathlib import Path
 import math
 import subprocess
 import sys
@@ -133,7 +134,7 @@ def test_a_repeated_epoch_keeps_its_later_line(tmp_path):
     ("write", "message"),
     [
         (None, ": no such folder. Give the run's output_dir, the folder with metrics.jsonl."),
-        ("config only", "has no metrics.jsonl. A run appends one line to it after each finished epoch (and its "),
+        ("config only", "has no metrics.jsonl, and no folder in it has one. A run appends one line to it after each"),
         ("", "has no complete line (0 incomplete line(s) ignored): the run has not finished its first epoch yet"),
         ('{"epoch": 1, "train_l', "has no complete line (1 incomplete line(s) ignored)"),
     ],
@@ -189,6 +190,21 @@ def test_labels_name_folder_strategy_and_processes(tmp_path):
         "broken (config.yaml unreadable)",
         "other (config.yaml without dist)",
     ]
+
+
+def test_a_folder_of_runs_compares_the_runs_in_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    make_run(tmp_path / "runs" / "ddp", [epoch(1), epoch(2)])
+    make_run(tmp_path / "runs" / "dp", [epoch(1)], strategy="dp", nproc=1)
+    (tmp_path / "runs" / "not_a_run").mkdir()  # no metrics.jsonl: not one of the runs
+    result = report("runs")
+    assert result.exit_code == 0, result.output
+    assert [line for line in result.stdout.splitlines() if ": runs/" in line] == [
+        "ddp (ddp, 2 processes, CPU): runs/ddp",
+        "dp (dp, 1 process, 2 GPUs): runs/dp",
+    ]
+    assert result.stderr == "wrote report.png\n"  # several runs: one image in the current folder
+    assert [r.path for r in runs.read_runs(["runs", "runs/ddp"])] == [Path("runs/ddp"), Path("runs/dp"), Path("runs/ddp")]
 
 
 def test_runs_with_the_same_folder_name_are_named_by_path(tmp_path):
