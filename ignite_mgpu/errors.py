@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
+from collections.abc import Iterator
 
 # The job's exit codes; the CLI's --help, the README and the supervisor quote this table.
 EXIT_CODES = {
@@ -66,6 +68,52 @@ class CorruptCheckpointError(CheckpointError):
     """The checkpoint named by ``--resume PATH`` is truncated or damaged: the data failed, not the command."""
 
     exit_code = FAILED
+
+
+class ConfigErrors(ConfigError):
+    """Several mistakes found by checks that ran one after another (``Checks``): every one reported at once, each
+    its own numbered paragraph, in the order checked (exit code 2)."""
+
+    def __init__(self, errors: list[ConfigError | CheckpointError]) -> None:
+        listed = "\n".join(f"  {n}. {err}" for n, err in enumerate(errors, 1))
+        super().__init__(f"{len(errors)} problems, in the order checked:\n{listed}")
+        self.detail = "\n".join(d for err in errors if (d := getattr(err, "detail", "")))
+        self.errors = errors
+
+
+class Checks:
+    """Runs checks that do not depend on each other and keeps each one's usage error (exit code 2), so that a
+    user sees every mistake at once: a mistyped data.name is not hidden behind the output folder's problem. Other
+    errors (a corrupt checkpoint: exit 1) pass at once.
+
+        checks = Checks()
+        with checks.one():
+            check_model(cfg)
+        with checks.one():
+            check_output_dir(cfg)
+        checks.raise_found()
+    """
+
+    def __init__(self) -> None:
+        self.found: list[ConfigError | CheckpointError] = []
+
+    @contextlib.contextmanager
+    def one(self) -> Iterator[None]:
+        try:
+            yield
+        except (ConfigError, CheckpointError) as err:
+            if err.exit_code != USAGE:
+                raise
+            for each in err.errors if isinstance(err, ConfigErrors) else [err]:
+                if str(each) not in map(str, self.found):  # the same mistake met by two checks: once
+                    self.found.append(each)
+
+    def raise_found(self) -> None:
+        """Raise what was found: one error as it is, several as ``ConfigErrors``."""
+        if len(self.found) == 1:
+            raise self.found[0]
+        if self.found:
+            raise ConfigErrors(self.found)
 
 
 class TrainingStopped(RuntimeError):

@@ -17,7 +17,7 @@ from typing import Any
 from ignite_mgpu.config.checks import validate
 from ignite_mgpu.config.schema import Config
 from ignite_mgpu.env import cluster
-from ignite_mgpu.errors import NOTHING_FITS, SUCCESS, CheckpointError, ConfigError
+from ignite_mgpu.errors import NOTHING_FITS, SUCCESS, CheckpointError, Checks, ConfigError
 from ignite_mgpu.preflight import (
     check_datasets,
     check_job,
@@ -181,12 +181,19 @@ def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[LaunchPl
     Raises:
         ConfigError, CheckpointError: before anything was started or created.
     """
-    check_job(cfg)
-    check_trackers(cfg.train)  # training's alone: evaluate logs to no tracker
+    # What the config names, then where the run goes: every mistake at once, in that order.
+    checks = Checks()
+    with checks.one():
+        check_job(cfg)
+    with checks.one():
+        check_trackers(cfg.train)  # training's alone: evaluate logs to no tracker
     resolve_output_dir(cfg)
     leader = is_leader(cfg)
     if leader:
-        check_output_dir(cfg)
+        with checks.one():
+            check_output_dir(cfg)
+    checks.raise_found()
+    if leader:
         warn_restarts_without_checkpoints(cfg)
         warn_double_warmup(cfg)
     try:

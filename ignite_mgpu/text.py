@@ -68,5 +68,5 @@ def unknown_key(key: str, where: str, sections: Mapping[str, Sequence[str]], ove
         hint = f"; did you mean {guess[0]}{'' if value is None else '=' + value}?"
     else:
         hint = f" (its keys: {', '.join(sections[section])})."
-    every = "`ignite-mgpu config` lists every key with its default and meaning."
-    return f"config key '{key}' ({where}) is {place}{hint} {every}"
+    listed = "`ignite-mgpu config` lists every key with its default and meaning."
+    return f"config key '{key}' ({where}) is {place}{hint} {listed}"

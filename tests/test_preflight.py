@@ -71,6 +71,29 @@ def test_fit_refuses_another_runs_checkpoints_and_a_corrupt_resume_file(launched
     assert not launched and (out / "checkpoint_10.pt").exists()
 
 
+def test_every_mistake_is_shown_at_once_what_the_config_names_before_the_output_folder(launched, tmp_path, capsys):
+    """A mistyped dataset factory is not hidden behind the output folder's checkpoints: both, in that order."""
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save({"model": {}}, out / "checkpoint_10.pt")
+    factory = "tests.plugins_pkg.no_such_module:make"
+    assert fit(config(tmp_path, f"data.name={factory}", "model.name=resnet181")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ignite-mgpu: error: 3 problems, in the order checked:\n  1. data.name="), err
+    assert err.index("data.name=") < err.index("resnet181") < err.index("already holds checkpoints"), err
+    assert not launched
+
+
+def test_every_invalid_value_is_shown_at_once_in_the_files_order():
+    with pytest.raises(ConfigError) as raised:
+        load_config(overrides=["optim.lr=-1", "data.name=mnsit", "data.batch_size=0", "train.epochs=0"])
+    lines = str(raised.value).splitlines()
+    assert lines[0] == "4 problems, in the order checked:"
+    assert [line.split("'")[1] for line in lines[1:]] == ["data.batch_size", "data.name", "optim.lr", "train.epochs"]
+    with pytest.raises(ConfigError, match="^config key 'optim.lr' = -1.0 is invalid"):  # one: as it always was
+        load_config(overrides=["optim.lr=-1"])
+
+
 def test_checkpoints_written_before_the_lock_is_taken_are_refused(launched, tmp_path, monkeypatch, capsys):
     # A job that ran to its end between this job's first check and its lock: checked again under the lock.
     out = tmp_path / "out"

@@ -25,7 +25,7 @@ from ignite_mgpu.checkpoint.resume import resume, run_signature
 from ignite_mgpu.checkpoint.save import RunInfo, adopt_existing, writes_awaited
 from ignite_mgpu.checkpoint.state import checkpoint_objects
 from ignite_mgpu.config.loading import dump_config
-from ignite_mgpu.config.schema import Config, best_metric
+from ignite_mgpu.config.schema import Config, TrainConfig, best_metric
 from ignite_mgpu.env.clock import job_clock
 from ignite_mgpu.env.cluster import outer_restarts
 from ignite_mgpu.errors import TrainingInterrupted
@@ -131,18 +131,23 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
 
     # The last write too.
     with Trackers(cfg, trainer, evaluator, optimizer, epoch_log, out), writes_awaited(full):
-        try:
-            trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
-        except TrainingInterrupted as stopped:
-            # The stop's checkpoint is written by now (its save is awaited): the message names it and how to go on.
-            then = stopped_line(out, find_resumable(out))
-            raise TrainingInterrupted(stopped.signum, stopped.iteration, then) from None
+        _run(trainer, train_loader, t, out)
     if rank == 0:
         # Three lines for a person; the figures are in metrics.jsonl.
         best_model = str(best.last_checkpoint) if best.last_checkpoint else None
         run_time = float(epoch_log.last.get("run_time_s") or 0.0)
         for line in closing_lines(out, best_model, trainer.state.epoch, run_time):
             logger.info(line)
+
+
+def _run(trainer: Engine, train_loader: DataLoader, t: TrainConfig, out: Path) -> None:
+    """``trainer.run``; a stop (Ctrl-C, SIGTERM) says which checkpoint it wrote and the command that goes on."""
+    try:
+        trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
+    except TrainingInterrupted as stopped:
+        # The stop's checkpoint is written by now (its save is awaited): the message names it and how to go on.
+        then = stopped_line(out, find_resumable(out))
+        raise TrainingInterrupted(stopped.signum, stopped.iteration, then) from None
 
 
 def _epoch_loss(trainer: Engine) -> dict[str, Any]:

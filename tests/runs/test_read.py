@@ -3,10 +3,10 @@ file's, bad input is one message, no matplotlib still prints the table. The repo
 tests/distributed/test_training.py. `python -m pytest tests/runs/test_read.py`."""
 
 import json
-from pathlib import Path
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -204,7 +204,11 @@ def test_a_folder_of_runs_compares_the_runs_in_it(tmp_path, monkeypatch):
         "dp (dp, 1 process, 2 GPUs): runs/dp",
     ]
     assert result.stderr == "wrote report.png\n"  # several runs: one image in the current folder
-    assert [r.path for r in runs.read_runs(["runs", "runs/ddp"])] == [Path("runs/ddp"), Path("runs/dp"), Path("runs/ddp")]
+    assert [r.path for r in runs.read_runs(["runs", "runs/ddp"])] == [
+        Path("runs/ddp"),
+        Path("runs/dp"),
+        Path("runs/ddp"),
+    ]
 
 
 def test_runs_with_the_same_folder_name_are_named_by_path(tmp_path):
