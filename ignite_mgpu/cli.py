@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from ignite_mgpu import text
 from ignite_mgpu.cli_options import FLAGS, dist_options, fail, gpus_value, preempt_signal, refuse_unknown_options
 from ignite_mgpu.config.schema import CPU_BINDINGS, STRATEGIES
 from ignite_mgpu.errors import exit_codes_text, signal_exit_code
@@ -63,10 +64,11 @@ def main() -> None:
 
     \b
       ignite-mgpu train --nproc 2                      # default job: small CNN on synthetic data
-      ignite-mgpu train my.yaml --gpus 2,3 optim.lr=0.1      # my.yaml: start from `ignite-mgpu config`
+      ignite-mgpu train my.yaml --gpus 2,3 optim.lr=0.1  # my.yaml: start from `ignite-mgpu config`
       ignite-mgpu devices                              # which GPUs exist and which are busy
       ignite-mgpu report runs/dp runs/ddp              # their curves and per-GPU memory in ./report.png
     """
+    text.ON_COMMAND_LINE.set(True)  # messages name this command's flags, not the config keys a Python caller sets
 
 
 @main.command(context_settings={"ignore_unknown_options": True})

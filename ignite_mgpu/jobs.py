@@ -14,7 +14,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from ignite_mgpu import text
 from ignite_mgpu.config.checks import validate
+from ignite_mgpu.config.loading import dotted_keys
 from ignite_mgpu.config.schema import Config
 from ignite_mgpu.env import cluster
 from ignite_mgpu.errors import NOTHING_FITS, SUCCESS, CheckpointError, Checks, ConfigError
@@ -39,10 +41,15 @@ from ignite_mgpu.runs.read import best_model, last_epoch
 TRAINING = "ignite_mgpu.train.default_job:training"
 
 
+def said(message: str) -> str:
+    """``message`` as the caller speaks: flags on the command line, config keys (``resume=auto``) in Python."""
+    return message if text.ON_COMMAND_LINE.get() else text.as_settings(message, dotted_keys())
+
+
 def _refused(err: ConfigError | CheckpointError) -> int:
     if detail := getattr(err, "detail", ""):
         print(detail.rstrip(), file=sys.stderr)  # e.g. the traceback of the user's own factory
-    print(f"ignite-mgpu: error: {err}", file=sys.stderr)
+    print(f"ignite-mgpu: error: {said(str(err))}", file=sys.stderr)
     return err.exit_code
 
 
@@ -154,7 +161,7 @@ def resolve_output_dir(cfg: Config, environ: Mapping[str, str] = os.environ, now
             n += 1
             new = folder.RUNS / f"{stamp}-{n}"
         cfg.output_dir = str(new)
-    print(f"ignite-mgpu: output_dir {cfg.output_dir} (pass --output-dir to choose one)", file=sys.stderr)
+    print(said(f"ignite-mgpu: output_dir {cfg.output_dir} (--output-dir chooses one)"), file=sys.stderr)
 
 
 def checked_plan(cfg: Config) -> LaunchPlan:

@@ -272,3 +272,30 @@ def test_the_launcher_imports_torch_only_for_what_needs_it(tmp_path, overrides, 
     done = subprocess.run([sys.executable, "-c", CHECKS_IN_A_FRESH_PROCESS, *argv], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(imports_torch)]
+
+
+def test_a_python_caller_is_told_config_keys_the_command_line_its_flags(launched, tmp_path, capsys):
+    """fit() from Python: the refusal names resume=auto and output_dir, not the flags of a command it did not run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save({"model": {}}, out / "checkpoint_10.pt")
+    assert fit(config(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "Continue it with resume=auto, or choose a new output_dir; nothing was deleted." in err
+    assert "--" not in err  # no flag of a command that was not run
+    from click.testing import CliRunner
+
+    from ignite_mgpu.cli import main
+
+    cli = CliRunner().invoke(main, ["train", "--output-dir", str(out)])
+    assert cli.exit_code == 2 and "Continue it with --resume auto, or choose a new --output-dir" in cli.output
+
+
+def test_flags_become_the_keys_they_set():
+    from ignite_mgpu.config.loading import dotted_keys
+    from ignite_mgpu.text import as_settings
+
+    said = as_settings(
+        "--gpus 2,3 requested; --resume runs/a/checkpoint_4.pt: pass --output-dir to choose one, or --wait.", dotted_keys()
+    )
+    assert said == "dist.gpus=2,3 requested; resume=runs/a/checkpoint_4.pt: pass output_dir to choose one, or dist.wait."

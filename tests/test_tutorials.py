@@ -92,3 +92,15 @@ def test_from_dataparallel_from_an_empty_folder(tmp_path):
     spec.loader.exec_module(project)
     project.Net().load_state_dict(torch.load(folder / "runs" / "after" / "model.pt", weights_only=True))  # no "module."
     assert not list(folder.glob("*.pt")) and not list(home.glob("*.pt"))  # nothing saved beside the scripts
+
+
+@pytest.mark.timeout(240)
+def test_the_python_path_example_runs_anywhere_and_again(tmp_path):
+    """docs/how-to/python-api.md's fit() example: no config file of the repository, a folder of its own each run."""
+    package = installed_only(tmp_path / "site")
+    (tmp_path / "home").mkdir()
+    for _ in range(2):
+        result = run_block(doc_block("python-fit"), tmp_path / "home", pythonpath=package)
+    runs = sorted((tmp_path / "home" / "runs").iterdir())
+    assert len(runs) == 2 and all(len(metrics(run)) == 1 for run in runs)
+    assert result.stdout.startswith(f"{runs[1].relative_to(tmp_path / 'home')} ") and "best_model_1_" in result.stdout
