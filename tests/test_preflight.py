@@ -296,6 +296,9 @@ def test_flags_become_the_keys_they_set():
     from ignite_mgpu.text import as_settings
 
     said = as_settings(
-        "--gpus 2,3 requested; --resume runs/a/checkpoint_4.pt: pass --output-dir to choose one, or --wait.", dotted_keys()
+        "--gpus 2,3 requested; --resume runs/a/checkpoint_4.pt: pass --output-dir to choose one, or --wait.",
+        dotted_keys(),
     )
-    assert said == "dist.gpus=2,3 requested; resume=runs/a/checkpoint_4.pt: pass output_dir to choose one, or dist.wait."
+    assert (
+        said == "dist.gpus=2,3 requested; resume=runs/a/checkpoint_4.pt: pass output_dir to choose one, or dist.wait."
+    )
