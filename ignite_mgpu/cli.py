@@ -63,10 +63,10 @@ def main() -> None:
     """Multi-GPU (and multi-process CPU) training with PyTorch-Ignite, without the classic traps.
 
     \b
-      ignite-mgpu train --nproc 2                      # default job: small CNN on synthetic data
-      ignite-mgpu train my.yaml --gpus 2,3 optim.lr=0.1  # my.yaml: start from `ignite-mgpu config`
-      ignite-mgpu devices                              # which GPUs exist and which are busy
-      ignite-mgpu report runs/dp runs/ddp              # their curves and per-GPU memory in ./report.png
+        ignite-mgpu train --nproc 2                      # default job: small CNN on synthetic data
+        ignite-mgpu train my.yaml --gpus 2,3 optim.lr=0.1  # my.yaml: start from `ignite-mgpu config`
+        ignite-mgpu devices                              # which GPUs exist and which are busy
+        ignite-mgpu report runs/                         # every run compared: curves, memory, ./report.png
     """
     text.ON_COMMAND_LINE.set(True)  # messages name this command's flags, not the config keys a Python caller sets
 
@@ -107,13 +107,15 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
 @click.argument("args", nargs=-1)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML file over the defaults.")
 def config_command(args: tuple[str, ...], config_path: str | None) -> None:
-    """Print every config key with its value and meaning, as YAML: the defaults, or what train would run with a
-    FILE.yaml and key=value overrides (checked as train checks them).
+    """Print every config key with its value and meaning, as YAML.
+
+    Without arguments: the defaults. With a FILE.yaml and key=value overrides: what train would run with them
+    (checked as train checks them).
 
     \b
-      ignite-mgpu config                               # every key, its default and what it means
-      ignite-mgpu config > my.yaml                     # a start for your own config: edit, then train my.yaml
-      ignite-mgpu config my.yaml optim.lr=0.1          # the configuration that train my.yaml optim.lr=0.1 runs
+        ignite-mgpu config                               # every key, its default and what it means
+        ignite-mgpu config > my.yaml                     # a start for your own config: edit, then train my.yaml
+        ignite-mgpu config my.yaml optim.lr=0.1          # the configuration that train my.yaml optim.lr=0.1 runs
     """
     refuse_unknown_options(args)
     with _errors_to_exit():
@@ -178,9 +180,9 @@ def run(script: str, script_args: tuple[str, ...], module: bool, **flags: Any) -
     """Run your own training SCRIPT (or -m MODULE) in N processes, as torchrun starts them.
 
     \b
-      ignite-mgpu run --nproc 2 train.py --epochs 1
-      ignite-mgpu run --gpus 2,3 -m mypkg.train --lr 0.1
-      ignite-mgpu run --gpus auto:2 --max-restarts 1 train.py --resume last.pt
+        ignite-mgpu run --nproc 2 train.py --epochs 1
+        ignite-mgpu run --gpus 2,3 -m mypkg.train --lr 0.1
+        ignite-mgpu run --gpus auto:2 --max-restarts 1 train.py --resume last.pt
 
     Each process gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
     MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...), so init_process_group(), ignite's
@@ -212,12 +214,14 @@ def run(script: str, script_args: tuple[str, ...], module: bool, **flags: Any) -
 @click.option("--strategy", type=click.Choice(STRATEGIES), help="Checked as train checks it; every strategy is shown.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (bytes as integers).")
 def plan(args: tuple[str, ...], config_path: str | None, as_json: bool, **flags: Any) -> None:
-    """Estimate a job's memory before it starts: per GPU (per CPU process on a CPU job), parameters, gradients,
-    optimizer state, activations per sample and the peak of one training step under ddp, dp and fsdp.
+    """Estimate a job's memory before it starts, and which strategy and micro-batch fit.
+
+    Per GPU (per CPU process on a CPU job): parameters, gradients, optimizer state, activations per sample and the
+    peak of one training step under ddp, dp and fsdp.
 
     \b
-      ignite-mgpu plan my.yaml
-      ignite-mgpu plan my.yaml --gpus auto:2 data.batch_size=64 --json
+        ignite-mgpu plan my.yaml
+        ignite-mgpu plan my.yaml --gpus auto:2 data.batch_size=64 --json
 
     The step runs on fake tensors on the CPU (the configured model, the first batch's shapes, loss, optimizer and
     precision, the global batch split over the processes): nothing is allocated, no process or GPU is used. It then
@@ -236,8 +240,10 @@ def plan(args: tuple[str, ...], config_path: str | None, as_json: bool, **flags:
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def devices(as_json: bool) -> None:
-    """List every GPU: physical id, PCI bus, memory, utilisation, processes and their users, the job that claims
-    it, and its CUDA index here."""
+    """List every GPU, its processes and the job that claims it.
+
+    For each: physical id, PCI bus, memory, utilisation, processes and their users, the job that claims it, and its
+    CUDA index here."""
     from ignite_mgpu.gpus import inventory
     from ignite_mgpu.gpus.devices import format_devices, who_has
 
@@ -277,16 +283,19 @@ def report(run_dirs: tuple[str, ...], out: str | None, as_json: bool) -> None:
 
 @main.group()
 def checkpoint() -> None:
-    """Inspect or convert checkpoint files, safetensors files and sharded folders (.pt files always loaded with
-    weights_only=True)."""
+    """Inspect or convert checkpoint files, safetensors files and sharded folders.
+
+    .pt files are always loaded with weights_only=True."""
 
 
 @checkpoint.command()
 @click.argument("path", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def inspect(path: str, as_json: bool) -> None:
-    """Show what a checkpoint file or sharded folder holds: entries, step, parameters, dtypes, wrapper prefixes (of a
-    .safetensors file: its metadata and tied names too)."""
+    """Show what a checkpoint file or sharded folder holds.
+
+    Its entries, step, parameters, dtypes and wrapper prefixes (of a .safetensors file: its metadata and tied names
+    too)."""
     import json
 
     with _errors_to_exit():

@@ -93,10 +93,10 @@ def fit(cfg: Config | None = None) -> FitResult:
     With ``dist.max_restarts``, a failed job restarts from the newest complete checkpoint in ``output_dir``.
 
     Returns:
-        A ``FitResult``, an int: 0 on success; 2 (the reason printed as one paragraph on stderr) when a check
-        fails, 1 for a corrupt ``resume`` file, 4 when ``dist.wait`` ran out before the GPUs were free (130 on Ctrl-C
-        while waiting); otherwise the job's code: 1 a rank failed, 3 diverged, 130/143 stopped by a signal. Its
-        ``output_dir``, ``metrics`` and ``best_model`` say what the run left.
+        The exit code, an int (a ``FitResult``): 0 on success; 2 (the reason printed as one paragraph on stderr)
+            when a check fails, 1 for a corrupt ``resume`` file, 4 when ``dist.wait`` ran out before the GPUs were
+            free (130 on Ctrl-C while waiting); otherwise the job's code: 1 a rank failed, 3 diverged, 130/143
+            stopped by a signal. Its ``output_dir``, ``metrics`` and ``best_model`` say what the run left.
     """
     cfg = cfg if cfg is not None else Config()
     try:
