@@ -25,7 +25,7 @@ from ignite_mgpu.checkpoint.resume import resume, run_signature
 from ignite_mgpu.checkpoint.save import RunInfo, adopt_existing, writes_awaited
 from ignite_mgpu.checkpoint.state import checkpoint_objects
 from ignite_mgpu.config.loading import dump_config
-from ignite_mgpu.config.schema import Config, TrainConfig, best_metric
+from ignite_mgpu.config.schema import Config, best_metric
 from ignite_mgpu.env.clock import job_clock
 from ignite_mgpu.env.cluster import outer_restarts
 from ignite_mgpu.errors import TrainingInterrupted
@@ -79,7 +79,7 @@ def fsdp_options(cfg: Config) -> dict[str, Any]:
 
 
 def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
-    """Train ``cfg`` in this process (one of ``idist.get_world_size()``), then print a summary on rank 0.
+    """Train ``cfg`` in this process (one of ``idist.get_world_size()``), then say how it ended on rank 0.
     ``restarts``: how often the job was restarted before (None: as torchrun or SLURM say), for metrics.jsonl."""
     rank, world_size = idist.get_rank(), idist.get_world_size()
     out = _start(cfg, rank, world_size)
@@ -130,24 +130,30 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
                 epoch_log.drop_epochs_after(trainer.state.epoch)
 
     # The last write too.
-    with Trackers(cfg, trainer, evaluator, optimizer, epoch_log, out), writes_awaited(full):
-        _run(trainer, train_loader, t, out)
-    if rank == 0:
-        # Three lines for a person; the figures are in metrics.jsonl.
-        best_model = str(best.last_checkpoint) if best.last_checkpoint else None
-        run_time = float(epoch_log.last.get("run_time_s") or 0.0)
-        for line in closing_lines(out, best_model, trainer.state.epoch, run_time):
-            logger.info(line)
-
-
-def _run(trainer: Engine, train_loader: DataLoader, t: TrainConfig, out: Path) -> None:
-    """``trainer.run``; a stop (Ctrl-C, SIGTERM) says which checkpoint it wrote and the command that goes on."""
     try:
-        trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
+        with Trackers(cfg, trainer, evaluator, optimizer, epoch_log, out), writes_awaited(full):
+            trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
     except TrainingInterrupted as stopped:
-        # The stop's checkpoint is written by now (its save is awaited): the message names it and how to go on.
-        then = stopped_line(out, find_resumable(out))
-        raise TrainingInterrupted(stopped.signum, stopped.iteration, then) from None
+        raise _with_checkpoint(stopped, cfg, out) from None
+    if rank == 0:  # three lines for a person; the figures are in metrics.jsonl
+        _say_finished(out, best.last_checkpoint, trainer.state.epoch, epoch_log.last.get("run_time_s") or 0.0)
+
+
+def _say_finished(out: Path, best_model: str | Path | None, epochs: int, run_time_s: float) -> None:
+    for line in closing_lines(out, best_model, epochs, run_time_s):
+        logger.info(line)
+
+
+def _with_checkpoint(stopped: TrainingInterrupted, cfg: Config, out: Path) -> TrainingInterrupted:
+    """A stop (Ctrl-C, SIGTERM) that says which checkpoint it left and the command that goes on from it: the stop's
+    own (``checkpoint.save_on_stop``: at the stop's iteration, written by rank 0, which every rank names without
+    waiting for it), else the newest complete one."""
+    if cfg.checkpoint.save_on_stop:
+        suffix = "" if cfg.checkpoint.format == "sharded" else ".pt"
+        saved: Path | None = out / f"checkpoint_{stopped.iteration}{suffix}"
+    else:
+        saved = find_resumable(out)
+    return TrainingInterrupted(stopped.signum, stopped.iteration, stopped_line(out, saved))
 
 
 def _epoch_loss(trainer: Engine) -> dict[str, Any]:
