@@ -45,4 +45,4 @@ def stopped_line(output_dir: str | Path, checkpoint: Path | None) -> str:
     """What a stopped run (Ctrl-C, SIGTERM) adds to its stop message: the checkpoint it can go on from, and how."""
     if checkpoint is None:
         return f"no checkpoint in {output_dir} yet: the next run starts from the beginning"
-    return f"newest checkpoint {checkpoint}; go on from it with `{go_on_command(output_dir)}`"
+    return f"last checkpoint {checkpoint}; go on from it with `{go_on_command(output_dir)}`"

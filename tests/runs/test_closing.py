@@ -40,7 +40,7 @@ def test_the_stop_line_names_the_checkpoint_and_how_to_go_on(tmp_path: Path) -> 
     saved = tmp_path / "checkpoint_96.pt"
     err = TrainingInterrupted(2, 96, stopped_line(tmp_path, saved))
     assert str(err).startswith("stopped by SIGINT at iteration 96; every rank stopped at the same iteration; ")
-    assert f"newest checkpoint {saved}; go on from it with `{go_on_command(tmp_path)}`" in str(err)
+    assert f"last checkpoint {saved}; go on from it with `{go_on_command(tmp_path)}`" in str(err)
     assert (err.exit_code, err.signum, err.iteration) == (130, 2, 96)
     assert "no checkpoint" in stopped_line(tmp_path, None)
 
