@@ -68,7 +68,9 @@ def main() -> None:
         ignite-mgpu devices                              # which GPUs exist and which are busy
         ignite-mgpu report runs/                         # every run compared: curves, memory, ./report.png
     """
-    text.ON_COMMAND_LINE.set(True)  # messages name this command's flags, not the config keys a Python caller sets
+    # Messages name this command's flags, not the config keys a Python caller sets; only while the command runs.
+    said_on_the_command_line = text.ON_COMMAND_LINE.set(True)
+    click.get_current_context().call_on_close(lambda: text.ON_COMMAND_LINE.reset(said_on_the_command_line))
 
 
 @main.command(context_settings={"ignore_unknown_options": True})

@@ -289,6 +289,8 @@ def test_a_python_caller_is_told_config_keys_the_command_line_its_flags(launched
 
     cli = CliRunner().invoke(main, ["train", "--output-dir", str(out)])
     assert cli.exit_code == 2 and "Continue it with --resume auto, or choose a new --output-dir" in cli.output
+    capsys.readouterr()
+    assert fit(config(tmp_path)) == 2 and "with resume=auto" in capsys.readouterr().err  # Python again, after it
 
 
 def test_flags_become_the_keys_they_set():
