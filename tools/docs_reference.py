@@ -62,6 +62,7 @@ def exit_codes_page() -> str:
 
 ERROR_TYPES = {"ConfigError", "CheckpointError", "fail"}  # and every subclass (error_types)
 RUNNING_JOB_ERRORS = {"ScriptArgumentsError"}  # raised in a worker, reported as its rank's failure: not listed here
+COLLECTED = {"ConfigErrors"}  # several of the messages listed here, found together: printed as one numbered list
 
 
 def error_types(package: Path) -> set[str]:
@@ -74,7 +75,7 @@ def error_types(package: Path) -> set[str]:
     types = set(ERROR_TYPES)
     while more := {name for name, of in bases.items() if of & types} - types:
         types |= more
-    return types - RUNNING_JOB_ERRORS
+    return types - RUNNING_JOB_ERRORS - COLLECTED
 
 
 def _render(node: ast.expr | None, assigned: dict[str, ast.expr], helpers: dict[str, ast.expr]) -> str | None:
@@ -147,7 +148,8 @@ def errors_page(package: Path) -> str:
         "(`…` stands for the values filled in: the key, the value you gave, the file). Each is printed as "
         "`ignite-mgpu: error: <message>` with exit code 2 before anything starts (a corrupt `--resume` file: 1; "
         "`--wait` running out: 4; Ctrl-C while waiting: 130), "
-        "and says how to fix it. [Troubleshooting](../how-to/troubleshooting.md) covers the failures of a running "
+        "and says how to fix it; several mistakes found together are printed at once, numbered, in the order checked. "
+        "[Troubleshooting](../how-to/troubleshooting.md) covers the failures of a running "
         "job.",
         "",
     ]
