@@ -195,6 +195,6 @@ def refuse_unknown_options(args: tuple[str, ...]) -> None:
             given = args[i + 1] if i + 1 < len(args) and "=" not in args[i + 1] else "VALUE"
             fail(
                 f"no such option: {flag}. Config keys are set as key=value after the command: did you mean "
-                f"{keys[0]}={inline or given}? (see ignite-mgpu {command.name} --help and configs/default.yaml)"
+                f"{keys[0]}={inline or given}? (`ignite-mgpu config` lists every key)"
             )
         fail(f"no such option: {flag} (see ignite-mgpu {command.name} --help).")

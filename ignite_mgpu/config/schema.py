@@ -56,9 +56,7 @@ class DataConfig:
     root: str | None = None  # dataset folder; required for all but synthetic/fake (imagefolder: root/train, root/val)
     download: bool = False  # let torchvision download mnist/fashion_mnist/cifar10 into root
     batch_size: int = 128  # GLOBAL batch: split evenly across all processes
-    num_workers: int | Literal["auto"] = (
-        0  # loader workers per node, split over its processes; auto: train/data/loaders.py
-    )
+    num_workers: int | Literal["auto"] = 0  # loader workers per node, split over its processes; auto: spare CPUs
     shuffle: bool = True  # shuffle the training set every epoch (seeded)
     image_size: int = 32  # side of the images; every dataset is resized to it
     train_size: int = 4096  # samples in the synthetic/fake training split
@@ -70,7 +68,7 @@ class DataConfig:
 class OptimConfig:
     """`optim:` optimizer, parameter groups and learning-rate schedule."""
 
-    name: str = "sgd"  # sgd (Nesterov unless optim.nesterov=false), adamw, a torch.optim class (Adam), or a factory
+    name: str = "sgd"  # sgd (Nesterov unless optim.nesterov=false), adamw, a torch.optim class (Adam, adam), a factory
     lr: float = 0.05  # peak learning rate for the global batch (every optimizer gets it)
     momentum: float = 0.9  # to every optimizer with a momentum parameter (sgd, SGD, RMSprop); the others ignore it
     nesterov: bool = True  # sgd: Nesterov momentum; false: classic momentum, torch.optim.SGD's default (momentum > 0)

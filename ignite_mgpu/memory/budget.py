@@ -78,6 +78,11 @@ class MemoryPlan:
     # On GPUs: checkpoint.async_save's snapshot in pinned host RAM, all processes together.
     host_snapshot: int = 0
 
+    @property
+    def nothing_fits(self) -> bool:
+        """No strategy fits, not even one sample per process in micro-batches (``plan`` exits with NOTHING_FITS)."""
+        return not any(r.micro_batch for r in self.rows)
+
 
 def capacity(cfg: Config, environ: Mapping[str, str] = os.environ, gpus: list[GpuInfo] | None = None) -> Capacity:
     """The selected GPUs' free memory (``--gpus`` as ``train`` reads it, nothing claimed; with ``--nproc``, the
@@ -86,7 +91,8 @@ def capacity(cfg: Config, environ: Mapping[str, str] = os.environ, gpus: list[Gp
     spec, elastic = cfg.dist.gpus, gpu_range(cfg.dist.gpus)
     if elastic is not None:  # its fewest processes: each takes the largest share of a global batch, the worst case
         spec = f"auto:{elastic.low}"
-    chosen = selection.plan_gpus(spec, snapshot, environ, cfg.dist.nproc).physical_ids if snapshot else None
+    # Given --gpus is read as train reads it: ids on a machine without GPUs are refused, not planned on the CPU.
+    chosen = selection.plan_gpus(spec, snapshot, environ, cfg.dist.nproc).physical_ids if snapshot or spec else None
     if chosen and cfg.dist.nproc and cfg.dist.strategy != "dp":
         chosen = chosen[: cfg.dist.nproc]  # as the launch: local rank i on the i-th GPU, the others idle
     # Each process holds what this one holds (torch and the job's code imported); on GPUs CUDA's runtime on top.

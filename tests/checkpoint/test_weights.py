@@ -288,7 +288,7 @@ def test_the_share_weights_how_to(tmp_path):
     run_dir = tmp_path / "runs" / "share"
     (best,) = run_dir.glob("best_model_*")
     assert best.suffix == ".safetensors" and best_model(run_dir) == best  # what fit's result names
-    assert f'"best_model": "{best.relative_to(tmp_path)}"' in result.stderr  # the finished: line
+    assert f"best model: {best.relative_to(tmp_path)} (val_accuracy " in result.stderr  # the end of the run
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first_best = max(lines, key=lambda line: (line["val_accuracy"], -line["epoch"]))
     assert best.name.startswith(f"best_model_{first_best['epoch']}_val_accuracy=")

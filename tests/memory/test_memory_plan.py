@@ -318,3 +318,21 @@ def test_a_model_with_lazy_layers_is_measured_like_its_plain_twin(stack_cfg, str
         assert lazy.peak == plain.peak
     else:
         assert 0.75 * plain.peak <= lazy.peak <= plain.peak
+
+
+def test_gpu_ids_on_a_machine_without_gpus_are_refused_as_train_refuses_them(monkeypatch):
+    monkeypatch.setattr(budget, "query_gpus", list)  # nvidia-smi finds none
+    result = CliRunner().invoke(main, ["plan", *STACK, "--gpus", "2,3"])
+    assert result.exit_code == 2, result.output
+    assert "--gpus 2,3 requested but no NVIDIA GPU is visible" in result.output
+    assert CliRunner().invoke(main, ["plan", *STACK, "--gpus", "none"]).exit_code == 0  # the CPU, as asked
+
+
+def test_nothing_fits_prints_the_table_and_exits_with_its_own_code(monkeypatch):
+    from ignite_mgpu.errors import EXIT_CODES, NOTHING_FITS
+
+    monkeypatch.setattr(budget, "query_gpus", list)
+    monkeypatch.setattr(budget, "_available_ram", lambda: 1 << 20)  # 1 MiB of RAM: not even the runtime fits
+    result = CliRunner().invoke(main, ["plan", *STACK])
+    assert result.exit_code == NOTHING_FITS == 5 and "plan: nothing fits" in EXIT_CODES[5]
+    assert "nothing fits in the CPU (RAM)" in result.output and "strategy" in result.output  # the table too

@@ -89,6 +89,12 @@ OPT = torch.optim
             lambda p: OPT.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=5e-4),
         ),
         (["optim.name=Rprop", "optim.weight_decay=0"], lambda p: OPT.Rprop(p, lr=0.05)),  # takes no weight_decay
+        # Any case: a torch.optim class (adam: Adam, rmsprop: RMSprop), a built-in (Sgd: sgd's Nesterov momentum).
+        (["optim.name=adam"], lambda p: OPT.Adam(p, lr=0.05, weight_decay=5e-4)),
+        (["optim.name=rmsprop"], lambda p: OPT.RMSprop(p, lr=0.05, momentum=0.9, weight_decay=5e-4)),
+        (["optim.name=ADAMW"], lambda p: OPT.AdamW(p, lr=0.05, weight_decay=5e-4)),
+        (["optim.name=Sgd"], lambda p: OPT.SGD(p, lr=0.05, momentum=0.9, weight_decay=5e-4, nesterov=True)),
+        (["optim.name=SGD"], lambda p: OPT.SGD(p, lr=0.05, momentum=0.9, weight_decay=5e-4)),  # torch's, classic
     ],
 )
 def test_each_name_is_the_torch_class_with_lr_weight_decay_momentum_and_args(overrides, torch_itself):
@@ -119,9 +125,10 @@ def test_a_factory_gets_the_groups_lr_weight_decay_and_args():
     "overrides, match",
     [
         (
-            ["optim.name=adam"],
-            r"^optim.name=adam is not known. Did you mean Adam, RAdam or NAdam\? Use sgd, adamw, a class of "
-            r"torch.optim by its exact name \(ASGD, .*Adam, AdamW,.*\), or 'package.module:factory' for your own.$",
+            ["optim.name=adma"],
+            r"^optim.name=adma is not known. Did you mean Adamax, Adam or RAdam\? Use sgd, adamw, a class of "
+            r"torch.optim by its name, any case \(ASGD, .*Adam, AdamW,.*\), or 'package.module:factory' for your "
+            r"own.$",
         ),
         (["optim.name=OneCycleLR"], r"optim.name=OneCycleLR is not known. Use sgd, adamw"),
         (["optim.name=LBFGS"], r"optim.name=LBFGS is not supported: its step\(\) needs a closure"),
@@ -245,3 +252,10 @@ def test_factory_groups_a_generator_and_a_partial_answer(caplog):
     with caplog.at_level(logging.WARNING, logger="ignite_mgpu"):
         opt = build(model, f"optim.param_groups={PKG}:first_layer_only")
     assert len(opt.param_groups) == 1 and "leaves 2 trainable parameters out of every group: not trained" in caplog.text
+
+
+def test_a_schedule_is_named_in_any_case_too():
+    from ignite_mgpu.train.optim import scheduler_factory
+
+    assert scheduler_factory("onecyclelr") is torch.optim.lr_scheduler.OneCycleLR
+    assert scheduler_factory("StepLR") is torch.optim.lr_scheduler.StepLR
