@@ -204,9 +204,9 @@ def run(script: str, script_args: tuple[str, ...], module: bool, **flags: Any) -
         ignite-mgpu run --gpus auto:2 --max-restarts 1 train.py --resume last.pt
         ignite-mgpu run --gpus auto:2 --wait train.py          # in line until 2 GPUs are free
 
-    Each process gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, TORCHELASTIC_RUN_ID,
-    TORCHELASTIC_ERROR_FILE, ...): init_process_group(), idist.Parallel, launch(), Lightning and Accelerate see a
-    torchrun launch. Options go before SCRIPT; what follows it is the script's. A failing rank stops every process
+    Each process gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, TORCHELASTIC_RESTART_COUNT,
+    TORCHELASTIC_RUN_ID, TORCHELASTIC_ERROR_FILE, ...): init_process_group(), idist.Parallel, launch(), Lightning
+    and Accelerate see a torchrun launch. Options go before SCRIPT; what follows it is the script's. A failing rank stops every process
     and its error is shown once (the one @record wrote, where it did); a script that exits with 2 rejected its
     arguments and is not restarted. Ctrl-C reaches every process as SIGINT (KeyboardInterrupt), SIGTERM as SIGTERM,
     as torchrun passes them on; SIGKILL 60 s later. GPUs are claimed as train claims them (--wait, --share).
