@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from ignite_mgpu import text
 from ignite_mgpu.cli_options import (
     FLAGS,
     ScriptCommand,
@@ -72,14 +73,17 @@ def main() -> None:
     """Multi-GPU (and multi-process CPU) training with PyTorch-Ignite, without the classic traps.
 
     \b
-      ignite-mgpu train --nproc 2                      # default job: small CNN on synthetic data
-      ignite-mgpu train configs/cifar10_resnet18.yaml --gpus 2,3 optim.lr=0.1
-      ignite-mgpu devices                              # which GPUs exist and which are busy
-      ignite-mgpu report runs/dp runs/ddp              # their curves and per-GPU memory in ./report.png
+        ignite-mgpu train --nproc 2                      # default job: small CNN on synthetic data
+        ignite-mgpu train my.yaml --gpus 2,3 optim.lr=0.1  # my.yaml: start from `ignite-mgpu config`
+        ignite-mgpu devices                              # which GPUs exist and which are busy
+        ignite-mgpu report runs/                         # every run compared: curves, memory, ./report.png
     """
     # Goodput's start-up counts from this interpreter's start: under `sh -c '... && ignite-mgpu train'` the shell
     # execs this command, and the process's start would count what the shell ran first.
     clock.use_interpreter_start()
+    # Messages name this command's flags, not the config keys a Python caller sets; only while the command runs.
+    said_on_the_command_line = text.ON_COMMAND_LINE.set(True)
+    click.get_current_context().call_on_close(lambda: text.ON_COMMAND_LINE.reset(said_on_the_command_line))
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -104,7 +108,7 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
     \b
     ARGS are dotted overrides such as optim.lr=0.05 train.epochs=3 data.batch_size=256
     (or a YAML file as the first argument). data.batch_size is the GLOBAL batch, split over all processes.
-    See configs/default.yaml for every key.
+    `ignite-mgpu config` prints every key with its default and meaning.
     """
     refuse_unknown_options(args)
     with _errors_to_exit():
@@ -112,6 +116,28 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
     from ignite_mgpu.jobs import fit
 
     sys.exit(fit(cfg))
+
+
+@main.command("config", context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1)
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML file over the defaults.")
+def config_command(args: tuple[str, ...], config_path: str | None) -> None:
+    """Print every config key with its value and meaning, as YAML.
+
+    Without arguments: the defaults. With a FILE.yaml and key=value overrides: what train would run with them
+    (checked as train checks them).
+
+    \b
+        ignite-mgpu config                               # every key, its default and what it means
+        ignite-mgpu config > my.yaml                     # a start for your own config: edit, then train my.yaml
+        ignite-mgpu config my.yaml optim.lr=0.1          # the configuration that train my.yaml optim.lr=0.1 runs
+    """
+    refuse_unknown_options(args)
+    with _errors_to_exit():
+        cfg = _load(args, config_path, {})
+    from ignite_mgpu.config.keys import commented_yaml
+
+    click.echo(commented_yaml(cfg), nl=False)
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
@@ -146,7 +172,9 @@ def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | Non
 @click.option("-m", "--module", is_flag=True, help="SCRIPT is a module name, run as python -m MODULE.")
 @click.option("--nproc", type=int, help="Processes on this node [default: selected GPUs, or 1 on CPU].")
 @click.option(
-    "--gpus", callback=gpus_value, help="Physical GPU ids as nvidia-smi shows them (2,3), all, none, auto or auto:N."
+    "--gpus",
+    callback=gpus_value,
+    help="Physical GPU ids as nvidia-smi shows them (2,3), all, none, auto, auto:N or auto:MIN-MAX.",
 )
 @click.option("--nnodes", type=int, default=1, help="Machines in the job (multi-node: also --node-rank, --master-*).")
 @click.option("--node-rank", type=int, default=0, help="This machine's index, 0..nnodes-1.")
@@ -171,21 +199,19 @@ def run(script: str, script_args: tuple[str, ...], module: bool, **flags: Any) -
     """Run your own training SCRIPT (or -m MODULE) in N processes, as torchrun starts them.
 
     \b
-      ignite-mgpu run --nproc 2 train.py --epochs 1
-      ignite-mgpu run --gpus 2,3 -m mypkg.train --lr 0.1
-      ignite-mgpu run --gpus auto:2 --max-restarts 1 train.py --resume last.pt
-      ignite-mgpu run --gpus auto:2 --wait train.py          # in line until 2 GPUs are free
+        ignite-mgpu run --nproc 2 train.py --epochs 1
+        ignite-mgpu run --gpus 2,3 -m mypkg.train --lr 0.1
+        ignite-mgpu run --gpus auto:2 --max-restarts 1 train.py --resume last.pt
+        ignite-mgpu run --gpus auto:2 --wait train.py          # in line until 2 GPUs are free
 
-    Each process gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
-    MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_RUN_ID, TORCHELASTIC_ERROR_FILE, ...), so
-    init_process_group(), ignite's idist.Parallel, ignite_mgpu.launch(), Lightning and Accelerate in the script see
-    a torchrun launch; the script chooses the backend and its collective timeout. Options go before SCRIPT; what
-    follows it is the script's. A rank that fails stops every process, and its error is shown once (the one torch's
-    @record wrote, where it did); a script that exits with 2 (argparse, click) rejected its arguments, and nothing
-    restarts it. Ctrl-C reaches every process as SIGINT (KeyboardInterrupt), SIGTERM as SIGTERM, as torchrun
-    passes them on; SIGKILL 60 s later. The GPUs are claimed as train claims them (--wait, --share). SLURM's warning
-    before the time limit (--preempt-signal) is passed to every process, then the SLURM job is requeued. Refused
-    under torchrun or srun: one launcher at a time.
+    Each process gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, TORCHELASTIC_RESTART_COUNT,
+    TORCHELASTIC_RUN_ID, TORCHELASTIC_ERROR_FILE, ...): init_process_group(), idist.Parallel, launch(), Lightning
+    and Accelerate see a torchrun launch. Options go before SCRIPT; what follows it is the script's. A failing rank stops every process
+    and its error is shown once (the one @record wrote, where it did); a script that exits with 2 rejected its
+    arguments and is not restarted. Ctrl-C reaches every process as SIGINT (KeyboardInterrupt), SIGTERM as SIGTERM,
+    as torchrun passes them on; SIGKILL 60 s later. GPUs are claimed as train claims them (--wait, --share).
+    SLURM's warning before the time limit is passed to every process, then the job is requeued. Refused under
+    torchrun or srun: one launcher at a time.
     """
     from ignite_mgpu.config.schema import DistConfig
 
@@ -209,12 +235,14 @@ def run(script: str, script_args: tuple[str, ...], module: bool, **flags: Any) -
 @click.option("--strategy", type=click.Choice(STRATEGIES), help="Checked as train checks it; every strategy is shown.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (bytes as integers).")
 def plan(args: tuple[str, ...], config_path: str | None, as_json: bool, **flags: Any) -> None:
-    """Estimate a job's memory before it starts: per GPU (per CPU process on a CPU job), parameters, gradients,
-    optimizer state, activations per sample and the peak of one training step under ddp, dp and fsdp.
+    """Estimate a job's memory before it starts, and which strategy and micro-batch fit.
+
+    Per GPU (per CPU process on a CPU job): parameters, gradients, optimizer state, activations per sample and the
+    peak of one training step under ddp, dp and fsdp.
 
     \b
-      ignite-mgpu plan configs/default.yaml
-      ignite-mgpu plan examples/huggingface/gpt2.yaml --gpus auto:2 data.batch_size=64 --json
+        ignite-mgpu plan my.yaml
+        ignite-mgpu plan my.yaml --gpus auto:2 data.batch_size=64 --json
 
     The step runs on fake tensors on the CPU (the configured model, the first batch's shapes, loss, optimizer and
     precision, the global batch split over the processes): nothing is allocated, no process or GPU is used. It then
@@ -233,8 +261,10 @@ def plan(args: tuple[str, ...], config_path: str | None, as_json: bool, **flags:
 @main.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def devices(as_json: bool) -> None:
-    """List every GPU: physical id, PCI bus, memory, utilisation, processes and their users, the job that claims
-    it, and its CUDA index here."""
+    """List every GPU, its processes and the job that claims it.
+
+    For each: physical id, PCI bus, memory, utilisation, processes and their users, the job that claims it, and its
+    CUDA index here."""
     from ignite_mgpu.gpus import inventory
     from ignite_mgpu.gpus.devices import format_devices, who_has
 
@@ -274,8 +304,9 @@ def report(run_dirs: tuple[str, ...], out: str | None, as_json: bool) -> None:
     Panels: training and validation loss, validation accuracy, samples/s and data-wait share per epoch, and
     the peak memory of each GPU (dp) or process (ddp) in the last epoch with its max/min ratio, and where each
     run's wall time went (goodput: start-up, training, data wait, evaluation, checkpoints, restarts). Several
-    RUN_DIRs are overlaid, each named by its folder, strategy and process count. Without matplotlib
-    (pip install -e ".[plot]") only the table is printed. Reads files only: safe while a run is going.
+    RUN_DIRs are overlaid, each named by its folder, strategy and process count; a folder of runs (runs/) stands
+    for every run in it. Without matplotlib
+    (pip install "ignite-mgpu[plot]") only the table is printed. Reads files only: safe while a run is going.
     """
     with _errors_to_exit():
         from ignite_mgpu.runs.figure import write_image
@@ -290,16 +321,19 @@ def report(run_dirs: tuple[str, ...], out: str | None, as_json: bool) -> None:
 
 @main.group()
 def checkpoint() -> None:
-    """Inspect or convert checkpoint files, safetensors files and sharded folders (.pt files always loaded with
-    weights_only=True)."""
+    """Inspect or convert checkpoint files, safetensors files and sharded folders.
+
+    .pt files are always loaded with weights_only=True."""
 
 
 @checkpoint.command()
 @click.argument("path", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def inspect(path: str, as_json: bool) -> None:
-    """Show what a checkpoint file or sharded folder holds: entries, step, parameters, dtypes, wrapper prefixes (of a
-    .safetensors file: its metadata and tied names too)."""
+    """Show what a checkpoint file or sharded folder holds.
+
+    Its entries, step, parameters, dtypes and wrapper prefixes (of a .safetensors file: its metadata and tied names
+    too)."""
     import json
 
     with _errors_to_exit():

@@ -143,7 +143,7 @@ def dist_options(fn: Any) -> Any:
         click.option(
             "--gpus",
             callback=gpus_value,
-            help="Physical GPU ids as nvidia-smi shows them (2,3), all, none, auto or auto:N.",
+            help="Physical GPU ids as nvidia-smi shows them (2,3), all, none, auto, auto:N or auto:MIN-MAX.",
         ),
         click.option(
             "--strategy",
@@ -195,6 +195,6 @@ def refuse_unknown_options(args: tuple[str, ...]) -> None:
             given = args[i + 1] if i + 1 < len(args) and "=" not in args[i + 1] else "VALUE"
             fail(
                 f"no such option: {flag}. Config keys are set as key=value after the command: did you mean "
-                f"{keys[0]}={inline or given}? (see ignite-mgpu {command.name} --help and configs/default.yaml)"
+                f"{keys[0]}={inline or given}? (`ignite-mgpu config` lists every key)"
             )
         fail(f"no such option: {flag} (see ignite-mgpu {command.name} --help).")

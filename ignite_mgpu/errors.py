@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
+from collections.abc import Iterator
 
 # The job's exit codes; the CLI's --help, the README and the supervisor quote this table.
 EXIT_CODES = {
@@ -12,12 +14,13 @@ EXIT_CODES = {
     2: "usage or config error, found before anything started",
     3: "training diverged (non-finite loss)",
     4: "--wait ran out before the GPUs were free (nothing started)",
+    5: "plan: nothing fits the memory, not even one sample per process (the table shows what each strategy needs)",
     130: "SIGINT (Ctrl-C)",
     138: "SIGUSR1, pre-emption (dist.preempt_signal, run --preempt-signal; 128 + its number): stopped (train: "
     "checkpointed), SLURM job requeued",
     143: "SIGTERM",
 }
-SUCCESS, FAILED, USAGE, DIVERGED, WAIT_TIMEOUT = 0, 1, 2, 3, 4
+SUCCESS, FAILED, USAGE, DIVERGED, WAIT_TIMEOUT, NOTHING_FITS = 0, 1, 2, 3, 4, 5
 
 
 def exit_codes_text() -> str:
@@ -67,6 +70,52 @@ class CorruptCheckpointError(CheckpointError):
     exit_code = FAILED
 
 
+class ConfigErrors(ConfigError):
+    """Several mistakes found by checks that ran one after another (``Checks``): every one reported at once, each
+    its own numbered paragraph, in the order checked (exit code 2)."""
+
+    def __init__(self, errors: list[ConfigError | CheckpointError]) -> None:
+        listed = "\n".join(f"  {n}. {err}" for n, err in enumerate(errors, 1))
+        super().__init__(f"{len(errors)} problems, in the order checked:\n{listed}")
+        self.detail = "\n".join(d for err in errors if (d := getattr(err, "detail", "")))
+        self.errors = errors
+
+
+class Checks:
+    """Runs checks that do not depend on each other and keeps each one's usage error (exit code 2), so that a
+    user sees every mistake at once: a mistyped data.name is not hidden behind the output folder's problem. Other
+    errors (a corrupt checkpoint: exit 1) pass at once.
+
+        checks = Checks()
+        with checks.one():
+            check_model(cfg)
+        with checks.one():
+            check_output_dir(cfg)
+        checks.raise_found()
+    """
+
+    def __init__(self) -> None:
+        self.found: list[ConfigError | CheckpointError] = []
+
+    @contextlib.contextmanager
+    def one(self) -> Iterator[None]:
+        try:
+            yield
+        except (ConfigError, CheckpointError) as err:
+            if err.exit_code != USAGE:
+                raise
+            for each in err.errors if isinstance(err, ConfigErrors) else [err]:
+                if str(each) not in map(str, self.found):  # the same mistake met by two checks: once
+                    self.found.append(each)
+
+    def raise_found(self) -> None:
+        """Raise what was found: one error as it is, several as ``ConfigErrors``."""
+        if len(self.found) == 1:
+            raise self.found[0]
+        if self.found:
+            raise ConfigErrors(self.found)
+
+
 class TrainingStopped(RuntimeError):
     """Every rank stopped together on purpose; ``exit_code`` is what the process exits with."""
 
@@ -82,10 +131,11 @@ class TrainingDiverged(TrainingStopped):
 class TrainingInterrupted(TrainingStopped):
     """A stop signal (SIGTERM, Ctrl-C) reached some rank: every rank stopped at the same iteration."""
 
-    def __init__(self, signum: int, iteration: int) -> None:
+    def __init__(self, signum: int, iteration: int, then: str = "") -> None:
         name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} at iteration {iteration}; every rank stopped at the same iteration")
-        self.exit_code = signal_exit_code(signum)
+        said = f"stopped by {name} at iteration {iteration}; every rank stopped at the same iteration"
+        super().__init__(f"{said}; {then}" if then else said)  # then: the checkpoint written and how to go on
+        self.exit_code, self.signum, self.iteration = signal_exit_code(signum), signum, iteration
 
 
 class ScriptArgumentsError(ConfigError):

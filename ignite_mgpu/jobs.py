@@ -14,10 +14,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from ignite_mgpu import text
 from ignite_mgpu.config.checks import validate
+from ignite_mgpu.config.loading import dotted_keys
 from ignite_mgpu.config.schema import Config
 from ignite_mgpu.env import cluster
-from ignite_mgpu.errors import CheckpointError, ConfigError
+from ignite_mgpu.errors import NOTHING_FITS, SUCCESS, CheckpointError, Checks, ConfigError
 from ignite_mgpu.preflight import (
     check_datasets,
     check_job,
@@ -39,10 +41,15 @@ from ignite_mgpu.runs.read import best_model, last_epoch
 TRAINING = "ignite_mgpu.train.default_job:training"
 
 
+def said(message: str) -> str:
+    """``message`` as the caller speaks: flags on the command line, config keys (``resume=auto``) in Python."""
+    return message if text.ON_COMMAND_LINE.get() else text.as_settings(message, dotted_keys())
+
+
 def _refused(err: ConfigError | CheckpointError) -> int:
     if detail := getattr(err, "detail", ""):
         print(detail.rstrip(), file=sys.stderr)  # e.g. the traceback of the user's own factory
-    print(f"ignite-mgpu: error: {err}", file=sys.stderr)
+    print(f"ignite-mgpu: error: {said(str(err))}", file=sys.stderr)
     return err.exit_code
 
 
@@ -86,10 +93,10 @@ def fit(cfg: Config | None = None) -> FitResult:
     With ``dist.max_restarts``, a failed job restarts from the newest complete checkpoint in ``output_dir``.
 
     Returns:
-        A ``FitResult``, an int: 0 on success; 2 (the reason printed as one paragraph on stderr) when a check
-        fails, 1 for a corrupt ``resume`` file, 4 when ``dist.wait`` ran out before the GPUs were free (130 on Ctrl-C
-        while waiting); otherwise the job's code: 1 a rank failed, 3 diverged, 130/143 stopped by a signal. Its
-        ``output_dir``, ``metrics`` and ``best_model`` say what the run left.
+        The exit code, an int (a ``FitResult``): 0 on success; 2 (the reason printed as one paragraph on stderr)
+            when a check fails, 1 for a corrupt ``resume`` file, 4 when ``dist.wait`` ran out before the GPUs were
+            free (130 on Ctrl-C while waiting); otherwise the job's code: 1 a rank failed, 3 diverged, 130/143
+            stopped by a signal. Its ``output_dir``, ``metrics`` and ``best_model`` say what the run left.
     """
     cfg = cfg if cfg is not None else Config()
     try:
@@ -154,7 +161,7 @@ def resolve_output_dir(cfg: Config, environ: Mapping[str, str] = os.environ, now
             n += 1
             new = folder.RUNS / f"{stamp}-{n}"
         cfg.output_dir = str(new)
-    print(f"ignite-mgpu: output_dir {cfg.output_dir} (pass --output-dir to choose one)", file=sys.stderr)
+    print(said(f"ignite-mgpu: output_dir {cfg.output_dir} (--output-dir chooses one)"), file=sys.stderr)
 
 
 def checked_plan(cfg: Config) -> LaunchPlan:
@@ -181,12 +188,19 @@ def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[LaunchPl
     Raises:
         ConfigError, CheckpointError: before anything was started or created.
     """
-    check_job(cfg)
-    check_trackers(cfg.train)  # training's alone: evaluate logs to no tracker
+    # What the config names, then where the run goes: every mistake at once, in that order.
+    checks = Checks()
+    with checks.one():
+        check_job(cfg)
+    with checks.one():
+        check_trackers(cfg.train)  # training's alone: evaluate logs to no tracker
     resolve_output_dir(cfg)
     leader = is_leader(cfg)
     if leader:
-        check_output_dir(cfg)
+        with checks.one():
+            check_output_dir(cfg)
+    checks.raise_found()
+    if leader:
         warn_restarts_without_checkpoints(cfg)
         warn_double_warmup(cfg)
     try:
@@ -232,10 +246,24 @@ def plan_memory(cfg: Config, as_json: bool = False) -> int:
     """Print the memory plan of ``cfg`` (``ignite-mgpu plan``): per process, parameters, gradients, optimizer state,
     activations per sample and the peak of a training step under ddp, dp and fsdp, measured on fake tensors (nothing
     allocated, no process started), and which strategy and micro-batch fit the selected GPUs' free memory (on a
-    machine without GPUs: the available RAM). Returns 0, or 2 with the reason when a check fails."""
-    from ignite_mgpu.memory.budget import capacity, make_memory_plan
-    from ignite_mgpu.memory.table import format_plan, to_json
+    machine without GPUs: the available RAM). Returns 0; 2 with the reason when a check fails (``--gpus 2,3`` on
+    a machine without them, as ``train``; a torch without the memory trackers); 5 (NOTHING_FITS) after the table
+    when nothing fits, not even one sample per process, so that a script can test the plan's answer."""
+    try:
+        from ignite_mgpu.memory.budget import capacity, make_memory_plan
+        from ignite_mgpu.memory.table import format_plan, to_json
+    except ModuleNotFoundError as err:  # PyTorch's memory trackers are newer than the oldest torch trains with
+        if not (err.name or "").startswith("torch."):
+            raise
+        import torch
 
+        return _refused(
+            ConfigError(
+                f"ignite-mgpu plan measures a step with PyTorch's memory trackers ({err.name}), which torch "
+                f"{torch.__version__} does not have. Upgrade torch to plan (pip install -U torch); training works "
+                "without the plan, and train.micro_batch=auto splits the batch after an out-of-memory error."
+            )
+        )
     try:
         validate(cfg)
         check_job(cfg)
@@ -243,4 +271,4 @@ def plan_memory(cfg: Config, as_json: bool = False) -> int:
     except ConfigError as err:
         return _refused(err)
     print(to_json(plan) if as_json else format_plan(plan))
-    return 0
+    return NOTHING_FITS if plan.nothing_fits else SUCCESS

@@ -26,7 +26,7 @@ from ignite_mgpu.config.schema import (
     trackers_of,
 )
 from ignite_mgpu.env import cluster
-from ignite_mgpu.errors import ConfigError, CorruptCheckpointError
+from ignite_mgpu.errors import Checks, ConfigError, CorruptCheckpointError
 from ignite_mgpu.processes.plan import LaunchPlan
 from ignite_mgpu.runs import metric_names
 from ignite_mgpu.runs.folder import run_dir
@@ -58,30 +58,57 @@ def check_job(cfg: Config) -> None:
     arguments the config gives them), and the packages the chosen options need. Built-in names without extra
     arguments need nothing checked here (the config's checks know them): only a torchvision model, a torch class,
     a factory of the user's or extra arguments import torch and the module that builds them."""
+    checks = Checks()  # each mistake of the config's names at once, in the file's order
+    for check in (_check_data_source, _check_model, _check_optim, _check_loss, check_metric_factories):
+        with checks.one():
+            check(cfg)
+    if not checks.found:  # calls what the checks above found sound: a mistake there would be met again
+        with checks.one():
+            _check_factories(cfg)
+    checks.raise_found()
+
+
+def _check_data_source(cfg: Config) -> None:
+    """The data folder, or a dataset factory's module and name (built later, with the launch plan's processes)."""
     check_data_root(cfg)
-    m, o = cfg.model, cfg.optim
-    if m.name not in MODELS or m.args:
+    if ":" in cfg.data.name:
+        from ignite_mgpu.train.plugins import resolve
+
+        resolve(cfg.data.name, "data.name")
+
+
+def _check_model(cfg: Config) -> None:
+    if cfg.model.name not in MODELS or cfg.model.args:
         from ignite_mgpu.train.models import check_model
 
-        check_model(m)
+        check_model(cfg.model)
+
+
+def _check_optim(cfg: Config) -> None:
+    o = cfg.optim
     builtin_optim = o.name in OPTIMIZERS and o.scheduler in SCHEDULES and o.param_groups is None
     if not builtin_optim or o.args or o.scheduler_args:
         from ignite_mgpu.train.optim import check_optim
 
         check_optim(o)
+
+
+def _check_loss(cfg: Config) -> None:
     # A built-in's arguments: config.checks, with the config.
     if cfg.train.loss not in BUILTIN_LOSSES:
         # The user's factory: its module is imported to check it.
         from ignite_mgpu.train.losses import check_loss
 
         check_loss(cfg.train.loss, cfg.train.loss_args)
-    names = (m.name, o.name, o.param_groups or "", cfg.train.loss)
+
+
+def _check_factories(cfg: Config) -> None:
+    m, o = cfg.model, cfg.optim
     # The user's code ("package.module:factory"): called once here, as in the workers.
-    if any(":" in name for name in names):
+    if any(":" in name for name in (m.name, o.name, o.param_groups or "", cfg.train.loss)):
         from ignite_mgpu.train.models import check_factories
 
         check_factories(m, cfg.train.loss, cfg.train.loss_args, o)
-    check_metric_factories(cfg)
 
 
 def check_trackers(t: TrainConfig) -> None:

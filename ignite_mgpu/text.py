@@ -1,9 +1,11 @@
-"""How messages write counts, lists of ids and the config key a user meant: one spelling everywhere. Torch-free, a
-leaf like errors.py."""
+"""How messages write counts, lists of ids and the config key a user meant, and flags for a Python caller (as the
+config keys they set): one spelling everywhere. Torch-free, a leaf like errors.py."""
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -68,4 +70,30 @@ def unknown_key(key: str, where: str, sections: Mapping[str, Sequence[str]], ove
         hint = f"; did you mean {guess[0]}{'' if value is None else '=' + value}?"
     else:
         hint = f" (its keys: {', '.join(sections[section])})."
-    return f"config key '{key}' ({where}) is {place}{hint} configs/default.yaml lists every key with its default."
+    listed = "`ignite-mgpu config` lists every key with its default and meaning."
+    return f"config key '{key}' ({where}) is {place}{hint} {listed}"
+
+
+# Set by the ignite-mgpu command: its messages name its flags; a Python caller (fit, evaluate) is told config keys.
+ON_COMMAND_LINE: contextvars.ContextVar[bool] = contextvars.ContextVar("ignite_mgpu_on_command_line", default=False)
+
+# A flag and the value after it, where that is a value (auto, none, all, or a token with a digit, dot, slash, colon
+# or comma): "--resume auto", "--gpus 2,3", "--resume runs/a/checkpoint_4.pt"; "--output-dir" alone.
+_FLAG = re.compile(r"--([a-z][a-z-]*)(?: (auto|none|all|[\w*-]*[\d./:,][\w.,:/*-]*))?")
+
+
+def as_settings(message: str, keys: Sequence[str]) -> str:
+    """A message written for the command line, said to a Python caller: each flag named as the config key it sets,
+    in the form ``load_config``'s overrides take (``--resume auto`` -> ``resume=auto``, ``--output-dir`` ->
+    ``output_dir``, ``--gpus 2,3`` -> ``dist.gpus=2,3``); a flag that sets no key stays as it is."""
+    by_name: dict[str, str] = {}
+    for key in keys:  # top-level keys first: output_dir, resume
+        by_name.setdefault(key.rpartition(".")[2], key)
+
+    def setting(found: re.Match[str]) -> str:
+        key = by_name.get(found[1].replace("-", "_"))
+        if key is None:
+            return found[0]
+        return f"{key}={found[2]}" if found[2] else key
+
+    return _FLAG.sub(setting, message)

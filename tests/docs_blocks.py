@@ -1,7 +1,9 @@
 """The code blocks of the documentation (docs/**/*.md), read the way tests/test_docs.py checks them: a block is
-included from a file (``--8<-- "examples/..."``), visibly marked ``title="Not run here: <reason>"``, named by an
-HTML comment line ``<!-- block: NAME -->`` just above it (a test runs it by that name, with its own assertions),
-or run as it is by tests/test_docs.py."""
+included from a file (``--8<-- "examples/..."``), marked by an HTML comment line ``<!-- not run: <reason> -->`` just
+above it (the reader sees the block's title, which speaks to them: "Needs NVIDIA GPUs"), named by a comment line
+``<!-- block: NAME -->`` just above it (a test runs it by that name, with its own assertions), or run as it is by
+tests/test_docs.py. A tutorial's files are the blocks whose title is a relative path (``my_project/data.py``):
+``write_files`` writes them into an empty folder, as the reader does."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 RUNNABLE = {"bash", "sh", "shell", "console", "python", "py"}
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<info>[^`]*)$")
 _NAME = re.compile(r"^ *<!-- block: (?P<name>[\w-]+) -->$")
+_NOT_RUN = re.compile(r"^ *<!-- not run: (?P<why>.*\S.*) -->$")
+_FILE_TITLE = re.compile(r"^[\w.-]+(?:/[\w.-]+)*\.\w+$")  # a relative path: my_project/data.py, config.yaml
 _TITLE = re.compile(r'title="(?P<title>[^"]*)"')
 
 
@@ -26,6 +30,7 @@ class Block:
     title: str
     name: str
     text: str
+    why_not_run: str = ""  # <!-- not run: REASON --> above it
 
     @property
     def included(self) -> list[str]:
@@ -33,7 +38,19 @@ class Block:
 
     @property
     def not_run_here(self) -> bool:
-        return self.title.startswith("Not run here:") and len(self.title) > len("Not run here: ")
+        return bool(self.why_not_run)
+
+    @property
+    def is_file(self) -> bool:
+        """A file the reader writes: its title is the path, relative to their folder."""
+        return bool(_FILE_TITLE.match(self.title))
+
+    def content(self) -> str:
+        """The text as the page shows it: an included file (``--8<-- "examples/..."``) in full."""
+        if self.included:
+            (path,) = self.included
+            return (DOCS.parent / path).read_text()
+        return self.text
 
     @property
     def id(self) -> str:
@@ -53,9 +70,10 @@ def blocks(page: Path) -> list[Block]:
         lang = info.split()[0].lstrip("{.").rstrip("}")
         title = t["title"] if (t := _TITLE.search(info)) else ""
         name = n["name"] if i and (n := _NAME.match(lines[i - 1])) else ""
+        why = w["why"] if i and (w := _NOT_RUN.match(lines[i - 1])) else ""
         end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```" and lines[j].startswith(indent))
         text = "\n".join(line[len(indent) :] for line in lines[i + 1 : end])
-        found.append(Block(str(page.relative_to(DOCS)), i + 1, lang, title, name, text + "\n"))
+        found.append(Block(str(page.relative_to(DOCS)), i + 1, lang, title, name, text + "\n", why))
         i = end + 1
     return found
 
@@ -70,6 +88,27 @@ def doc_block(name: str) -> Block:
     return block
 
 
+def write_files(page: str, folder: Path) -> list[Path]:
+    """Write every file block of ``page`` (relative to docs/) into ``folder``, as the page shows it: what a reader
+    following the page from an empty folder has written."""
+    written = []
+    for block in blocks(DOCS / page):
+        if block.is_file:
+            path = folder / block.title
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(block.content())
+            written.append(path)
+    return written
+
+
+def installed_only(folder: Path) -> Path:
+    """A folder for PYTHONPATH that holds the package and nothing else of the repository: as after
+    ``pip install ignite-mgpu`` (no configs/, examples/ or tests/ to import or read)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "ignite_mgpu").symlink_to(DOCS.parent / "ignite_mgpu")
+    return folder
+
+
 def sandbox(folder: Path) -> Path:
     """A working folder as a user's checkout would be: configs/ and examples/ at hand, nothing written into the
     repository."""
@@ -79,12 +118,14 @@ def sandbox(folder: Path) -> Path:
     return folder
 
 
-def run_block(block: Block, cwd: Path, timeout: float = 150):
+def run_block(block: Block, cwd: Path, timeout: float = 150, pythonpath: Path | None = None):
     """Run a block as written, in its own session with a hard timeout: bash with -euo pipefail, or python; the
-    ignite-mgpu and python of this environment. Fails the test on a non-zero exit."""
+    ignite-mgpu and python of this environment (``pythonpath``: where the package is found, by default the
+    repository). Fails the test on a non-zero exit."""
     from tests.conftest import run_in_session
 
-    env = {**os.environ, "PYTHONPATH": str(DOCS.parent), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    path = str(pythonpath or DOCS.parent)
+    env = {**os.environ, "PYTHONPATH": path, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
     if block.lang in {"python", "py"}:

@@ -333,7 +333,7 @@ def test_plugin_mistakes_exit_2_before_anything_starts(captured, tmp_path, args,
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["optim.name=adam"], "ignite-mgpu: error: optim.name=adam is not known. Did you mean Adam, RAdam or NAdam?"),
+        (["optim.name=adma"], "ignite-mgpu: error: optim.name=adma is not known. Did you mean Adamax, Adam or RAdam?"),
         (["optim.scheduler=OneCycle"], "optim.scheduler=OneCycle is not known. Did you mean OneCycleLR?"),
         (["optim.scheduler=ReduceLROnPlateau"], "optim.scheduler=ReduceLROnPlateau is not supported"),
         (["optim.name=Adam", "optim.args.beta=0.9"], "optim.args gives beta, which optim.name=Adam does not accept"),
@@ -371,7 +371,7 @@ def test_each_run_without_an_output_dir_gets_a_new_folder_and_resume_auto_contin
     assert first.exit_code == second.exit_code == 0
     dirs = [c[2][1].output_dir for c in captured]
     assert dirs[0] != dirs[1] and all(d.startswith("runs/") for d in dirs)
-    assert f"output_dir {dirs[0]} (pass --output-dir to choose one)" in first.output
+    assert f"output_dir {dirs[0]} (--output-dir chooses one)" in first.output
     (tmp_path / dirs[1]).mkdir(parents=True, exist_ok=True)  # the lock made it
     torch.save({"model": {}}, tmp_path / dirs[1] / "checkpoint_8.pt")  # the newest run was interrupted
     resumed = invoke(["train", "--resume", "auto"], tmp_path)

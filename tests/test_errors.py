@@ -17,7 +17,7 @@ from ignite_mgpu.errors import (
 
 def test_exit_codes():
     assert exit_codes_text().startswith("0 success, 1 a rank failed (or the checkpoint named by --resume is corrupt)")
-    assert set(EXIT_CODES) == {0, 1, 2, 3, 4, 130, 138, 143}
+    assert set(EXIT_CODES) == {0, 1, 2, 3, 4, 5, 130, 138, 143}
     assert TrainingInterrupted(signal.SIGINT, 7).exit_code == 130
     stopped = TrainingInterrupted(signal.SIGTERM, 7)
     assert stopped.exit_code == 143 and str(stopped).startswith("stopped by SIGTERM at iteration 7")

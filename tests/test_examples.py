@@ -74,41 +74,6 @@ def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.timeout(120)
-def test_dataparallel_before(tmp_path):
-    result = run_block(doc_block("dp-before"), sandbox(tmp_path))
-    assert float(result.stdout.split("epoch 3:")[1].split("val_accuracy")[1].split()[0]) > 0.9
-    assert (tmp_path / "model.pt").is_file()
-
-
-@pytest.mark.timeout(180)
-def test_dataparallel_after_cli(tmp_path):
-    result = run_block(doc_block("dp-cli"), sandbox(tmp_path))
-    assert "the best model loads into the plain Net" in result.stdout
-    assert metrics(tmp_path / "runs" / "dp-cli")[-1]["val_accuracy"] > 0.9
-
-
-@pytest.mark.timeout(180)
-def test_dataparallel_after_python(tmp_path):
-    import torch
-
-    from examples.dataparallel.project import Net
-
-    result = run_block(doc_block("dp-python"), sandbox(tmp_path))
-    lines = [line for line in result.stdout.splitlines() if line.startswith("epoch")]
-    assert len(lines) == 3, result.stdout  # printed by rank 0 only
-    assert float(lines[-1].split("val_accuracy")[1]) > 0.9
-    Net().load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))  # no "module." prefix
-
-
-@pytest.mark.timeout(180)
-def test_first_project_outside_the_repository(tmp_path):
-    run_block(doc_block("first-project"), sandbox(tmp_path))
-    run_dir = tmp_path / "waves" / "runs" / "waves"
-    assert metrics(run_dir)[-1]["val_accuracy"] > 0.8
-    assert list(run_dir.glob("best_model_*_val_accuracy=*.pt"))
-
-
 @pytest.mark.timeout(240)
 def test_huggingface_gpt2_under_fsdp(tmp_path):
     pytest.importorskip("transformers")

@@ -24,3 +24,20 @@ def test_a_refused_config_returns_2_with_nothing_written(capsys):
     result = fit(Config(dist=DistConfig(nproc=0)))
     assert result == 2 and isinstance(result, FitResult) and result.output_dir is None and result.metrics == {}
     assert "dist.nproc" in capsys.readouterr().err
+
+
+def test_a_torch_without_the_memory_trackers_is_told_to_upgrade_for_the_plan(monkeypatch, capsys):
+    """torch 2.4 has no torch.distributed._tools.fsdp2_mem_tracker: `plan` says so in one paragraph, exit 2 (the
+    rest of the package does not import the memory plan)."""
+    import sys
+
+    from ignite_mgpu.config.loading import load_config
+    from ignite_mgpu.jobs import plan_memory
+
+    for name in [n for n in sys.modules if n.startswith("ignite_mgpu.memory")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torch.distributed._tools.fsdp2_mem_tracker", None)  # "not installed"
+    assert plan_memory(load_config(overrides=["model.name=mlp"])) == 2
+    said = " ".join(capsys.readouterr().err.split())
+    assert "PyTorch's memory trackers (torch.distributed._tools.fsdp2_mem_tracker), which torch" in said
+    assert "Upgrade torch to plan" in said

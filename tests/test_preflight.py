@@ -71,6 +71,29 @@ def test_fit_refuses_another_runs_checkpoints_and_a_corrupt_resume_file(launched
     assert not launched and (out / "checkpoint_10.pt").exists()
 
 
+def test_every_mistake_is_shown_at_once_what_the_config_names_before_the_output_folder(launched, tmp_path, capsys):
+    """A mistyped dataset factory is not hidden behind the output folder's checkpoints: both, in that order."""
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save({"model": {}}, out / "checkpoint_10.pt")
+    factory = "tests.plugins_pkg.no_such_module:make"
+    assert fit(config(tmp_path, f"data.name={factory}", "model.name=resnet181")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ignite-mgpu: error: 3 problems, in the order checked:\n  1. data.name="), err
+    assert err.index("data.name=") < err.index("resnet181") < err.index("already holds checkpoints"), err
+    assert not launched
+
+
+def test_every_invalid_value_is_shown_at_once_in_the_files_order():
+    with pytest.raises(ConfigError) as raised:
+        load_config(overrides=["optim.lr=-1", "data.name=mnsit", "data.batch_size=0", "train.epochs=0"])
+    lines = str(raised.value).splitlines()
+    assert lines[0] == "4 problems, in the order checked:"
+    assert [line.split("'")[1] for line in lines[1:]] == ["data.batch_size", "data.name", "optim.lr", "train.epochs"]
+    with pytest.raises(ConfigError, match="^config key 'optim.lr' = -1.0 is invalid"):  # one: as it always was
+        load_config(overrides=["optim.lr=-1"])
+
+
 def test_checkpoints_written_before_the_lock_is_taken_are_refused(launched, tmp_path, monkeypatch, capsys):
     # A job that ran to its end between this job's first check and its lock: checked again under the lock.
     out = tmp_path / "out"
@@ -249,3 +272,35 @@ def test_the_launcher_imports_torch_only_for_what_needs_it(tmp_path, overrides, 
     done = subprocess.run([sys.executable, "-c", CHECKS_IN_A_FRESH_PROCESS, *argv], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [str(imports_torch)]
+
+
+def test_a_python_caller_is_told_config_keys_the_command_line_its_flags(launched, tmp_path, capsys):
+    """fit() from Python: the refusal names resume=auto and output_dir, not the flags of a command it did not run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save({"model": {}}, out / "checkpoint_10.pt")
+    assert fit(config(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "Continue it with resume=auto, or choose a new output_dir; nothing was deleted." in err
+    assert "--" not in err  # no flag of a command that was not run
+    from click.testing import CliRunner
+
+    from ignite_mgpu.cli import main
+
+    cli = CliRunner().invoke(main, ["train", "--output-dir", str(out)])
+    assert cli.exit_code == 2 and "Continue it with --resume auto, or choose a new --output-dir" in cli.output
+    capsys.readouterr()
+    assert fit(config(tmp_path)) == 2 and "with resume=auto" in capsys.readouterr().err  # Python again, after it
+
+
+def test_flags_become_the_keys_they_set():
+    from ignite_mgpu.config.loading import dotted_keys
+    from ignite_mgpu.text import as_settings
+
+    said = as_settings(
+        "--gpus 2,3 requested; --resume runs/a/checkpoint_4.pt: pass --output-dir to choose one, or --wait.",
+        dotted_keys(),
+    )
+    assert (
+        said == "dist.gpus=2,3 requested; resume=runs/a/checkpoint_4.pt: pass output_dir to choose one, or dist.wait."
+    )

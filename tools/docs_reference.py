@@ -5,85 +5,11 @@ tests/test_docs.py."""
 from __future__ import annotations
 
 import ast
-import dataclasses
 import html
-import inspect
-import io
-import textwrap
-import tokenize
-import typing
 from pathlib import Path
-from typing import Any
 
-from ignite_mgpu.config.schema import Config
+from ignite_mgpu.config.keys import Key, config_keys, sections
 from ignite_mgpu.errors import EXIT_CODES
-
-
-@dataclasses.dataclass(frozen=True)
-class Key:
-    """One config key: its dotted name, annotation as written, default as YAML writes it, and meaning."""
-
-    name: str
-    type: str
-    default: str
-    meaning: str
-
-
-def _yaml_value(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (dict, list)) and not value:
-        return "{}" if isinstance(value, dict) else "[]"
-    return str(value)
-
-
-def _comments(cls: type) -> dict[str, tuple[str, str]]:
-    """Field name -> (annotation source, the comment on the field's lines) of a dataclass, read from its source."""
-    source = textwrap.dedent(inspect.getsource(cls))
-    comments = {
-        tok.start[0]: tok.string.lstrip("# ").strip()
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-        if tok.type == tokenize.COMMENT
-    }
-    (node,) = ast.parse(source).body
-    assert isinstance(node, ast.ClassDef)
-    found = {}
-    for stmt in node.body:
-        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-            lines = range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1)
-            comment = next((comments[n] for n in lines if n in comments), "")
-            found[stmt.target.id] = (ast.unparse(stmt.annotation), comment)
-    return found
-
-
-def config_keys(cls: type = Config, prefix: str = "") -> list[Key]:
-    """Every leaf key of the configuration, in the dataclasses' order; a field without its comment is an error."""
-    hints = typing.get_type_hints(cls)
-    written = _comments(cls)
-    keys: list[Key] = []
-    for f in dataclasses.fields(cls):
-        hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            keys.extend(config_keys(typing.cast(type, hint), f"{prefix}{f.name}."))
-            continue
-        annotation, meaning = written[f.name]
-        if not meaning:
-            raise ValueError(f"{cls.__name__}.{f.name} has no one-line comment: the reference needs its meaning")
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        keys.append(Key(f"{prefix}{f.name}", annotation, _yaml_value(default), meaning))
-    return keys
-
-
-def sections() -> dict[str, str]:
-    """YAML section -> the first line of its dataclass's docstring."""
-    hints = typing.get_type_hints(Config)
-    return {
-        f.name: (inspect.getdoc(hints[f.name]) or "").splitlines()[0]
-        for f in dataclasses.fields(Config)
-        if dataclasses.is_dataclass(hints[f.name])
-    }
 
 
 def _cell(text: str) -> str:
@@ -110,7 +36,7 @@ def config_page() -> str:
     groups: list[tuple[str, str, list[Key]]] = [("Top level", "seed, output_dir and resume.", top)]
     for name, doc in sections().items():
         rows = [k for k in keys if k.name.startswith(name + ".")]
-        groups.append((f"`{name}:`", doc.strip("`").split(" ", 1)[-1], rows))
+        groups.append((f"`{name}:`", doc, rows))
     for title, doc, rows in groups:
         out += [f"## {title}", "", doc, "", "| key | type | default | meaning |", "|---|---|---|---|"]
         out += [f"| `{k.name}` | {_code(k.type)} | {_code(k.default)} | {_cell(k.meaning)} |" for k in rows]
@@ -136,6 +62,7 @@ def exit_codes_page() -> str:
 
 ERROR_TYPES = {"ConfigError", "CheckpointError", "fail"}  # and every subclass (error_types)
 RUNNING_JOB_ERRORS = {"ScriptArgumentsError"}  # raised in a worker, reported as its rank's failure: not listed here
+COLLECTED = {"ConfigErrors"}  # several of the messages listed here, found together: printed as one numbered list
 
 
 def error_types(package: Path) -> set[str]:
@@ -148,7 +75,7 @@ def error_types(package: Path) -> set[str]:
     types = set(ERROR_TYPES)
     while more := {name for name, of in bases.items() if of & types} - types:
         types |= more
-    return types - RUNNING_JOB_ERRORS
+    return types - RUNNING_JOB_ERRORS - COLLECTED
 
 
 def _render(node: ast.expr | None, assigned: dict[str, ast.expr], helpers: dict[str, ast.expr]) -> str | None:
@@ -221,7 +148,8 @@ def errors_page(package: Path) -> str:
         "(`…` stands for the values filled in: the key, the value you gave, the file). Each is printed as "
         "`ignite-mgpu: error: <message>` with exit code 2 before anything starts (a corrupt `--resume` file: 1; "
         "`--wait` running out: 4; Ctrl-C while waiting: 130), "
-        "and says how to fix it. [Troubleshooting](../how-to/troubleshooting.md) covers the failures of a running "
+        "and says how to fix it; several mistakes found together are printed at once, numbered, in the order checked. "
+        "[Troubleshooting](../how-to/troubleshooting.md) covers the failures of a running "
         "job.",
         "",
     ]

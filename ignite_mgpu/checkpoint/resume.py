@@ -111,6 +111,8 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
         )
     state = to_save["trainer"].state
     if state.epoch >= cfg.train.epochs and state.iteration % state.epoch_length == 0:
+        if idist.get_rank() != 0:  # every rank stops; one says why
+            return False
         logger.warning(
             "%s already finished %d epochs (train.epochs=%d): nothing to train; raise train.epochs to "
             "continue training",

@@ -21,7 +21,7 @@ from ignite_mgpu.config.schema import (
     OptimConfig,
     TrainConfig,
 )
-from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.errors import Checks, ConfigError
 from ignite_mgpu.runs import metric_names
 
 # train.loss's own names; anything else is a "package.module:factory"
@@ -38,12 +38,18 @@ def _check(ok: bool, key: str, value: Any, rule: str) -> None:
 def validate(cfg: Config) -> None:
     """Check value ranges and combinations that the types alone cannot express. Runs in the parent, before
     spawning; what needs the file system (``data.root``, the output folder) is the pre-flight's (preflight.py)."""
-    _check_data(cfg.data, cfg.model)
-    _check_optim(cfg.optim)
-    _check_train(cfg.train, cfg.checkpoint)
-    _check_dist(cfg.dist)
-    _check_strategy_options(cfg)
-    _check_names(cfg)
+    checks = Checks()  # every section's mistakes at once, in the file's order
+    for check in (
+        lambda: _check_data(cfg.data, cfg.model),
+        lambda: _check_names(cfg),
+        lambda: _check_optim(cfg.optim),
+        lambda: _check_train(cfg.train, cfg.checkpoint),
+        lambda: _check_dist(cfg.dist),
+        lambda: _check_strategy_options(cfg),
+    ):
+        with checks.one():
+            check()
+    checks.raise_found()
 
 
 def _check_data(d: DataConfig, m: ModelConfig) -> None:

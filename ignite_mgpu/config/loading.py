@@ -24,7 +24,7 @@ def _paragraph(err: Exception, where: str) -> str:
     key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.strip().startswith("full_key:")), None)
     head = f"config key '{key}'" if key else "config"
     msg = lines[0] if lines[0].endswith((".", "?")) else lines[0] + "."
-    return f"{head} ({where}): {msg} See `ignite-mgpu train --help` and configs/default.yaml for valid keys."
+    return f"{head} ({where}): {msg} `ignite-mgpu config` lists every key with its default and meaning."
 
 
 def dotted_keys() -> list[str]:
@@ -91,8 +91,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
             text = read_regular(path, MAX_CONFIG_BYTES).decode("utf-8", errors="replace")
         except NotRegular as err:
             raise ConfigError(
-                f"--config {path}: {err.args[0].removeprefix(str(path) + ' ')}. Pass the path of a YAML file such as "
-                "configs/debug.yaml."
+                f"--config {path}: {err.args[0].removeprefix(str(path) + ' ')}. Pass the path of a YAML file, such as "
+                "the one `ignite-mgpu config > my.yaml` writes."
             ) from None
         try:
             # yaml.SafeLoader underneath: no code runs.
@@ -102,7 +102,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         if not isinstance(layers[-1][0], DictConfig):
             raise ConfigError(
                 f"--config {path}: its top level is a list, not a mapping of sections. Write the sections as keys "
-                "(data:, model:, train:, ...), as in configs/debug.yaml."
+                "(data:, model:, train:, ...), as `ignite-mgpu config` prints them."
             )
     bad = [o for o in overrides if "=" not in o or o.startswith("=")]
     if bad:

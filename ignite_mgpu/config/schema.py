@@ -56,9 +56,7 @@ class DataConfig:
     root: str | None = None  # dataset folder; required for all but synthetic/fake (imagefolder: root/train, root/val)
     download: bool = False  # let torchvision download mnist/fashion_mnist/cifar10 into root
     batch_size: int = 128  # GLOBAL batch: split evenly across all processes
-    num_workers: int | Literal["auto"] = (
-        0  # loader workers per node, split over its processes; auto: train/data/loaders.py
-    )
+    num_workers: int | Literal["auto"] = 0  # loader workers per node, split over its processes; auto: spare CPUs
     shuffle: bool = True  # shuffle the training set every epoch (seeded)
     image_size: int = 32  # side of the images; every dataset is resized to it
     train_size: int = 4096  # samples in the synthetic/fake training split
@@ -70,7 +68,7 @@ class DataConfig:
 class OptimConfig:
     """`optim:` optimizer, parameter groups and learning-rate schedule."""
 
-    name: str = "sgd"  # sgd (Nesterov unless optim.nesterov=false), adamw, a torch.optim class (Adam), or a factory
+    name: str = "sgd"  # sgd (Nesterov unless optim.nesterov=false), adamw, a torch.optim class (Adam, adam), a factory
     lr: float = 0.05  # peak learning rate for the global batch (every optimizer gets it)
     momentum: float = 0.9  # to every optimizer with a momentum parameter (sgd, SGD, RMSprop); the others ignore it
     nesterov: bool = True  # sgd: Nesterov momentum; false: classic momentum, torch.optim.SGD's default (momentum > 0)
@@ -138,7 +136,7 @@ class DistConfig:
 
     nproc: int | None = None  # processes on this node (None = number of selected GPUs, or 1 on CPU)
     backend: Backend = "auto"  # auto = nccl when CUDA is available, else gloo
-    gpus: str | None = None  # "all", "none", "auto", "auto:N", or physical ids "2,3" (None = current environment)
+    gpus: str | None = None  # "all", "none", "auto", "auto:N", "auto:MIN-MAX", physical ids "2,3" (None: as exported)
     strategy: Strategy = "ddp"  # ddp: a process per GPU; dp: one, DataParallel; fsdp: sharded
     nnodes: int = 1  # machines in the job
     node_rank: int = 0  # this machine's index, 0..nnodes-1

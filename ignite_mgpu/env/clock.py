@@ -61,6 +61,8 @@ class JobClock:
     failed_at: float | None = None
     # A restart: the last iteration that every rank of the previous attempt had completed.
     reached: int = 0
+    # A restart on another number of processes (a failed GPU left out): how many the previous attempt had.
+    resized_from: int | None = None
 
 
 _current: JobClock | None = None

@@ -1,6 +1,7 @@
 """The machine's GPUs and who has them, torch-free (imports nothing here):
 
 - ``inventory``: GPU discovery (NVML, nvidia-smi) and each GPU's NUMA node, as a snapshot;
+- ``ranges``: ``--gpus auto:MIN-MAX``, an elastic job's range, and how many GPUs it takes from a snapshot;
 - ``selection``: the ``--gpus`` grammar and the physical ids a job uses, pure over the snapshot;
 - ``claims``: GPU claims on a shared machine (flocks in one machine-wide folder) and the waiting line;
 - ``shared_dir``: safe reading and writing of files in a folder that several users write;

@@ -16,6 +16,7 @@ from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.errors import ConfigError, WaitInterrupted, WaitTimedOut
 from ignite_mgpu.gpus import claims, inventory
 from ignite_mgpu.gpus.claims import GpuClaims
+from ignite_mgpu.gpus.ranges import gpu_range
 from ignite_mgpu.gpus.selection import GpuPlan, GpusTaken, parse_gpus, plan_gpus, used_ids
 from ignite_mgpu.text import format_ids, plural
 
@@ -57,6 +58,12 @@ def _names(snapshot: list[inventory.GpuInfo], ids: list[int] | None) -> list[str
     return [claims.claim_name(g.uuid, g.pci_bus_id) for g in snapshot if ids is None or g.index in ids]
 
 
+def _range(cfg: DistConfig) -> str:
+    """An elastic job's "MIN-MAX", written with its claims for `ignite-mgpu devices`."""
+    elastic = gpu_range(cfg.gpus)
+    return "" if elastic is None else str(elastic)
+
+
 def _claimed(snapshot: list[inventory.GpuInfo], dir_fd: int) -> dict[int, str]:
     """Physical id -> "is claimed by alice (pid 4242, `...`, since ...)" for the GPUs that other jobs claim."""
     found = claims.holders(dir_fd, _names(snapshot, None))
@@ -90,7 +97,7 @@ def _claim_now(
     """No waiting: plan around the claims and claim; a job that claimed in between makes us look again."""
     for _ in range(_RACES):
         plan = plan_gpus(cfg.gpus, snapshot, environ, cfg.nproc, _claimed(snapshot, dir_fd))
-        held = claims.claim(dir_fd, _names(snapshot, used_ids(cfg.gpus, plan, snapshot, environ)))
+        held = claims.claim(dir_fd, _names(snapshot, used_ids(cfg.gpus, plan, snapshot, environ)), _range(cfg))
         if held is not None:
             return plan, held
     raise ConfigError(
@@ -109,13 +116,19 @@ def _wait_and_claim(
     start = time.monotonic()
     deadline, next_status, waited = start + (cfg.wait or 0.0), start, False
     what = f"--gpus {cfg.gpus}" if cfg.gpus is not None else "the GPUs this job sees (no --gpus)"
-    free_gpus = plural(len(wanted), "free GPU")
+    elastic = gpu_range(cfg.gpus)
+    # A range waits for its MIN; it takes up to MAX of the GPUs free then.
+    free_gpus = (
+        plural(len(wanted), "free GPU")
+        if elastic is None
+        else f"{plural(elastic.low, 'free GPU')} (up to {elastic.high})"
+    )
     held: GpuClaims | None = None
     try:
         while True:
             plan, unavailable, ahead = _look(cfg, snapshot, environ, dir_fd, ticket)
             ids = [] if plan is None else used_ids(cfg.gpus, plan, snapshot, environ)
-            held = None if plan is None else claims.claim(dir_fd, _names(snapshot, ids))
+            held = None if plan is None else claims.claim(dir_fd, _names(snapshot, ids), _range(cfg))
             if plan is not None and held is not None:  # None: another job claimed them a moment ago
                 if waited:
                     _say(f"waited {_duration(time.monotonic() - start)}; claimed GPU {format_ids(ids)}.")

@@ -41,6 +41,7 @@ class Holder:
     known: bool = False
     # Why the claim is not readable, e.g. "a symlink where the lock file should be"
     problem: str = ""
+    gpu_range: str = ""  # an elastic job's "MIN-MAX" (--gpus auto:MIN-MAX), else ""
 
     def describe(self) -> str:
         """ "alice (pid 4242, `ignite-mgpu train --gpus 2`, since 2026-12-01 16:05:12)", or the unknown job."""
@@ -54,7 +55,7 @@ class Holder:
     def as_json(self) -> dict[str, object]:
         since = None if self.since is None else time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.since))
         return {"user": self.user if self.known else None, "pid": self.pid, "command": self.command or None,
-                "since": since, "known": self.known}  # fmt: skip
+                "since": since, "known": self.known, "range": self.gpu_range or None}  # fmt: skip
 
 
 def format_time(when: float) -> str:
@@ -113,7 +114,9 @@ def _holder_from(data: dict | None, owner: int) -> Holder:
     if not isinstance(since, (int, float)) or isinstance(since, bool) or not 0 < since < 1e11:
         since = None
     text = printable(command) if isinstance(command, str) else ""
-    return Holder(user_name(owner), pid, text, None if since is None else float(since), known=True)
+    elastic = data.get("range")
+    elastic = elastic if isinstance(elastic, str) and re.fullmatch(r"\d{1,4}-\d{1,4}", elastic) else ""
+    return Holder(user_name(owner), pid, text, None if since is None else float(since), True, gpu_range=elastic)
 
 
 def holders(dir_fd: int | None, names: Iterable[str]) -> dict[str, Holder]:
@@ -170,15 +173,30 @@ class GpuClaims:
     opened close-on-exec, and a pickled GpuClaims (the plan a spawned worker receives) holds nothing: only the
     launching process holds the job's claims, for the job's whole life, restarts included."""
 
-    def __init__(self, names: Iterable[str] = (), fds: Iterable[int] = ()) -> None:
+    def __init__(
+        self, names: Iterable[str] = (), fds: Iterable[int] = (), by_name: Mapping[str, list[int]] | None = None
+    ) -> None:
         self.names = list(names)
         self._fds = list(fds)
+        self._by_name = {name: list(held) for name, held in (by_name or {}).items()}  # its lock file, its holder file
+
+    def release(self, names: Iterable[str]) -> list[str]:
+        """Let go of some GPUs' claims while the job goes on (an elastic job leaving out a failed GPU); returns
+        those of ``names`` it held."""
+        let_go = [name for name in names if name in self.names]
+        for name in let_go:
+            for fd in reversed(self._by_name.pop(name, [])):  # the holder file first, as in close()
+                with contextlib.suppress(OSError, ValueError):
+                    self._fds.remove(fd)
+                    os.close(fd)
+            self.names.remove(name)
+        return let_go
 
     def __reduce__(self) -> tuple:
         return (GpuClaims, ())
 
     def close(self) -> None:
-        fds, self._fds, self.names = self._fds, [], []
+        fds, self._fds, self.names, self._by_name = self._fds, [], [], {}
         # The holder files first: a job claiming next finds its own free to write.
         for fd in reversed(fds):
             with contextlib.suppress(OSError):
@@ -195,9 +213,10 @@ class GpuClaims:
         self.close()
 
 
-def claim(dir_fd: int, names: Iterable[str]) -> GpuClaims | None:
+def claim(dir_fd: int, names: Iterable[str], gpu_range: str = "") -> GpuClaims | None:
     """Claim every GPU of ``names`` or none: locked in sorted order without blocking, and everything taken is let
     go when one is held already (so two jobs can never both win, nor wait on each other). None: one was held.
+    ``gpu_range``: an elastic job's ``MIN-MAX`` (``--gpus auto:MIN-MAX``), written for ``ignite-mgpu devices``.
 
     Raises:
         ConfigError: the claims folder's file system has no flock.
@@ -216,12 +235,15 @@ def claim(dir_fd: int, names: Iterable[str]) -> GpuClaims | None:
         for held in taken:
             os.close(held)
         raise
-    record = json.dumps({"pid": os.getpid(), "command": _command(), "since": time.time()}).encode()
+    about = {"pid": os.getpid(), "command": _command(), "since": time.time()}
+    record = json.dumps(about | ({"range": gpu_range} if gpu_range else {})).encode()
+    by_name = {name: [fd] for name, fd in zip(wanted, taken, strict=True)}
     # Who holds it, for `ignite-mgpu devices` and the messages of other jobs; best effort.
     for name in wanted:
         if (fd := shared_dir.write_own(dir_fd, f"{name}.{os.geteuid()}.holder", record)) is not None:
             taken.append(fd)
-    return GpuClaims(wanted, taken)
+            by_name[name].append(fd)
+    return GpuClaims(wanted, taken, by_name)
 
 
 def _lock(dir_fd: int, name: str) -> int | None:

@@ -46,6 +46,15 @@ def who_has(gpus: list[GpuInfo], environ: Mapping[str, str]) -> Occupancy:
     return Occupancy(by_id, users)
 
 
+def elastic_jobs(held: Occupancy) -> list[tuple[claims.Holder, list[int]]]:
+    """The jobs on a range of GPUs (``--gpus auto:MIN-MAX``) among the claims, each with the GPUs it holds."""
+    found: dict[tuple[str, int | None], tuple[claims.Holder, list[int]]] = {}
+    for index, who in sorted(held.claims.items()):
+        if who.known and who.gpu_range:
+            found.setdefault((who.user, who.pid), (who, []))[1].append(index)
+    return list(found.values())
+
+
 def cuda_index_map(gpus: list[GpuInfo], environ: Mapping[str, str]) -> dict[int, int | None]:
     """Map each physical id to its CUDA index under environ's CUDA_VISIBLE_DEVICES (None = hidden or unknown).
 
@@ -57,6 +66,26 @@ def cuda_index_map(gpus: list[GpuInfo], environ: Mapping[str, str]) -> dict[int,
     return {g.index: visible.index(g.index) if g.index in visible else None for g in gpus}
 
 
+def _as_json(
+    gpus: list[GpuInfo], cuda: dict[int, int | None], fallback: dict[str, object] | None, held: Occupancy
+) -> str:
+    """``ignite-mgpu devices --json``: each GPU with its CUDA index and claim, and the elastic jobs."""
+    rows = [
+        {
+            **asdict(g),
+            "cuda_index": cuda[g.index],
+            "claim": held.claims[g.index].as_json() if g.index in held.claims else None,
+            "process_users": {str(pid): held.users[pid] for pid in g.pids if pid in held.users},
+        }
+        for g in gpus
+    ]
+    note = {"claims_note": held.note} if held.note else {}  # the claims folder cannot be read
+    elastic = [{"user": who.user, "pid": who.pid, "range": who.gpu_range, "holds": ids} for who, ids in
+               elastic_jobs(held)]  # fmt: skip
+    ranges = {"elastic_jobs": elastic} if elastic else {}  # jobs on --gpus auto:MIN-MAX
+    return json.dumps({"gpus": rows, "cpu_fallback": fallback, **ranges, **note}, indent=2)
+
+
 def format_devices(
     gpus: list[GpuInfo], environ: Mapping[str, str], as_json: bool = False, claims: Occupancy | None = None
 ) -> str:
@@ -66,17 +95,7 @@ def format_devices(
     fallback = {"backend": "gloo", "nproc": 1} if cpu_only else None
     held = claims or Occupancy()
     if as_json:
-        rows = [
-            {
-                **asdict(g),
-                "cuda_index": cuda[g.index],
-                "claim": held.claims[g.index].as_json() if g.index in held.claims else None,
-                "process_users": {str(pid): held.users[pid] for pid in g.pids if pid in held.users},
-            }
-            for g in gpus
-        ]
-        note = {"claims_note": held.note} if held.note else {}  # the claims folder cannot be read
-        return json.dumps({"gpus": rows, "cpu_fallback": fallback, **note}, indent=2)
+        return _as_json(gpus, cuda, fallback, held)
     if not gpus:
         return _NO_GPU_TEXT
     unknown = visible_ids(gpus, environ) is None
@@ -95,6 +114,11 @@ def format_devices(
     widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in table]
     lines += [f"GPU {i} is claimed by {who.describe()}." for i, who in sorted(held.claims.items())]
+    for who, ids in elastic_jobs(held):
+        lines.append(
+            f"Elastic job of {who.user} (pid {who.pid}): --gpus auto:{who.gpu_range}, holds GPU {format_ids(ids)} "
+            f"({len(ids)} of {who.gpu_range})."
+        )
     if held.note:
         lines.append(f"Claims not shown: {held.note}")
     exported = environ.get("CUDA_VISIBLE_DEVICES")

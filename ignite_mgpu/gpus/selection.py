@@ -12,13 +12,18 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.gpus.claims import claim_name
 from ignite_mgpu.gpus.inventory import GpuInfo
+from ignite_mgpu.gpus.ranges import GpuRange, parse_range
 from ignite_mgpu.text import format_ids, plural
 
-_GRAMMAR = "all, none, auto (1 GPU), auto:N (N >= 1), or comma-separated physical GPU ids as nvidia-smi shows them"
+_GRAMMAR = (
+    "all, none, auto (1 GPU), auto:N (N >= 1), auto:MIN-MAX (as many free GPUs as there are, from MIN to MAX), or "
+    "comma-separated physical GPU ids as nvidia-smi shows them"
+)
 # GeForce RTX 40xx cards advertise PCIe peer-to-peer that hangs or corrupts NCCL collectives.
 _P2P_BROKEN = re.compile(r"RTX\s*40\d\d")
 
@@ -35,21 +40,28 @@ class GpuPlan:
     physical_ids: list[int] | None
     env: dict[str, str]  # set in the launcher's os.environ before CUDA is touched and workers spawn
     messages: list[str]  # human lines to print once
+    # Physical id -> the GPU's claim name (its UUID): the same GPU in a later snapshot, whose ids may have moved
+    names: dict[int, str] = field(default_factory=dict)
 
 
-def parse_gpus(spec: str) -> tuple[str, int | list[int] | None]:
-    """Parse the one ``--gpus`` grammar: ``all | none | auto | auto:N | 2,3``.
+def parse_gpus(spec: str) -> tuple[str, int | list[int] | GpuRange | None]:
+    """Parse the one ``--gpus`` grammar: ``all | none | auto | auto:N | auto:MIN-MAX | 2,3``.
 
     Returns:
-        ("all", None), ("none", None), ("auto", N or None) or ("ids", [2, 3]).
+        ("all", None), ("none", None), ("auto", N, GpuRange(MIN, MAX) or None) or ("ids", [2, 3]).
 
     Raises:
-        ConfigError: anything else, e.g. "two", "1,,2", "-1", "auto:0", "2,2".
+        ConfigError: anything else, e.g. "two", "1,,2", "-1", "auto:0", "auto:3-2", "2,2".
     """
     text = spec.strip().lower()
     if text in ("all", "none", "auto"):
         return (text, None)
-    if m := re.fullmatch(r"auto:(\d+)", text, re.ASCII):
+    elastic = parse_range(text)
+    if isinstance(elastic, GpuRange):
+        return ("auto", elastic)
+    if elastic is not None:
+        reason = elastic
+    elif m := re.fullmatch(r"auto:(\d+)", text, re.ASCII):
         if int(m[1]) >= 1:
             return ("auto", int(m[1]))
         reason = "auto:N needs N >= 1 (use --gpus none to train on the CPU)"
@@ -63,7 +75,7 @@ def parse_gpus(spec: str) -> tuple[str, int | list[int] | None]:
         reason = "it is not one of the accepted forms"
     raise ConfigError(
         f"--gpus {spec!r} is invalid: {reason}. --gpus accepts {_GRAMMAR}, "
-        "e.g. --gpus 2,3 or --gpus auto:2; run `ignite-mgpu devices` to list the GPU ids."
+        "e.g. --gpus 2,3, --gpus auto:2 or --gpus auto:2-4; run `ignite-mgpu devices` to list the GPU ids."
     )
 
 
@@ -149,7 +161,8 @@ def plan_gpus(
     _pci_order(environ, messages)
     env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": wanted}
     env.update(_nccl_env([g for g in gpus if g.index in selected], environ, messages))
-    return GpuPlan(selected, env, messages)
+    names = {g.index: claim_name(g.uuid, g.pci_bus_id) for g in gpus if g.index in selected}
+    return GpuPlan(selected, env, messages, names)
 
 
 def used_ids(spec: str | None, plan: GpuPlan, gpus: list[GpuInfo], environ: Mapping[str, str]) -> list[int]:
@@ -217,6 +230,13 @@ def _select(
         _refuse_mig(spec, gpus)
         _refuse_taken(f"--gpus {spec}", [g.index for g in gpus], gpus, unavailable)
         return [g.index for g in gpus]
+    if isinstance(arg, GpuRange):
+        if nproc is not None:
+            raise ConfigError(
+                f"--nproc {nproc} with --gpus {spec}: the range decides the processes, one per GPU it gets (and "
+                "fewer when it leaves out a failed GPU). Drop --nproc, or choose a fixed number with --gpus auto:N."
+            )
+        return _choose(spec, gpus, arg.count(gpus, unavailable), nproc, messages, unavailable)
     return _choose(spec, gpus, arg if isinstance(arg, int) else None, nproc, messages, unavailable)
 
 
@@ -228,8 +248,8 @@ def _choose(
     messages: list[str],
     unavailable: Mapping[int, str],
 ) -> list[int]:
-    """``auto`` / ``auto:N``: the idlest cards not in MIG mode (``_rank``) that no other job has, and a line naming
-    the chosen and skipped."""
+    """``auto`` / ``auto:N`` / ``auto:MIN-MAX`` (``count`` from the range): the idlest cards not in MIG mode
+    (``_rank``) that no other job has, and a line naming the chosen and skipped."""
     # A MIG card's memory and load are the whole card's, not a slice's.
     whole = [g for g in gpus if not g.mig]
     count = count if count is not None else min(nproc or 1, len(whole))

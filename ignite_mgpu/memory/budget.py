@@ -13,6 +13,7 @@ from pathlib import Path
 from ignite_mgpu.config.schema import CheckpointConfig, Config
 from ignite_mgpu.gpus import selection
 from ignite_mgpu.gpus.inventory import GpuInfo, query_gpus
+from ignite_mgpu.gpus.ranges import gpu_range
 from ignite_mgpu.memory.estimate import Footprint, example_batch, measure
 from ignite_mgpu.text import size
 from ignite_mgpu.train.data.datasets import check_global_batch
@@ -77,13 +78,21 @@ class MemoryPlan:
     # On GPUs: checkpoint.async_save's snapshot in pinned host RAM, all processes together.
     host_snapshot: int = 0
 
+    @property
+    def nothing_fits(self) -> bool:
+        """No strategy fits, not even one sample per process in micro-batches (``plan`` exits with NOTHING_FITS)."""
+        return not any(r.micro_batch for r in self.rows)
+
 
 def capacity(cfg: Config, environ: Mapping[str, str] = os.environ, gpus: list[GpuInfo] | None = None) -> Capacity:
     """The selected GPUs' free memory (``--gpus`` as ``train`` reads it, nothing claimed; with ``--nproc``, the
     first ``nproc`` of them, as ``train`` uses them), else the RAM."""
     snapshot = query_gpus() if gpus is None else gpus
-    spec = cfg.dist.gpus
-    chosen = selection.plan_gpus(spec, snapshot, environ, cfg.dist.nproc).physical_ids if snapshot else None
+    spec, elastic = cfg.dist.gpus, gpu_range(cfg.dist.gpus)
+    if elastic is not None:  # its fewest processes: each takes the largest share of a global batch, the worst case
+        spec = f"auto:{elastic.low}"
+    # Given --gpus is read as train reads it: ids on a machine without GPUs are refused, not planned on the CPU.
+    chosen = selection.plan_gpus(spec, snapshot, environ, cfg.dist.nproc).physical_ids if snapshot or spec else None
     if chosen and cfg.dist.nproc and cfg.dist.strategy != "dp":
         chosen = chosen[: cfg.dist.nproc]  # as the launch: local rank i on the i-th GPU, the others idle
     # Each process holds what this one holds (torch and the job's code imported); on GPUs CUDA's runtime on top.
@@ -92,7 +101,10 @@ def capacity(cfg: Config, environ: Mapping[str, str] = os.environ, gpus: list[Gp
         by_id = {g.index: g for g in snapshot}
         free = [max(0, (by_id[i].memory_total_mb - by_id[i].memory_used_mb) * MIB - CUDA_CONTEXT) for i in chosen]
         host = max(0, available - len(chosen) * runtime)
-        return Capacity("cuda", free, f"GPU {','.join(map(str, chosen))}", CUDA_CONTEXT, host_ram=host)
+        where = f"GPU {','.join(map(str, chosen))}"
+        if elastic is not None:
+            where += f" (--gpus auto:{elastic} planned at its MIN, {elastic.low} processes)"
+        return Capacity("cuda", free, where, CUDA_CONTEXT, host_ram=host)
     nproc = cfg.dist.nproc or 1
     per_process = max(0, available // nproc - runtime)
     host = max(0, available - nproc * runtime)

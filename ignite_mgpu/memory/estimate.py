@@ -174,8 +174,12 @@ def measure(
     the step runs on a GPU (the optimizer's foreach path, cuBLAS's workspaces)."""
     sharded = strategy == "fsdp" and world_size > 1
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    lazy = _lazy_model(cfg, example)
     with _fake_group(world_size if sharded else 1) as mesh, mode:
-        model = create_model(cfg.model, _inputs(fake_batch(example, 1)))
+        if lazy is not None:
+            model = _on_fake_storage(lazy)
+        else:
+            model = create_model(cfg.model, _inputs(fake_batch(example, 1)))
         model.train()
         block = shard(cfg, model, mesh) if sharded else 0
         data = fake_batch(example, batch)
@@ -191,6 +195,36 @@ def measure(
         found = _footprint(tracker, model, optimizer, batch, block, buckets=strategy == "ddp" and world_size > 1)
         workspaces = CUBLAS_WORKSPACES if cuda else 0
         return dataclasses.replace(found, outputs=outputs, workspaces=workspaces, peak=found.peak + workspaces)
+
+
+def _lazy_model(cfg: Config, example: Any) -> nn.Module | None:
+    """A model with lazy layers (``nn.LazyLinear``), built and materialised on the meta device (no memory): such
+    layers cannot make their parameters under the fake mode. None for a model without them (or one that cannot be
+    built on the meta device), which is built under the fake mode itself."""
+    try:
+        with torch.device("meta"):
+            model = create_model(cfg.model)
+            if not any(isinstance(p, nn.parameter.UninitializedParameter) for p in model.parameters()):
+                return None
+            return create_model(cfg.model, _inputs(fake_batch(example, 1)))
+    except Exception:  # e.g. a factory that reads a tensor's value: the fake mode's own build says what is wrong
+        return None
+
+
+def _on_fake_storage(model: nn.Module) -> nn.Module:
+    """The meta model's parameters and buffers made again under the fake mode, as the model's own constructor makes
+    them (``nn.Parameter`` of an empty tensor; ``to_empty`` would leave plain tensors, which FSDP treats otherwise);
+    a tensor shared by several modules stays one."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if id(param) not in made:
+                made[id(param)] = nn.Parameter(torch.empty_like(param, device="cpu"), param.requires_grad)
+            setattr(module, name, made[id(param)])
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            made.setdefault(id(buffer), torch.empty_like(buffer, device="cpu"))
+            setattr(module, name, made[id(buffer)])
+    return model
 
 
 def _footprint(

@@ -50,7 +50,7 @@ def format_plan(plan: MemoryPlan) -> str:
                      f"of pinned host RAM{of}, not GPU memory")  # fmt: skip
     footer = (
         "Per process (dp: GPU 0), one training step measured on fake tensors on the CPU: nothing allocated.\n"
-        f"The peak is within 15 % of a measured step (benchmarks/memory); a fit leaves {cap.margin * 100:.0f} % of it "
+        f"The peak is within 15 % of a step measured on the CPU; a fit leaves {cap.margin * 100:.0f} % of it "
         "free" + (" (glibc's heap on the CPU)." if cap.device == "cpu" else ".")
     )
     return "\n".join([head, where, "", *table, *(["", *notes] if notes else []), "", plan.advice, footer])

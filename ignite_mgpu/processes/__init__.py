@@ -5,8 +5,9 @@
 - ``supervisor``: starts the workers, stops them all on the first failure, restarts them;
 - ``forkserver``: the one process per job that imports torch once and forks every worker;
 - ``worker``: inside a worker: process group, signals, CPU binding, ``idist.Parallel``, its failure file;
+- ``elastic``: a failed GPU left out of the restart (``--gpus auto:MIN-MAX``), or the line saying a range would;
 - ``outcome``: how a job ended (one exit code, one message) and whether a restart can cure it;
-- ``elastic``: what a torchrun launch also gives: the run's id, each rank's error file that ``@record`` fills;
+- ``torchelastic``: what a torchrun launch also gives: the run's id, each rank's error file that ``@record`` fills;
 - ``notebook``: where ``launch()`` is called from (a notebook's function is forked, a script's spawned);
 - ``script``: ``ignite-mgpu run``: a user's script in the workers, as python would run it;
 - ``heartbeat``: the hang watch (no progress for far longer than the job's slowest work: hung), the supervisor's side;

@@ -20,7 +20,8 @@ from ignite_mgpu.env.clock import JobClock, command_start
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.gpus import acquire, selection
 from ignite_mgpu.gpus.claims import GpuClaims
-from ignite_mgpu.processes import elastic
+from ignite_mgpu.gpus.ranges import GpuRange, gpu_range
+from ignite_mgpu.processes import torchelastic
 
 
 @dataclass
@@ -45,6 +46,9 @@ class LaunchPlan:
     external: bool = False  # started by torchrun / SLURM: join, spawn nothing
     # Physical GPU ids in CUDA order (None: as the environment has them)
     gpus: list[int] | None = None
+    gpu_names: dict[int, str] = field(default_factory=dict)  # physical id -> its claim name (UUID), to find it again
+    # --gpus auto:MIN-MAX: the restart leaves out a lost GPU, not below MIN (elastic.py)
+    gpu_range: GpuRange | None = None
     device: str = "cpu"  # what the workers train on: "cuda" or "cpu"
     # Run even a single process in a spawned worker, whose CUDA starts fresh.
     spawn_one: bool = False
@@ -62,7 +66,7 @@ class LaunchPlan:
     start_method: str = "spawn"
     # False: the job creates its own process group (ignite-mgpu run: a user's script)
     join_group: bool = True
-    # TORCHELASTIC_RUN_ID of the workers (elastic.run_id): is_torchelastic_launched() is True in them, as under torchrun
+    # TORCHELASTIC_RUN_ID of the workers (torchelastic.run_id): is_torchelastic_launched() is True, as under torchrun
     run_id: str = "none"
     # When the command started (and, for a restart, when the previous attempt failed): goodput's anchors.
     clock: JobClock = field(default_factory=lambda: JobClock(command_start()), compare=False, repr=False)
@@ -149,7 +153,7 @@ def make_plan(
     except BaseException:
         held.close()
         raise
-    return dataclasses.replace(plan, binding=binding, claims=held, run_id=elastic.run_id(environ, cfg.nnodes))
+    return dataclasses.replace(plan, binding=binding, claims=held, run_id=torchelastic.run_id(environ, cfg.nnodes))
 
 
 def check_outer_launcher(cfg: DistConfig, environ: Mapping[str, str]) -> None:
@@ -235,6 +239,8 @@ def decide(
         hang_seconds=cfg.hang_seconds,
         strategy=cfg.strategy,
         gpus=chosen,
+        gpu_names=dict(gpu_plan.names) if gpu_plan else {},
+        gpu_range=gpu_range(cfg.gpus),
         device="cuda" if n_cuda else "cpu",
         # CUDA reads CUDA_VISIBLE_DEVICES once, when this process first asks it anything (torch.cuda.is_available()
         # included, without is_initialized() turning true), and this process may have asked before --gpus was

@@ -25,7 +25,7 @@ from typing import Any
 from ignite_mgpu.env import stop
 from ignite_mgpu.env.clock import JobClock
 from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, USAGE, signal_exit_code
-from ignite_mgpu.processes import elastic, forkserver
+from ignite_mgpu.processes import elastic, forkserver, torchelastic
 from ignite_mgpu.processes.heartbeat import HangChecks
 from ignite_mgpu.processes.outcome import (
     Failure,
@@ -90,6 +90,8 @@ class Supervisor:
         self.hangs = HangChecks(plan, Path(self.error_dir))
         # The next attempt's anchors: a restart adds the failure's time and progress.
         self.clock = plan.clock
+        self.failures: list[Failure] = []  # the failure files of the last attempt's ranks
+        self.gpu_line = ""  # a failed GPU left out of the coming restart (elastic.py), said with it
 
     def _signal_all(self, sig: int) -> None:
         self.signalled = True
@@ -144,6 +146,8 @@ class Supervisor:
         try:
             while True:
                 result, reason, reached = self._attempt(attempt, args)
+                if reason is None and attempt < plan.max_restarts:
+                    reason = self._leave_out_failed_gpus()
                 if reason is not None or attempt >= plan.max_restarts:
                     if plan.max_restarts and result.code in (FAILED, DIVERGED):
                         why = f"not restarted: {reason}" if reason else f"gave up after {attempt} restart(s)"
@@ -209,7 +213,7 @@ class Supervisor:
         exit_codes = [p.exitcode for p in self.procs]
         offset = plan.node_rank * plan.nproc
         failed_ranks = [offset + i for i, code in enumerate(exit_codes) if code]
-        failures = elastic.with_error_files(self._read_failures(folder), folder, failed_ranks)
+        failures = self.failures = torchelastic.with_error_files(self._read_failures(folder), folder, failed_ranks)
         result = outcome(failures, exit_codes, self.first_failure, self.signal_received, offset, plan.timeout)
         result = cut_short_while_saving(result, self.cut_short and any(s[1] for s in self._statuses(folder)))
         reason = no_restart_reason(failures, exit_codes, self.first_failure, self.signal_received)
@@ -254,6 +258,21 @@ class Supervisor:
         p.start()
         return p
 
+    def _leave_out_failed_gpus(self) -> str | None:
+        """Before a restart: a GPU of the job that failed is left out (``elastic.leave_out``); returns why the job
+        cannot restart (None: it can)."""
+        change = elastic.leave_out(self.plan, self.failures)
+        if change is None:
+            return None
+        # Said after the failure, with the restart; a refusal is said as why the job was not restarted.
+        self.gpu_line = change.line if change.refusal is None else ""
+        if change.plan is not None:
+            self.plan.claims.release(change.released)
+            # Goodput counts the restart as a change of size.
+            self.clock = dataclasses.replace(self.clock, resized_from=self.plan.world_size)
+            self.plan = change.plan
+        return change.refusal
+
     def _announce_restart(self, attempt: int, failure: Outcome, reached: int) -> tuple:
         """Report the failure once and what the restart resumes from; wait the backoff. Returns the new args."""
         plan = self.plan
@@ -269,6 +288,8 @@ class Supervisor:
             where = "from the beginning (no complete checkpoint yet)"
         lost = f"; {max(0, reached - info.iteration)} iteration(s) lost (every rank had completed iteration {reached})"
         _print(failure.message(advice=False))
+        _print(self.gpu_line)
+        self.gpu_line = ""
         after = f" after {failure.failed} failed" if failure.failed else ""
         _print(
             f"restart {attempt} of {plan.max_restarts} (dist.max_restarts){after}, "

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ignite_mgpu.cpus.binding import apply_binding, current, free_group_threads, thread_ids
 from ignite_mgpu.env import clock, cluster, stop
 from ignite_mgpu.errors import FAILED, ScriptArgumentsError, TrainingStopped, is_user_error
-from ignite_mgpu.processes import elastic, forkserver, hang_report
+from ignite_mgpu.processes import forkserver, hang_report, torchelastic
 
 if TYPE_CHECKING:
     from ignite_mgpu.processes.plan import LaunchPlan
@@ -277,7 +277,7 @@ def _torchrun_variables(plan: LaunchPlan, local_rank: int, attempt: int, error_d
         restarts,
         plan.max_restarts,
         run_id=plan.run_id,
-        error_file=elastic.error_file(error_dir, rank),
+        error_file=torchelastic.error_file(error_dir, rank),
     )
 
 

@@ -7,4 +7,5 @@
 - ``regular``: the one way to read a path a user or a run folder names (regular files only, within a bound);
 - ``writable``: whether a run folder can be made and written, as one paragraph; a full disk said with its space;
 - ``metric_names``: eval.metrics' names, what each needs, which way each is better.
+- ``closing``: what a run says when it ends (three lines for a person) and when it is stopped (its checkpoint).
 """

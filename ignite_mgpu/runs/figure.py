@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-PLOT_EXTRA = 'pip install -e ".[plot]"'
+PLOT_EXTRA = 'pip install "ignite-mgpu[plot]"'
 TITLES = {
     "loss": "Loss (train: solid, validation: dashed)",
     "accuracy": "Validation accuracy",
@@ -33,6 +33,7 @@ PART_NAMES = {
     "eval": "evaluation",
     "checkpoint": "checkpoint stall",
     "restart": "restarts",
+    "resize": "changes of size",
     "lost": "lost to restarts",
     "other": "other",
 }

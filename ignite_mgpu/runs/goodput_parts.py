@@ -22,6 +22,8 @@ PARTS = (
     # The training loop inside the checkpoint handlers (periodic, epoch-end, on stop, best model)
     "checkpoint",
     "restart",  # a restart: from the failure to the first iteration of the restarted group
+    # A restart on another number of processes (a failed GPU left out): the same span, apart
+    "resize",
     "lost",  # a restart: from the last saved progress to the failure (the iterations it re-does)
     "other",  # between epochs, after the line: the trackers and the other epoch-end handlers
 )

@@ -157,9 +157,10 @@ def read_run(folder: str | Path) -> Run:
         raise ConfigError(f"{folder}: no such folder. Give the run's output_dir, the folder with metrics.jsonl.")
     if not metrics.is_file():
         raise ConfigError(
-            f"{folder} has no metrics.jsonl. A run appends one line to it after each finished epoch (and its "
-            "validation), so either the path is not a run's output_dir, or the run has not finished its first "
-            "epoch yet: check the path, or wait for the first epoch."
+            f"{folder} has no metrics.jsonl, and no folder in it has one. A run appends one line to it after each "
+            "finished epoch (and its validation), so either the path is neither a run's output_dir nor a folder of "
+            "runs (such as runs/), or the run has not finished its first epoch yet: check the path, or wait for the "
+            "first epoch."
         )
     try:
         epochs, incomplete = read_metrics(metrics)
@@ -175,9 +176,22 @@ def read_run(folder: str | Path) -> Run:
     return Run(folder, epochs, dist, incomplete, name, note, read_totals(folder, epochs))
 
 
+def run_folders(folders: Sequence[str | Path]) -> list[Path]:
+    """The run folders that ``folders`` name: each one itself, or, for a folder of runs (``runs/``: no
+    metrics.jsonl of its own), the runs in it, each a folder with a metrics.jsonl, by name."""
+    found: list[Path] = []
+    for given in map(Path, folders):
+        inner = []
+        if given.is_dir() and not (given / METRICS).exists():
+            inner = sorted(d for d in given.iterdir() if d.is_dir() and (d / METRICS).is_file())
+        found.extend(inner or [given])
+    return found
+
+
 def read_runs(folders: Sequence[str | Path]) -> list[Run]:
-    """Read every folder; a run is named by its folder's name, or by the path given where two names clash."""
-    runs = [read_run(f) for f in folders]
+    """Read every folder (a folder of runs: each run in it, ``run_folders``); a run is named by its folder's name,
+    or by the path given where two names clash."""
+    runs = [read_run(f) for f in run_folders(folders)]
     names = [r.name for r in runs]
     for run in runs:
         if names.count(run.name) > 1:

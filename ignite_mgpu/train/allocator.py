@@ -67,10 +67,11 @@ def setup_cpu_memory(keep: bool, device_type: str, sharded: bool = False) -> Non
     if not keep or device_type != "cpu":
         return
     if sharded:
-        logger.info("CPU memory: malloc left as configured (fsdp frees gathered blocks; a kept heap fragments)")
+        logger.debug("CPU memory: malloc left as configured (fsdp frees gathered blocks; a kept heap fragments)")
         return
     why_not = keep_freed_memory()
     if why_not is None:
-        logger.info("CPU memory: freed memory is kept for the next step (glibc mallopt; train.keep_cpu_memory)")
+        # Plumbing (the docs' CPU page says why): a debug line, not the first thing a run says.
+        logger.debug("CPU memory: freed memory is kept for the next step (glibc mallopt; train.keep_cpu_memory)")
     else:
-        logger.info("CPU memory: malloc left as configured: %s", why_not)
+        logger.debug("CPU memory: malloc left as configured: %s", why_not)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
-from ignite_mgpu.checkpoint.files import clean_stale_temp_files, weights_only_resume
+from ignite_mgpu.checkpoint.files import clean_stale_temp_files, find_resumable, weights_only_resume
 from ignite_mgpu.checkpoint.load import load_checkpoint
 from ignite_mgpu.checkpoint.resume import resume, run_signature
 from ignite_mgpu.checkpoint.save import RunInfo, adopt_existing, writes_awaited
@@ -28,8 +28,10 @@ from ignite_mgpu.config.loading import dump_config
 from ignite_mgpu.config.schema import Config, best_metric
 from ignite_mgpu.env.clock import job_clock
 from ignite_mgpu.env.cluster import outer_restarts
+from ignite_mgpu.errors import TrainingInterrupted
 from ignite_mgpu.parallel.strategy import model_devices, prepare_model
 from ignite_mgpu.runs import folder
+from ignite_mgpu.runs.closing import closing_lines, stopped_line
 from ignite_mgpu.runs.folder import run_dir
 from ignite_mgpu.train.allocator import setup_cpu_memory
 from ignite_mgpu.train.checkpointing import attach_checkpoints
@@ -77,7 +79,7 @@ def fsdp_options(cfg: Config) -> dict[str, Any]:
 
 
 def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
-    """Train ``cfg`` in this process (one of ``idist.get_world_size()``), then print a summary on rank 0.
+    """Train ``cfg`` in this process (one of ``idist.get_world_size()``), then say how it ended on rank 0.
     ``restarts``: how often the job was restarted before (None: as torchrun or SLURM say), for metrics.jsonl."""
     rank, world_size = idist.get_rank(), idist.get_world_size()
     out = _start(cfg, rank, world_size)
@@ -128,12 +130,30 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
                 epoch_log.drop_epochs_after(trainer.state.epoch)
 
     # The last write too.
-    with Trackers(cfg, trainer, evaluator, optimizer, epoch_log, out), writes_awaited(full):
-        trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
-    if rank == 0:
-        best_model = str(best.last_checkpoint) if best.last_checkpoint else None
-        summary = epoch_log.last | {"output_dir": str(out), "best_model": best_model}
-        logger.info("finished: %s", json.dumps(summary))
+    try:
+        with Trackers(cfg, trainer, evaluator, optimizer, epoch_log, out), writes_awaited(full):
+            trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
+    except TrainingInterrupted as stopped:
+        raise _with_checkpoint(stopped, cfg, out) from None
+    if rank == 0:  # three lines for a person; the figures are in metrics.jsonl
+        _say_finished(out, best.last_checkpoint, trainer.state.epoch, epoch_log.last.get("run_time_s") or 0.0)
+
+
+def _say_finished(out: Path, best_model: str | Path | None, epochs: int, run_time_s: float) -> None:
+    for line in closing_lines(out, best_model, epochs, run_time_s):
+        logger.info(line)
+
+
+def _with_checkpoint(stopped: TrainingInterrupted, cfg: Config, out: Path) -> TrainingInterrupted:
+    """A stop (Ctrl-C, SIGTERM) that says which checkpoint it left and the command that goes on from it: the stop's
+    own (``checkpoint.save_on_stop``: at the stop's iteration, written by rank 0, which every rank names without
+    waiting for it), else the newest complete one."""
+    if cfg.checkpoint.save_on_stop:
+        suffix = "" if cfg.checkpoint.format == "sharded" else ".pt"
+        saved: Path | None = out / f"checkpoint_{stopped.iteration}{suffix}"
+    else:
+        saved = find_resumable(out)
+    return TrainingInterrupted(stopped.signum, stopped.iteration, stopped_line(out, saved))
 
 
 def _epoch_loss(trainer: Engine) -> dict[str, Any]:

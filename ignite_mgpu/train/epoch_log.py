@@ -176,6 +176,7 @@ class EpochLog:
             "memory_imbalance": round(max(memory) / max(min(memory), 1e-9), 3),
             "epoch_time_s": round(seconds, 3),
             "restarts": self.restarts,
+            "processes": idist.get_world_size(),  # an elastic job's changes with the GPUs it runs on
         }
         if self.goodput is not None:
             self.last |= self.goodput.line(float(rows[:, 1].max()), engine.state.iteration)

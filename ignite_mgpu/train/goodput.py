@@ -84,7 +84,7 @@ class Goodput:
         self._record(engine.state.iteration)
 
     def _epoch_started(self, engine: Engine) -> None:
-        first = self._state in ("startup", "restart")
+        first = self._state in ("startup", "restart", "resize")
         self._switch("train")
         # The attempt's progress at its first iteration: a restart without a checkpoint goes on from it.
         if first:
@@ -105,7 +105,7 @@ class Goodput:
                 self.epoch["lost"] += max(0.0, failed_at - saved["at"])
             # Counted into the run's at the epoch's line.
             self.redone += max(0, self.clock.reached - resumed)
-            self._state, self._mark = "restart", failed_at
+            self._state, self._mark = "resize" if self.clock.resized_from else "restart", failed_at
 
     def _resumed_record(self, iteration: int) -> dict[str, Any] | None:
         """The progress saved at ``iteration`` (or the last before it: a checkpoint that was not completed)."""

@@ -17,7 +17,7 @@ from torch import nn
 from torch.optim import Optimizer, lr_scheduler
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau, SequentialLR
 
-from ignite_mgpu.config.schema import SCHEDULES
+from ignite_mgpu.config.schema import OPTIMIZERS, SCHEDULES
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.train import plugins
 from ignite_mgpu.train.param_groups import parameter_groups
@@ -25,6 +25,7 @@ from ignite_mgpu.train.param_groups import parameter_groups
 if TYPE_CHECKING:
     from ignite_mgpu.config.schema import OptimConfig
 
+BUILTIN_OPTIMIZERS = OPTIMIZERS  # sgd (Nesterov), adamw
 BUILTIN_SCHEDULES = SCHEDULES  # LambdaLR: the linear warm-up and then the shape, one function
 # Given by their own keys to every optimizer that takes them; optim.args may not give them a second value.
 OWN_KEYS = {"lr": "optim.lr", "weight_decay": "optim.weight_decay", "momentum": "optim.momentum"}
@@ -101,7 +102,7 @@ def build_optimizer(
 ) -> Optimizer:
     """``create_optimizer``'s optimizer before ``idist.auto_optim``, which asks the process group (the memory plan
     builds it under a process group of its own)."""
-    extra = dict(args or {})
+    extra, name = dict(args or {}), optimizer_name(name)
     fn = optimizer_factory(name)
     kwargs = _optimizer_kwargs(fn, name, lr, momentum, weight_decay, nesterov, extra)
     _check_call(fn, kwargs, extra, f"optim.name={name}", "optim.args")
@@ -163,11 +164,11 @@ def optimizer_from_config(o: OptimConfig, model: nn.Module, build: Callable[...,
 def check_optim(o: OptimConfig) -> None:
     """ConfigError unless ``optim.name`` and ``optim.scheduler`` name what exists and take ``optim.args`` /
     ``optim.scheduler_args``, and ``optim.param_groups`` imports; in the parent, before spawning."""
-    args = dict(o.args)
-    fn = optimizer_factory(o.name)
+    args, name = dict(o.args), optimizer_name(o.name)
+    fn = optimizer_factory(name)
     _check_call(
         fn,
-        _optimizer_kwargs(fn, o.name, o.lr, o.momentum, o.weight_decay, o.nesterov, args),
+        _optimizer_kwargs(fn, name, o.lr, o.momentum, o.weight_decay, o.nesterov, args),
         args,
         f"optim.name={o.name}",
         "optim.args",
@@ -181,15 +182,26 @@ def check_optim(o: OptimConfig) -> None:
         _check_call(schedule, filled, sargs, f"optim.scheduler={o.scheduler}", "optim.scheduler_args")
 
 
+def optimizer_name(name: str) -> str:
+    """``optim.name`` as the code spells it, whatever its case: a built-in (``Sgd`` -> sgd, ``ADAMW`` -> adamw) or a
+    torch.optim class (``adam`` -> Adam, ``rmsprop`` -> RMSprop). A name written exactly stays as written: ``SGD`` is
+    torch's class (classic momentum), ``sgd`` the built-in (Nesterov)."""
+    if name in BUILTIN_OPTIMIZERS or plugins.is_factory(name) or isinstance(getattr(torch.optim, name, None), type):
+        return name
+    by_case = {n.lower(): n for n in _classes(torch.optim, Optimizer)} | {n: n for n in BUILTIN_OPTIMIZERS}
+    return by_case.get(name.lower(), name)
+
+
 def optimizer_factory(name: str) -> Callable[..., Any]:
-    """The class or factory that ``optim.name`` names."""
+    """The class or factory that ``optim.name`` names (in any case: ``optimizer_name``)."""
+    name = optimizer_name(name)
     if name == "sgd":
         return torch.optim.SGD
     if name == "adamw":
         return torch.optim.AdamW
     if plugins.is_factory(name):
         return plugins.resolve(name, "optim.name")
-    return _torch_class(torch.optim, Optimizer, name, "optim.name", REFUSED_OPTIMIZERS, ["sgd", "adamw"])
+    return _torch_class(torch.optim, Optimizer, name, "optim.name", REFUSED_OPTIMIZERS, list(BUILTIN_OPTIMIZERS))
 
 
 def scheduler_factory(name: str) -> Callable[..., Any]:
@@ -202,12 +214,10 @@ def scheduler_factory(name: str) -> Callable[..., Any]:
 def _torch_class(
     module: Any, base: type, name: str, key: str, refused: Mapping[str, str], builtin: list[str]
 ) -> Callable[..., Any]:
-    """``module.<name>``, a subclass of ``base``; else a ConfigError with the closest names (case aside)."""
-    classes = sorted(
-        n
-        for n, c in vars(module).items()
-        if isinstance(c, type) and issubclass(c, base) and c is not base and not n.startswith("_")
-    )
+    """``module.<name>``, a subclass of ``base``, by its name in any case (``onecyclelr``: OneCycleLR); else a
+    ConfigError with the closest names (case aside)."""
+    classes = _classes(module, base)
+    name = {n.lower(): n for n in classes}.get(name.lower(), name) if name not in classes else name
     if name in refused:
         raise ConfigError(f"{key}={name} is not supported: {refused[name]}.")
     if name in classes:
@@ -218,8 +228,17 @@ def _torch_class(
     said = f"{', '.join(close[:-1])} or {close[-1]}" if len(close) > 1 else "".join(close)
     hint = f" Did you mean {said}?" if close else ""
     raise ConfigError(
-        f"{key}={name} is not known.{hint} Use {', '.join(builtin)}, a class of {module.__name__} by its exact name "
-        f"({', '.join(n for n in classes if n not in refused)}), or '{plugins.FORM}' for your own."
+        f"{key}={name} is not known.{hint} Use {', '.join(builtin)}, a class of {module.__name__} by its name, any "
+        f"case ({', '.join(n for n in classes if n not in refused)}), or '{plugins.FORM}' for your own."
+    )
+
+
+def _classes(module: Any, base: type) -> list[str]:
+    """The public subclasses of ``base`` in ``module``, by name."""
+    return sorted(
+        n
+        for n, c in vars(module).items()
+        if isinstance(c, type) and issubclass(c, base) and c is not base and not n.startswith("_")
     )
 
 

@@ -66,6 +66,15 @@ def test_a_finished_run_has_nothing_left_to_train(tmp_path, saved, caplog):
     assert "already finished 2 epochs (train.epochs=2)" in caplog.text
 
 
+def test_a_finished_run_is_said_once_by_rank_0(tmp_path, saved, caplog, monkeypatch):
+    import ignite.distributed as idist
+
+    monkeypatch.setattr(idist, "get_rank", lambda: 1)  # the other ranks stop as rank 0 does, silently
+    cfg = load_config(overrides=[f"output_dir={tmp_path}", "resume=auto", "train.epochs=2"])
+    assert not resume(cfg, objects(cfg), world_size=1)
+    assert "already finished" not in caplog.text
+
+
 def test_resume_auto_in_an_empty_folder_starts_a_new_run(tmp_path, caplog):
     # The same command on the first start and on every restart by torchrun / SLURM (issue #14).
     cfg = load_config(overrides=[f"output_dir={tmp_path}", "resume=auto"])

@@ -11,6 +11,11 @@ needs no hooks. Environment variables, read in every worker:
     - ``raise``: ``RuntimeError("boom")`` in forward.
     - ``sleep``: sleep for an hour (a hung rank).
     - ``kill``: ``SIGKILL`` this process.
+    - ``losegpu``: the stand-in nvidia-smi (tests/fake_gpus) stops listing this rank's GPU (its line leaves
+      ``$FAKE_NVIDIA_SMI_DIR/gpus.csv``; the GPU is ``CUDA_VISIBLE_DEVICES``'s entry ``LOCAL_RANK``), then
+      ``SIGKILL`` this process: a GPU that fell off the bus.
+    - ``deverror``: ``RuntimeError("CUDA error: unspecified launch failure")`` in forward, what a rank whose GPU
+      failed raises (the GPU itself stays listed).
     - ``nan``: return NaN logits (a poisoned batch).
     - ``slow``: from that iteration on, sleep ``arg`` seconds (default 0.2) in every training forward.
     - ``init``: ``RuntimeError("init boom")`` in the model constructor (``iteration`` is ignored).
@@ -88,6 +93,16 @@ def _write(name: str, text: str) -> None:
         tmp.replace(Path(pids_dir, name))  # readers never see a half-written file
 
 
+def _lose_my_gpu() -> None:
+    """This rank's GPU leaves the stand-in's table (written whole, then renamed: nvidia-smi never reads half)."""
+    mine = os.environ["CUDA_VISIBLE_DEVICES"].split(",")[int(os.environ.get("LOCAL_RANK", "0"))]
+    table = Path(os.environ["FAKE_NVIDIA_SMI_DIR"], "gpus.csv")
+    kept = [line for line in table.read_text().splitlines() if line.split(",")[0].strip() != mine]
+    tmp = table.with_name(".gpus.csv.tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(table)
+
+
 class FaultyLinear(nn.Module):
     """A linear classifier over flattened ``3 x image_size x image_size`` images, with injected faults."""
 
@@ -124,13 +139,17 @@ class FaultyLinear(nn.Module):
             if self.calls != iteration or kind in ("slowwrite", "nospace", "slowsave"):
                 continue
             kind = _fire(kind)
-            if kind in ("raise", "kill"):
+            if kind in ("raise", "kill", "losegpu", "deverror"):
                 _append(f"fault{_rank()}", f"{kind} {time.time()}")
             if kind == "raise":
                 raise RuntimeError("boom")
+            if kind == "deverror":
+                raise RuntimeError("CUDA error: unspecified launch failure")
             if kind == "sleep":
                 time.sleep(3600)
-            if kind == "kill":
+            if kind == "losegpu":
+                _lose_my_gpu()
+            if kind in ("kill", "losegpu"):
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind == "nan":
                 poison = True

@@ -399,6 +399,9 @@ def test_s5_sigterm_checkpoints_at_a_common_iteration_then_resume(h: Harness) ->
     assert m, str(r)
     stopped_at = int(m.group(1))
     assert 2 <= stopped_at < 20, str(r)
+    # The stop line names the checkpoint it wrote and the command that goes on from it.
+    said = f"last checkpoint {out / f'checkpoint_{stopped_at}.pt'}; go on from it with `ignite-mgpu train "
+    assert said in r.stderr and f"{out / 'config.yaml'} --resume auto`" in r.stderr, str(r)
     h.assert_no_leftovers()
     assert_last_good(out, stopped_at)  # one checkpoint written at the stop, complete
 

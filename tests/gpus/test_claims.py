@@ -375,7 +375,7 @@ def test_a_job_that_keeps_losing_the_race_and_a_file_system_without_flock_say_so
     import fcntl
 
     with monkeypatch.context() as patched:
-        patched.setattr(claims, "claim", lambda dir_fd, names: None)  # another job wins every time
+        patched.setattr(claims, "claim", lambda dir_fd, names, gpu_range="": None)  # another job wins every time
         with pytest.raises(ConfigError, match=r"^--gpus auto:2: other jobs kept claiming the GPUs this job chose, 20 "):
             acquire.acquire(DistConfig(gpus="auto:2"), os.environ)
 

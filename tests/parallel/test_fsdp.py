@@ -6,7 +6,6 @@ import pytest
 import torch
 import torchvision
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 
 from ignite_mgpu.checkpoint.load import check_model_state
 from ignite_mgpu.checkpoint.state import FullModelState, FullOptimizerState, checkpoint_objects
@@ -16,6 +15,7 @@ from ignite_mgpu.parallel.fsdp import (
     check_blocks,
     default_blocks,
     find_fsdp,
+    fully_shard,  # torch.distributed.fsdp on torch >= 2.6
     mixed_precision,
     no_sync_of,
 )

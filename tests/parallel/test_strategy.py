@@ -128,8 +128,9 @@ def test_unwrap_a_compiled_module_whose_truth_value_calls_len():
 def test_no_sync_is_the_strategys_own(one_rank):
     """DDP's no_sync (also under torch.compile), FSDP2's gradient sync off; nothing for DataParallel or a plain
     model."""
-    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
+
+    from ignite_mgpu.parallel.fsdp import fully_shard  # torch.distributed.fsdp on torch >= 2.6
 
     for model in (linear(), fake_data_parallel(2), torch.compile(linear())):
         assert no_sync(model) is contextlib.nullcontext  # they sync nothing: no context to enter

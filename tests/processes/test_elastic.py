@@ -1,97 +1,114 @@
-"""What a worker shares with a torchrun-started process beyond its rank (processes/elastic.py): the run's id, and
-the error file that torch's @record fills and the failure report reads; and the one paragraph for launch() at a
-script's top level. `python -m pytest tests/processes/test_elastic.py`."""
+"""Leaving out a failed GPU (processes/elastic.py), pure: which of a job's GPUs failed (gone from nvidia-smi,
+reported lost, a rank's CUDA device error), the restart's plan on the GPUs left (not below MIN) and the line of a
+job without a range. The real restart on the stand-in is tests/distributed/test_elastic.py.
 
-import json
-import signal
+Run: python -m pytest tests/processes/test_elastic.py -q
+"""
 
 import pytest
 
-from ignite_mgpu.errors import FAILED, USAGE
-from ignite_mgpu.processes import elastic
-from ignite_mgpu.processes.notebook import NO_MAIN_GUARD
-from ignite_mgpu.processes.outcome import no_restart_reason, outcome
+from ignite_mgpu.gpus.claims import claim_name
+from ignite_mgpu.gpus.inventory import GpuInfo, query_gpus
+from ignite_mgpu.gpus.ranges import GpuRange
+from ignite_mgpu.processes.elastic import device_error, leave_out, lost_gpus
+from ignite_mgpu.processes.plan import LaunchPlan
+from tests.gpus.test_claims import TABLE, fake_gpus  # noqa: F401  (a fixture)
+
+UUID = "GPU-a1000000-0000-4000-8000-00000000000{}".format
 
 
-def recorded(path, monkeypatch) -> None:
-    """The error file as torch's @record writes it (its ErrorHandler, for an uncaught ValueError)."""
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
-    try:
-        raise ValueError("the batch on rank 1 is corrupt")
-    except ValueError as err:
-        ErrorHandler().record_exception(err)
+def gpu(index: int, name: str = "NVIDIA A100-SXM4-80GB") -> GpuInfo:
+    return GpuInfo(index, f"00000000:{7 + index:02X}:00.0", name, 1, 81920, 0, 0, uuid=UUID(index))
 
 
-def test_the_run_id_is_the_schedulers_job_else_one_of_its_own_on_one_node():
-    assert elastic.run_id({"SLURM_JOB_ID": "4242"}, nnodes=2) == "4242"
-    ours = elastic.run_id({}, nnodes=1)
-    assert len(ours) == 32 and ours != elastic.run_id({}, nnodes=1)  # as torchrun --standalone: a fresh one
-    assert elastic.run_id({}, nnodes=2) == "none"  # as torchrun without --rdzv-id: the nodes could not agree
+def plan(gpus=(0, 1, 2, 3), elastic: GpuRange | None = GpuRange(2, 4), strategy: str = "ddp") -> LaunchPlan:
+    names = {i: claim_name(UUID(i), "") for i in gpus}
+    return LaunchPlan("nccl", len(gpus), gpus=list(gpus), gpu_names=names, gpu_range=elastic, strategy=strategy,
+                      env={"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "OMP_NUM_THREADS": "4"})  # fmt: skip
 
 
-def test_the_error_file_that_record_writes_is_read_as_a_failure(tmp_path, monkeypatch):
-    recorded(tmp_path / "error1.json", monkeypatch)
-    found = elastic.read_error_file(tmp_path / "error1.json")
-    assert found is not None
-    assert (found["type"], found["message"]) == ("ValueError", "the batch on rank 1 is corrupt")
-    assert found["traceback"].startswith("Traceback (most recent call last):")
-    assert 'raise ValueError("the batch on rank 1 is corrupt")' in found["traceback"]
-    assert found["time"] > 0
+def failure(rank: int, message: str, at: float = 1.0) -> dict:
+    return {"rank": rank, "time": at, "type": "RuntimeError", "message": message, "traceback": "", "code": 1}
 
 
 @pytest.mark.parametrize(
-    "content",
-    ["", "{not json", "[]", '{"message": 3}', '{"other": {}}'],
+    "text, phrase",
+    [
+        ("CUDA error: unspecified launch failure", "unspecified launch failure"),
+        ("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.", "Xid"),
+        ("the GPU has fallen off the bus", "fallen off the bus"),
+        ("CUDA error: uncorrectable ECC error encountered", "uncorrectable ECC"),
+        ("CUDA out of memory. Tried to allocate 2.00 GiB", None),
+        ("CUDA error: device-side assert triggered", None),  # a bug in the program, not the device
+    ],
 )
-def test_an_unreadable_error_file_is_no_error_file(tmp_path, content):
-    (tmp_path / "error0.json").write_text(content)
-    assert elastic.read_error_file(tmp_path / "error0.json") is None
-    assert elastic.read_error_file(tmp_path / "missing.json") is None
+def test_device_errors_are_told_from_the_programs_own(text, phrase):
+    assert device_error(text) == phrase
 
 
-def test_a_plain_message_is_taken_as_it_is(tmp_path):
-    (tmp_path / "error0.json").write_text(json.dumps({"message": "rank 0 lost its disk", "timestamp": "17"}))
-    found = elastic.read_error_file(tmp_path / "error0.json")
-    assert found == {"type": "Error", "message": "rank 0 lost its disk", "traceback": "", "time": 17.0}
+def test_a_gpu_gone_from_the_snapshot_or_reported_lost_or_named_by_a_ranks_error_is_lost():
+    snapshot = [gpu(0), gpu(1, "[GPU is lost]"), gpu(3)]
+    found = lost_gpus(plan(), [failure(3, "CUDA error: unspecified launch failure")], snapshot)
+    assert [(x.physical_id, x.reason) for x in found] == [
+        (1, "nvidia-smi reports it lost ([GPU is lost])"),
+        (2, "nvidia-smi no longer lists it"),
+        (3, "rank 3's error is a CUDA device error ('unspecified launch failure')"),
+    ]
+    # nvidia-smi failing altogether tells nothing; a plain error blames no GPU; dp cannot say which GPU it was
+    assert lost_gpus(plan(), [failure(1, "RuntimeError: boom")], []) == []
+    assert lost_gpus(plan(strategy="dp"), [failure(0, "fallen off the bus")], None) == []
+    # ids moved in the snapshot: the GPU is found by its UUID
+    moved = [GpuInfo(i, "", "NVIDIA A100", 1, 81920, 0, 0, uuid=UUID(j)) for i, j in enumerate((0, 1, 3))]
+    assert [x.physical_id for x in lost_gpus(plan(), [], moved)] == [2]
+    unnamed = LaunchPlan("nccl", 2, gpus=[0, 1])  # GPUs the plan knows no name of are never "no longer listed"
+    assert lost_gpus(unnamed, [], [gpu(3)]) == []
 
 
-def test_the_report_shows_the_error_files_error_where_the_worker_saw_only_an_exit(tmp_path, monkeypatch):
-    """The script caught its error and exited with sys.exit(1): the worker knows only the exit; @record's file
-    names the error and its traceback, which the report shows, as torchrun's does."""
-    recorded(tmp_path / "error1.json", monkeypatch)
-    own = {
-        "rank": 1,
-        "time": 5.0,
-        "type": "RuntimeError",
-        "message": "train.py exited with code 1 (sys.exit)",
-        "traceback": "",
-        "code": FAILED,
-        "user_error": False,
-    }
-    failures = elastic.with_error_files([own], tmp_path, failed_ranks=[1])
-    assert failures == [{**own, "type": "ValueError", "message": "the batch on rank 1 is corrupt",
-                         "traceback": failures[0]["traceback"]}]  # fmt: skip
-    result = outcome(failures, [-signal.SIGKILL, 1])
-    assert result.code == FAILED and result.cause == "rank 1 failed with ValueError: the batch on rank 1 is corrupt"
-    assert 'raise ValueError("the batch on rank 1 is corrupt")' in result.details
-    # A rank that wrote no failure file of its own (os._exit after @record): the error file alone.
-    alone = elastic.with_error_files([], tmp_path, failed_ranks=[1])
-    assert alone[0]["rank"] == 1 and alone[0]["type"] == "ValueError" and alone[0]["code"] == FAILED
-    assert elastic.with_error_files([], tmp_path, failed_ranks=[0]) == []  # rank 0's file: none
-
-
-def test_workers_that_met_launch_at_the_scripts_top_level_give_one_paragraph(monkeypatch):
-    import sys
-    import types
-
-    monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__file__="/home/me/train.py"))
-    result = outcome([], [NO_MAIN_GUARD, NO_MAIN_GUARD])
-    assert result.code == USAGE
-    assert result.cause.startswith(
-        'train.py calls launch() at its top level, without `if __name__ == "__main__":`. Each worker imports '
-        "train.py to find the job function"
+def test_an_elastic_job_restarts_on_the_gpus_left_and_lets_go_of_the_failed_ones_claim():
+    start = plan()
+    change = leave_out(start, [], lambda: [gpu(0), gpu(1), gpu(3)])
+    assert change is not None and change.refusal is None and change.plan is not None
+    smaller = change.plan
+    assert (smaller.gpus, smaller.nproc, smaller.backend) == ([0, 1, 3], 3, "nccl")
+    assert smaller.env == {"CUDA_VISIBLE_DEVICES": "0,1,3", "OMP_NUM_THREADS": "4"} and smaller.gpu_range == GpuRange(
+        2, 4
     )
-    assert result.cause.endswith("at the end of train.py; the job function stays at the top level.")
-    assert no_restart_reason([], [NO_MAIN_GUARD, NO_MAIN_GUARD]) == "the script has no main guard"
+    assert set(smaller.gpu_names) == {0, 1, 3} and change.released == [claim_name(UUID(2), "")]
+    assert change.line == (
+        "left out GPU 2 (nvidia-smi no longer lists it); its claim is released, and the restart continues on GPU "
+        "0,1,3 (3 processes, was 4; --gpus auto:2-4)."
+    )
+    assert start.gpus == [0, 1, 2, 3] and start.nproc == 4  # the plan itself is left as it was
+    one = leave_out(plan((0, 1), GpuRange(1, 2)), [failure(1, "Xid 79")], lambda: [gpu(0), gpu(1)])
+    assert one is not None and one.plan is not None and (one.plan.nproc, one.plan.backend) == (1, None)
+
+
+def test_never_below_min_and_without_a_range_the_line_says_a_range_would_have_continued():
+    below = leave_out(plan(elastic=GpuRange(4, 4)), [], lambda: [gpu(0), gpu(1), gpu(3)])
+    assert (
+        below is not None
+        and below.plan is None
+        and below.refusal
+        == ("GPU 2 (nvidia-smi no longer lists it) failed, leaving 3 GPUs, below the range's MIN 4 (--gpus auto:4-4)")
+    )
+    fixed = leave_out(plan(elastic=None), [], lambda: [gpu(0), gpu(1), gpu(3)])
+    assert fixed is not None and fixed.plan is None and fixed.refusal is None
+    assert fixed.line == (
+        "failed: GPU 2 (nvidia-smi no longer lists it). The restart runs on the same GPUs; --gpus auto:3-4 would "
+        "have continued on GPU 0,1,3 without it."
+    )
+    assert leave_out(plan(), [failure(0, "boom")], lambda: [gpu(i) for i in range(4)]) is None
+    assert leave_out(LaunchPlan("gloo", 2), [failure(0, "Xid 79")], lambda: []) is None  # no GPUs chosen
+
+
+def test_the_stand_in_can_lose_a_gpu_and_report_one_lost(fake_gpus):  # noqa: F811
+    lines = TABLE.splitlines()
+    lost = "2, 00000000:47:00.0, [GPU is lost], [GPU is lost], [GPU is lost], [GPU is lost], Disabled, " + UUID(2)
+    (fake_gpus / "gpus.csv").write_text(f"{lines[0]}\n{lines[1]}\n{lost}\n")
+    snapshot = query_gpus()
+    assert [g.index for g in snapshot] == [0, 1, 2] and snapshot[2].uuid == UUID(2)
+    found = lost_gpus(plan(), [], snapshot)
+    assert [(x.physical_id, x.reason.split(" (")[0]) for x in found] == [
+        (2, "nvidia-smi reports it lost"),
+        (3, "nvidia-smi no longer lists it"),
+    ]

@@ -47,8 +47,8 @@ def test_the_table_has_a_goodput_row_per_run_and_json_the_totals(tmp_path):
     at = table.index(GOODPUT_TITLE)
     header, first, second = (line.split() for line in table[at + 1 : at + 4])
     assert header == list(GOODPUT_COLUMNS)
-    assert first == ["restarted", "43.5", "39.7", "1.1", "0.1", "0.1", "0.2", "2.1", "0.2", "0.0", "2", "2.5"]
-    assert second == ["old", *["-"] * 9, "-", "-"]
+    assert first == ["restarted", "43.5", "39.7", "1.1", "0.1", "0.1", "0.2", "2.1", "0.0", "0.2", "0.0", "2", "2.5"]
+    assert second == ["old", *["-"] * 10, "-", "-"]
     parsed = json.loads(to_json(found, None))["runs"]
     assert parsed[0]["goodput"]["time_restart_s"] == 2.133 and parsed[1]["goodput"] is None
     assert "goodput:" not in format_table(runs.read_runs([b]))  # nothing recorded: no block

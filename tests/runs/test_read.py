@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -78,7 +79,7 @@ def assert_table_equals_metrics(table, path):
 
 def test_help_says_where_the_image_goes_and_which_extra_draws_it():
     out = " ".join(report("--help").output.split())  # click wraps to the terminal's width
-    assert "report [OPTIONS] RUN_DIR..." in out and 'pip install -e ".[plot]"' in out
+    assert "report [OPTIONS] RUN_DIR..." in out and 'pip install "ignite-mgpu[plot]"' in out
     assert "[default: RUN_DIR/report.png for one run, ./report.png for several]" in out
     assert report().exit_code == 2  # click: Missing argument 'RUN_DIR...'
 
@@ -133,7 +134,7 @@ def test_a_repeated_epoch_keeps_its_later_line(tmp_path):
     ("write", "message"),
     [
         (None, ": no such folder. Give the run's output_dir, the folder with metrics.jsonl."),
-        ("config only", "has no metrics.jsonl. A run appends one line to it after each finished epoch (and its "),
+        ("config only", "has no metrics.jsonl, and no folder in it has one. A run appends one line to it after each"),
         ("", "has no complete line (0 incomplete line(s) ignored): the run has not finished its first epoch yet"),
         ('{"epoch": 1, "train_l', "has no complete line (1 incomplete line(s) ignored)"),
     ],
@@ -191,6 +192,25 @@ def test_labels_name_folder_strategy_and_processes(tmp_path):
     ]
 
 
+def test_a_folder_of_runs_compares_the_runs_in_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    make_run(tmp_path / "runs" / "ddp", [epoch(1), epoch(2)])
+    make_run(tmp_path / "runs" / "dp", [epoch(1)], strategy="dp", nproc=1)
+    (tmp_path / "runs" / "not_a_run").mkdir()  # no metrics.jsonl: not one of the runs
+    result = report("runs")
+    assert result.exit_code == 0, result.output
+    assert [line for line in result.stdout.splitlines() if ": runs/" in line] == [
+        "ddp (ddp, 2 processes, CPU): runs/ddp",
+        "dp (dp, 1 process, 2 GPUs): runs/dp",
+    ]
+    assert result.stderr == "wrote report.png\n"  # several runs: one image in the current folder
+    assert [r.path for r in runs.read_runs(["runs", "runs/ddp"])] == [
+        Path("runs/ddp"),
+        Path("runs/dp"),
+        Path("runs/ddp"),
+    ]
+
+
 def test_runs_with_the_same_folder_name_are_named_by_path(tmp_path):
     a, b = make_run(tmp_path / "a" / "run", [epoch(1)]), make_run(tmp_path / "b" / "run", [epoch(1)])
     assert [r.name for r in runs.read_runs([a, b])] == [str(a), str(b)]
@@ -230,7 +250,7 @@ def test_without_matplotlib_the_table_is_printed_and_the_extra_named(tmp_path, m
     assert result.exit_code == 0, result.output
     assert_table_equals_metrics(result.stdout, run / "metrics.jsonl")
     assert result.stderr.startswith("no image drawn: matplotlib cannot be imported (")
-    assert 'pip install -e ".[plot]"' in result.stderr and not (run / "report.png").exists()
+    assert 'pip install "ignite-mgpu[plot]"' in result.stderr and not (run / "report.png").exists()
     assert json.loads(report(run, "--json").stdout)["image"] is None
     with pytest.raises(ConfigError, match="has no metrics.jsonl"):  # bad input is reported the same without it
         runs.read_run(tmp_path)

@@ -97,3 +97,19 @@ def test_nothing_is_timed_per_iteration(tmp_path):
     per_iteration = (Events.ITERATION_STARTED, Events.ITERATION_COMPLETED, Events.GET_BATCH_STARTED)
     for engine in (trainer, evaluator):
         assert all(not engine._event_handlers[e] for e in (*per_iteration, Events.GET_BATCH_COMPLETED))
+
+
+def test_a_restart_on_fewer_processes_is_counted_as_a_change_of_size(tmp_path):
+    path = tmp_path / "goodput.json"
+    trainer, _, _ = job(path, JobClock(time.time()))
+    trainer.add_event_handler(Events.ITERATION_COMPLETED(once=15), lambda e: e.terminate())
+    trainer.run(range(10), max_epochs=2)
+    failed_at = time.time()
+    time.sleep(0.05)  # the supervisor leaves out the failed GPU and restarts on the rest
+    clock = JobClock(time.time() - 10, failed_at=failed_at, reached=14, resized_from=4)
+    restarted, _, after = job(path, clock)
+    restarted.load_state_dict({"iteration": 12, "epoch_length": 10, "max_epochs": 2})
+    restarted.run(range(10))
+    (second,) = after
+    assert second["time_resize_s"] >= 0.05 and second["time_restart_s"] == 0 and second["redone_iterations"] == 2
+    assert sum(second[FIELDS[p]] for p in PARTS) == pytest.approx(second["time_wall_s"], abs=0.005)

@@ -7,7 +7,6 @@ import logging
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ignite_mgpu import load_config
 from ignite_mgpu.errors import ConfigError
@@ -90,6 +89,12 @@ OPT = torch.optim
             lambda p: OPT.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=5e-4),
         ),
         (["optim.name=Rprop", "optim.weight_decay=0"], lambda p: OPT.Rprop(p, lr=0.05)),  # takes no weight_decay
+        # Any case: a torch.optim class (adam: Adam, rmsprop: RMSprop), a built-in (Sgd: sgd's Nesterov momentum).
+        (["optim.name=adam"], lambda p: OPT.Adam(p, lr=0.05, weight_decay=5e-4)),
+        (["optim.name=rmsprop"], lambda p: OPT.RMSprop(p, lr=0.05, momentum=0.9, weight_decay=5e-4)),
+        (["optim.name=ADAMW"], lambda p: OPT.AdamW(p, lr=0.05, weight_decay=5e-4)),
+        (["optim.name=Sgd"], lambda p: OPT.SGD(p, lr=0.05, momentum=0.9, weight_decay=5e-4, nesterov=True)),
+        (["optim.name=SGD"], lambda p: OPT.SGD(p, lr=0.05, momentum=0.9, weight_decay=5e-4)),  # torch's, classic
     ],
 )
 def test_each_name_is_the_torch_class_with_lr_weight_decay_momentum_and_args(overrides, torch_itself):
@@ -120,9 +125,10 @@ def test_a_factory_gets_the_groups_lr_weight_decay_and_args():
     "overrides, match",
     [
         (
-            ["optim.name=adam"],
-            r"^optim.name=adam is not known. Did you mean Adam, RAdam or NAdam\? Use sgd, adamw, a class of "
-            r"torch.optim by its exact name \(ASGD, .*Adam, AdamW,.*\), or 'package.module:factory' for your own.$",
+            ["optim.name=adma"],
+            r"^optim.name=adma is not known. Did you mean Adamax, Adam or RAdam\? Use sgd, adamw, a class of "
+            r"torch.optim by its name, any case \(ASGD, .*Adam, AdamW,.*\), or 'package.module:factory' for your "
+            r"own.$",
         ),
         (["optim.name=OneCycleLR"], r"optim.name=OneCycleLR is not known. Use sgd, adamw"),
         (["optim.name=LBFGS"], r"optim.name=LBFGS is not supported: its step\(\) needs a closure"),
@@ -221,7 +227,7 @@ def test_groups_hold_what_the_wrapper_trains_under_dataparallel_and_ddp():
 
 @pytest.mark.usefixtures("one_rank")
 def test_groups_of_an_fsdp2_model_are_its_sharded_parameters():
-    from torch.distributed.fsdp import fully_shard
+    from ignite_mgpu.parallel.fsdp import fully_shard  # torch.distributed.fsdp on torch >= 2.6
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 1))
@@ -229,7 +235,7 @@ def test_groups_of_an_fsdp2_model_are_its_sharded_parameters():
         fully_shard(module)
     opt = build(model, "optim.name=AdamW", "optim.no_decay_norm_and_bias=true")
     (decay, no_decay) = opt.param_groups
-    assert all(isinstance(p, DTensor) for p in decay["params"] + no_decay["params"])
+    assert all(type(p).__name__ == "DTensor" for p in decay["params"] + no_decay["params"])  # sharded
     assert [tuple(p.shape) for p in decay["params"]] == [(4, 3), (1, 4)]  # the full shapes, not the shards'
     assert no_decay["weight_decay"] == 0.0 and len(no_decay["params"]) == 4
     assert {id(p) for p in decay["params"] + no_decay["params"]} == {id(p) for p in model.parameters()}
@@ -246,3 +252,10 @@ def test_factory_groups_a_generator_and_a_partial_answer(caplog):
     with caplog.at_level(logging.WARNING, logger="ignite_mgpu"):
         opt = build(model, f"optim.param_groups={PKG}:first_layer_only")
     assert len(opt.param_groups) == 1 and "leaves 2 trainable parameters out of every group: not trained" in caplog.text
+
+
+def test_a_schedule_is_named_in_any_case_too():
+    from ignite_mgpu.train.optim import scheduler_factory
+
+    assert scheduler_factory("onecyclelr") is torch.optim.lr_scheduler.OneCycleLR
+    assert scheduler_factory("StepLR") is torch.optim.lr_scheduler.StepLR

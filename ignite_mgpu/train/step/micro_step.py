@@ -16,9 +16,8 @@ import torch
 import torch.distributed as dist
 from ignite.engine import Engine
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
-from ignite_mgpu.parallel.fsdp import find_fsdp
+from ignite_mgpu.parallel.fsdp import FSDPModule, find_fsdp
 from ignite_mgpu.parallel.strategy import find_ddp, unwrap
 from ignite_mgpu.train.data import batches
 from ignite_mgpu.train.data.batches import Batch

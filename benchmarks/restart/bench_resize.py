@@ -1,0 +1,128 @@
+"""What a change of size costs against a plain restart (issue #40): from a rank's death to the first iteration of
+the restarted group, when its GPU stays (a plain restart on the same 4 processes) and when its GPU is gone (the
+failed GPU left out, the restart on 3), in one run, alternating, with the ratio of the medians.
+
+Runs the real CLI on the 4-GPU stand-in nvidia-smi (tests/fake_gpus) through tests/distributed/fake_cuda_cli.py,
+``--gpus auto:2-4 --max-restarts 1``, the workers on gloo on the CPU with the fault model of tests/faults/faultmod.py
+(``once-kill`` or ``once-losegpu`` of rank 2, after a checkpoint). Also prints the goodput's own count of each
+(``time_restart_s`` / ``time_resize_s`` in metrics.jsonl).
+Run: `python benchmarks/restart/bench_resize.py [--repeat 3]` (about 30 s per job on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FAULTS = ROOT / "tests" / "faults"
+STAND_IN = ROOT / "tests" / "fake_gpus"
+RUNNER = ROOT / "tests" / "distributed" / "fake_cuda_cli.py"
+JOB = [
+    "train",
+    "--backend",
+    "gloo",
+    "--gpus",
+    "auto:2-4",
+    "--max-restarts",
+    "1",
+    "model.name=faultmod:make",
+    "data.train_size=1280",  # 20 iterations of a global batch of 64
+    "data.val_size=100",
+    "data.batch_size=64",
+    "train.epochs=1",
+    "train.progress_bar=false",
+    "checkpoint.every_iters=5",
+]
+FAULT_AT = 13  # rank 2's 13th training step: after checkpoint_10
+UUID = "GPU-a1000000-0000-4000-8000-00000000000{}".format
+TABLE = "".join(
+    f"{i}, 00000000:{bus}:00.0, NVIDIA A100-SXM4-80GB, 1, 81920, 0, Disabled, {UUID(i)}\n"
+    for i, bus in enumerate(["07", "0F", "47", "4E"])
+)
+
+
+def lines(folder: Path, name: str) -> list[list[str]]:
+    path = folder / name
+    return [ln.split() for ln in path.read_text().splitlines()] if path.is_file() else []
+
+
+def measure(kind: str) -> dict[str, float]:
+    """One job whose rank 2 dies in its FAULT_AT-th step: ``kill`` (its GPU stays) or ``losegpu`` (it is gone)."""
+    with tempfile.TemporaryDirectory(prefix="bench-resize-") as tmp:
+        pids_dir, answers, claims = Path(tmp, "pids"), Path(tmp, "answers"), Path(tmp, "claims")
+        answers.mkdir()
+        (answers / "gpus.csv").write_text(TABLE)
+        (answers / "apps.csv").write_text("")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        env.update(
+            PATH=f"{STAND_IN}{os.pathsep}{env.get('PATH', '')}",
+            FAKE_NVIDIA_SMI_DIR=str(answers),
+            IGNITE_MGPU_CLAIMS_DIR=str(claims),
+            PYTHONPATH=f"{FAULTS}{os.pathsep}{ROOT}",
+            PIDS_DIR=str(pids_dir),
+            FAULT=f"once-{kind}:2:{FAULT_AT}",
+            OMP_NUM_THREADS="1",
+            TMPDIR=tmp,
+        )
+        out = Path(tmp, "out")
+        proc = subprocess.run(
+            [sys.executable, str(RUNNER), *JOB, "--output-dir", str(out)],
+            env=env,
+            cwd=tmp,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"the {kind} job failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        fault = float(lines(pids_dir, "fault2")[0][1])
+        first = {lines(pids_dir, f"rank{r}")[0][0] for r in range(4)}
+        # A restarted rank starts its second step once the group has finished its first iteration.
+        seconds = [
+            float(t)
+            for r in range(4)
+            for pid, call, t in lines(pids_dir, f"forward{r}")
+            if pid not in first and call == "2"
+        ]
+        epoch = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+        return {
+            "first_iteration_s": min(seconds) - fault,
+            "goodput_s": epoch["time_resize_s"] + epoch["time_restart_s"],
+            "processes": epoch["processes"],
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    opts = parser.parse_args()
+    print(f"load average {os.getloadavg()[0]:.2f}; {opts.repeat} job(s) per row, alternating")
+    results: dict[str, list[dict[str, float]]] = {"kill": [], "losegpu": []}
+    for _ in range(opts.repeat):
+        for kind in results:
+            results[kind].append(measure(kind))
+    medians = {}
+    for kind, name in (("kill", "plain restart (GPU stays, 4 -> 4)"), ("losegpu", "change of size (GPU gone, 4 -> 3)")):
+        first = [r["first_iteration_s"] for r in results[kind]]
+        counted = [r["goodput_s"] for r in results[kind]]
+        medians[kind] = statistics.median(first)
+        after = sorted({int(r["processes"]) for r in results[kind]})
+        print(
+            f"{name:36s}: death -> first iteration of the restarted group: median {medians[kind]:.2f} s "
+            f"(min {min(first):.2f}, max {max(first):.2f}); goodput's restart/resize part: median "
+            f"{statistics.median(counted):.2f} s; processes after: {after}",
+            flush=True,
+        )
+    print(f"change of size / plain restart: {medians['losegpu'] / medians['kill']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""The CLI with the launching process's torch made to see one CUDA device per GPU that nvidia-smi lists: on a CPU
+machine, with the stand-in nvidia-smi (tests/fake_gpus) first on PATH, ``--gpus`` plans, claims and exports GPUs as
+on a GPU server, and the gloo workers (which see no CUDA here) train on the CPU. Used by test_elastic.py.
+
+Run: PATH=tests/fake_gpus:$PATH python tests/distributed/fake_cuda_cli.py train --gpus auto:2-4 --backend gloo
+"""
+
+import os
+
+from ignite_mgpu.cli import main
+from ignite_mgpu.gpus import inventory
+from ignite_mgpu.processes import plan
+
+
+def _machine() -> plan.Machine:
+    return plan.Machine(len(inventory.query_gpus()), cpu_count=os.cpu_count() or 1)
+
+
+if __name__ == "__main__":
+    plan.probe_machine = _machine
+    main()

@@ -1,0 +1,138 @@
+"""Leaving out a failed GPU (processes/elastic.py) on the 4-GPU stand-in nvidia-smi with gloo workers on the CPU: a
+job on ``--gpus auto:2-4`` takes the 4 GPUs; in epoch 2 one rank's GPU fails (it leaves nvidia-smi's table and the
+rank is killed, or the rank raises a CUDA device error); the job restarts on the other 3 from the newest checkpoint,
+lets go of the failed GPU's claim, says so in one line, records the change in metrics.jsonl and the goodput, and
+ends within 1e-5 of an uninterrupted 4-process run (the tolerance of test_any_process_count.py).
+`python -m pytest tests/distributed/test_elastic.py`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ignite_mgpu.checkpoint.files import read_checkpoint
+from tests.conftest import REPO, cpu_only, needs_gpus, run_cli, run_in_session
+from tests.gpus.test_claims import TABLE, claimed, fake_gpus  # noqa: F401  (a fixture)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+RUNNER = Path(__file__).with_name("fake_cuda_cli.py")
+FAULTS = REPO / "tests" / "faults"
+# faultmod's linear model (no random, no batch-dependent layer) on 320 images in global batches of 64: 5 iterations an
+# epoch, 2 epochs, a checkpoint every 3 iterations (all kept); the fault fires at iteration 8, after checkpoint_6.
+ARGS = [
+    "--backend",
+    "gloo",
+    "model.name=faultmod:make",
+    "data.train_size=320",
+    "data.val_size=50",
+    "data.batch_size=64",
+    "train.epochs=2",
+    "train.check_every=1",
+    "train.progress_bar=false",
+    "checkpoint.every_iters=3",
+    "checkpoint.n_saved=10",
+]
+
+
+def job_env(tmp_path: Path, fault: str = "") -> dict[str, str]:
+    paths = [str(FAULTS), str(REPO)]
+    return {"PYTHONPATH": os.pathsep.join(paths), "FAULT": fault, "PIDS_DIR": str(tmp_path / "pids"),
+            "OMP_NUM_THREADS": "1"}  # fmt: skip
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return read_checkpoint(out / "checkpoint_10.pt")["model"]
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted 4-process run."""
+    root = tmp_path_factory.mktemp("reference")
+    with cpu_only(root / "claims"):
+        out = root / "out"
+        result = run_cli(["train", *ARGS, "--nproc", "4", "--output-dir", str(out)], root, 240, job_env(root))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    "fault, reason",
+    [
+        ("once-losegpu:2:8", r"nvidia-smi no longer lists it"),
+        ("once-deverror:2:8", r"rank 2's error is a CUDA device error \('unspecified launch failure'\)"),
+    ],
+)
+def test_a_failed_gpu_is_left_out_and_the_same_run_ends_on_three(fake_gpus, reference, tmp_path, fault, reason):  # noqa: F811
+    (fake_gpus / "gpus.csv").write_text(TABLE.replace("71680", "1").replace("40960", "1"))  # 4 idle GPUs
+    (fake_gpus / "apps.csv").write_text("")
+    out = tmp_path / "elastic"
+    command = [sys.executable, str(RUNNER), "train", *ARGS, "--gpus", "auto:2-4", "--max-restarts", "1"]
+    env = {**os.environ, **job_env(tmp_path, fault)}
+    result = run_in_session([*command, "--output-dir", str(out)], 300, tmp_path, env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "--gpus auto:2-4 chose GPU 0 " in result.stderr and "world size 4" in result.stderr
+    line = (
+        rf"ignite-mgpu: left out GPU 2 \({reason}\); its claim is released, and the restart continues on GPU "
+        r"0,1,3 \(3 processes, was 4; --gpus auto:2-4\)\.\n"
+    )
+    assert len(re.findall(line, result.stderr)) == 1, result.stderr[-4000:]
+    assert "resuming from" in result.stderr and "checkpoint_6.pt at iteration 6" in result.stderr
+    lines = metrics(out)
+    assert [(r["epoch"], r["processes"], r["restarts"]) for r in lines] == [(1, 4, 0), (2, 3, 1)]
+    assert lines[1]["time_resize_s"] > 0 and lines[1]["time_restart_s"] == 0 and lines[0]["time_resize_s"] == 0
+    want = weights(reference)
+    for key, value in weights(out).items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=1e-5, msg=key)
+    assert claimed() == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(400)
+def test_on_real_gpus_a_rank_with_a_device_error_is_left_out(tmp_path, monkeypatch):
+    """The twin on a machine with 2 GPUs or more: nccl, the real nvidia-smi, rank 1 raising a CUDA device error."""
+    needs_gpus(2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    out = tmp_path / "elastic"
+    args = [a for a in ARGS if a not in ("--backend", "gloo")]
+    result = run_cli(["train", *args, "--gpus", "auto:1-2", "--max-restarts", "1", "--output-dir", str(out)],
+                     tmp_path, 300, job_env(tmp_path, "once-deverror:1:8"))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert re.search(r"left out GPU \d+ \(rank 1's error is a CUDA device error", result.stderr), result.stderr
+    assert [r["processes"] for r in metrics(out)] == [2, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(400)
+def test_on_a_real_gpu_a_healthy_gpu_stays_and_one_with_a_device_error_is_never_below_min(tmp_path, monkeypatch):
+    """The twin on one GPU: the real nvidia-smi/NVML finds the job's GPU again by its UUID after a rank's SIGKILL
+    (a plain restart on it), and a device error on the only GPU of auto:1-1 ends the job instead of going below MIN."""
+    needs_gpus(1)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    args = [a for a in ARGS if a not in ("--backend", "gloo")]
+    kept = tmp_path / "kept"
+    result = run_cli(["train", *args, "--gpus", "auto:1-1", "--max-restarts", "1", "--output-dir", str(kept)],
+                     tmp_path, 300, job_env(tmp_path, "once-kill:0:8"))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "left out" not in result.stderr and "restart 1 of 1" in result.stderr
+    assert [r["processes"] for r in metrics(kept)] == [1, 1] and metrics(kept)[1]["time_resize_s"] == 0
+    failed = tmp_path / "failed"
+    result = run_cli(["train", *args, "--gpus", "auto:1-1", "--max-restarts", "1", "--output-dir", str(failed)],
+                     tmp_path, 300, job_env(tmp_path / "second", "once-deverror:0:8"))  # fmt: skip
+    assert result.returncode == 1, result.stderr[-4000:]
+    assert re.search(
+        r"not restarted: GPU \d+ \(rank 0's error is a CUDA device error \('unspecified launch failure'\)\) "
+        r"failed, leaving 0 GPUs, below the range's MIN 1 \(--gpus auto:1-1\)",
+        result.stderr,
+    ), result.stderr
