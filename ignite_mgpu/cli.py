@@ -275,12 +275,11 @@ def devices(as_json: bool) -> None:
 @main.command()
 @click.argument("target", metavar="RUN_DIR|PID")
 def stacks(target: str) -> None:
-    """Print every rank's Python stacks (all threads, and each rank's data-loader workers) of a live job, without
-    stopping or slowing it: a train job's run folder, or the pid of the ignite-mgpu train or run command.
+    """Print every rank's Python stacks of a live job, without stopping it.
 
-    \b
-    Each worker dumps its stacks on a signal (faulthandler), also while stuck in C code (a collective, a sleep);
-    a stopped (SIGSTOP) rank says so. docs/how-to/hangs.md: the hang watch and its report.
+    RUN_DIR: a train job's run folder; PID: the pid of the ignite-mgpu train or run command. Every thread of each
+    rank is shown, then its data-loader workers forked from it; a rank stuck in C code (a collective, a sleep)
+    answers too (faulthandler, on a signal), and a stopped (SIGSTOP) rank is named as such.
     """
     with _errors_to_exit():
         from ignite_mgpu.processes.stacks import dump, format_dumps, live_ranks
