@@ -206,12 +206,12 @@ def run(script: str, script_args: tuple[str, ...], module: bool, **flags: Any) -
 
     Each process gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, TORCHELASTIC_RESTART_COUNT,
     TORCHELASTIC_RUN_ID, TORCHELASTIC_ERROR_FILE, ...): init_process_group(), idist.Parallel, launch(), Lightning
-    and Accelerate see a torchrun launch. Options go before SCRIPT; what follows it is the script's. A failing rank stops every process
-    and its error is shown once (the one @record wrote, where it did); a script that exits with 2 rejected its
-    arguments and is not restarted. Ctrl-C reaches every process as SIGINT (KeyboardInterrupt), SIGTERM as SIGTERM,
-    as torchrun passes them on; SIGKILL 60 s later. GPUs are claimed as train claims them (--wait, --share).
-    SLURM's warning before the time limit is passed to every process, then the job is requeued. Refused under
-    torchrun or srun: one launcher at a time.
+    and Accelerate see a torchrun launch. Options go before SCRIPT; what follows it is the script's. A failing rank
+    stops every process and its error is shown once (the one @record wrote, where it did); a script that exits with
+    2 rejected its arguments and is not restarted. Ctrl-C reaches every process as SIGINT (KeyboardInterrupt),
+    SIGTERM as SIGTERM, as torchrun passes them on; SIGKILL 60 s later. GPUs are claimed as train claims them
+    (--wait, --share). SLURM's warning before the time limit is passed to every process, then the job is requeued.
+    Refused under torchrun or srun: one launcher at a time.
     """
     from ignite_mgpu.config.schema import DistConfig
 
