@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.processes import launcher
 
 
@@ -247,7 +247,7 @@ def test_help_is_fast_and_lists_commands():
     assert time.monotonic() - start < 5  # the real bound (0.3 s) is measured by benchmarks/, not asserted here
     for command in ("train", "evaluate", "devices", "checkpoint", "report"):
         assert command in out.stdout
-    check = "import sys, ignite_mgpu.cli; sys.exit('torch' in sys.modules)"
+    check = "import sys, ignite_mgpu.cli.commands; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", check]).returncode == 0  # torch is imported lazily
 
 

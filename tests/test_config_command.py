@@ -11,7 +11,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.config.keys import config_keys
 from ignite_mgpu.config.loading import dotted_keys, load_config
 from ignite_mgpu.config.schema import Config

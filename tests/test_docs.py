@@ -183,7 +183,7 @@ def test_checkpoints_how_to_and_the_files_it_documents(tmp_path):
 def test_troubleshooting_messages_are_what_the_cli_prints(monkeypatch, tmp_path):
     from click.testing import CliRunner
 
-    from ignite_mgpu.cli import main
+    from ignite_mgpu.cli.commands import main
     from ignite_mgpu.processes import launcher
 
     monkeypatch.setattr(launcher, "run_plan", lambda *args, **kwargs: pytest.fail("a job was started"))
@@ -225,7 +225,7 @@ def _commands(group, path=()):
 def test_every_command_summary_is_a_whole_sentence():
     """The first line of a command's help is its summary in the reference's list of subcommands (mkdocs-click
     takes that line): a whole sentence, not one cut where the docstring wraps."""
-    from ignite_mgpu.cli import main
+    from ignite_mgpu.cli.commands import main
 
     for path, command in _commands(main):
         first = inspect.cleandoc(command.help or "").splitlines()[0]
@@ -235,7 +235,7 @@ def test_every_command_summary_is_a_whole_sentence():
 def test_cli_examples_are_indented_as_code():
     """Example command lines in a help text are indented by 4 spaces: the reference renders them as a code block
     (a \\b paragraph of 2 spaces would run them together in one paragraph); the terminal keeps them as written."""
-    from ignite_mgpu.cli import main
+    from ignite_mgpu.cli.commands import main
 
     for path, command in _commands(main):
         for line in inspect.cleandoc(command.help or "").splitlines():

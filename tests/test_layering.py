@@ -24,7 +24,13 @@ TORCH_FREE = (
     "ignite_mgpu.errors",
     "ignite_mgpu.config",
 )
-TORCH_FREE_ENTRIES = ("ignite_mgpu.cli", "ignite_mgpu.jobs", "ignite_mgpu.preflight", "ignite_mgpu.text")
+TORCH_FREE_ENTRIES = (
+    "ignite_mgpu.cli.commands",
+    "ignite_mgpu.cli.readers",
+    "ignite_mgpu.jobs",
+    "ignite_mgpu.preflight",
+    "ignite_mgpu.text",
+)
 TRAINING_LAYER = ("ignite_mgpu.train", "ignite_mgpu.checkpoint", "ignite_mgpu.parallel", "ignite_mgpu.memory")
 # The packages' rank table, lowest first: a module imports only modules of its own unit or of a lower rank (at module
 # level, inside functions, under TYPE_CHECKING). A unit is one line: every module whose name starts with one of its
@@ -62,7 +68,8 @@ RANKS: list[tuple[str, ...]] = [
     ("ignite_mgpu.processes",),
     ("ignite_mgpu.preflight",),
     ("ignite_mgpu.jobs",),
-    ("ignite_mgpu.cli_options",),
+    ("ignite_mgpu.cli.options",),
+    ("ignite_mgpu.cli.readers",),
     ("ignite_mgpu.cli", "ignite_mgpu.__main__"),
 ]
 # Imports against the table, each with its reason (none today).

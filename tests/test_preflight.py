@@ -285,7 +285,7 @@ def test_a_python_caller_is_told_config_keys_the_command_line_its_flags(launched
     assert "--" not in err  # no flag of a command that was not run
     from click.testing import CliRunner
 
-    from ignite_mgpu.cli import main
+    from ignite_mgpu.cli.commands import main
 
     cli = CliRunner().invoke(main, ["train", "--output-dir", str(out)])
     assert cli.exit_code == 2 and "Continue it with --resume auto, or choose a new --output-dir" in cli.output

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from ignite_mgpu.checkpoint.files import find_resumable, read_checkpoint, strip_prefixes
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.errors import CheckpointError
 from tests.helpers import small
 

@@ -13,7 +13,7 @@ from torch import nn
 from ignite_mgpu.checkpoint.files import clean_stale_temp_files, find_resumable, list_checkpoints, read_checkpoint
 from ignite_mgpu.checkpoint.load import load_checkpoint
 from ignite_mgpu.checkpoint.sharded import ShardedCheckpoint, load_sharded
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.errors import CheckpointError
 from tests.helpers import small
 

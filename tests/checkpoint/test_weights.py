@@ -21,7 +21,7 @@ from ignite_mgpu.checkpoint.load import load_checkpoint
 from ignite_mgpu.checkpoint.resume import resume, resume_target, run_signature
 from ignite_mgpu.checkpoint.save import RunInfo, adopt_existing, create_checkpointers
 from ignite_mgpu.checkpoint.weights import TiedWeights, save_weights, tensors_to_write, write_safetensors
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.errors import CheckpointError, ConfigError
 from ignite_mgpu.preflight import check_no_foreign_checkpoints

@@ -7,7 +7,7 @@ Run: PATH=tests/fake_gpus:$PATH python tests/distributed/fake_cuda_cli.py train 
 
 import os
 
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.gpus import inventory
 from ignite_mgpu.processes import plan
 

@@ -177,7 +177,7 @@ def test_ctrl_c_before_the_supervisor_ends_the_command_with_130_and_one_line(mon
     from click.testing import CliRunner
 
     from ignite_mgpu import jobs
-    from ignite_mgpu.cli import main
+    from ignite_mgpu.cli.commands import main
 
     def interrupted(cfg):
         raise KeyboardInterrupt

@@ -16,7 +16,7 @@ from torch import nn
 from ignite_mgpu import launch
 from ignite_mgpu.checkpoint.files import list_checkpoints, read_checkpoint
 from ignite_mgpu.checkpoint.tools import convert
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.train.default_job import training
 from tests.conftest import TINY, cpu_only, run_cli

@@ -20,7 +20,7 @@ from torch import nn
 
 from ignite_mgpu import launch
 from ignite_mgpu.checkpoint.files import list_checkpoints, read_checkpoint
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.runs.figure import draw_report
 from ignite_mgpu.runs.read import read_runs

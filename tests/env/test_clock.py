@@ -9,7 +9,7 @@ import time
 
 from click.testing import CliRunner
 
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.env import clock
 from ignite_mgpu.processes.plan import LaunchPlan
 from tests.conftest import REPO

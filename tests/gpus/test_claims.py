@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.config.checks import validate
 from ignite_mgpu.config.schema import Config, DistConfig
 from ignite_mgpu.errors import WAIT_TIMEOUT, ConfigError, WaitInterrupted, WaitTimedOut

@@ -12,7 +12,7 @@ import re
 import pytest
 from click.testing import CliRunner
 
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.errors import ConfigError

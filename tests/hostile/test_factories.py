@@ -10,7 +10,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.processes import launcher
 
 PKG = "tests.plugins_pkg.meta_factories"

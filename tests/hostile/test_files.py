@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from ignite_mgpu.checkpoint.files import read_checkpoint
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.errors import CheckpointError, ConfigError
 from tests.conftest import TINY

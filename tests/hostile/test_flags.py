@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.config.loading import load_config
 
 
@@ -20,7 +20,7 @@ def test_gpus_outside_the_grammar_is_refused_as_typed(command, value):
 
 @pytest.mark.parametrize(("value", "passed"), [("010", "10"), ("2, 3", "2,3"), ("AUTO:2", "auto:2"), ("none", "none")])
 def test_gpus_is_passed_on_in_its_plain_form(value, passed):
-    from ignite_mgpu.cli_options import gpus_value
+    from ignite_mgpu.cli.options import gpus_value
 
     assert gpus_value(None, None, value) == passed
     assert load_config(None, [f"dist.gpus={passed}"]).dist.gpus == passed

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from torch import nn
 
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.gpus import inventory

@@ -14,7 +14,7 @@ import traceback
 import pytest
 from click.testing import CliRunner
 
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.errors import ConfigError, ScriptArgumentsError
 from ignite_mgpu.processes import launcher, script

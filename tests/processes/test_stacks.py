@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.processes import stacks
 from ignite_mgpu.processes.hang_report import where
 
@@ -91,6 +91,15 @@ def test_stacks_command_refuses_a_folder_without_a_live_job(tmp_path: Path):
 
 
 def test_stacks_command_refuses_a_pid_without_a_job():
-    result = CliRunner().invoke(main, ["stacks", str(os.getpid())])
+    """A live process that never launched a job (not this test process: an earlier test may have launched one in
+    it, and its temporary folder would name it)."""
+    import subprocess
+
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        result = CliRunner().invoke(main, ["stacks", str(other.pid)])
+    finally:
+        other.kill()
+        other.wait()
     assert result.exit_code == 2
-    assert f"process {os.getpid()} runs no job of ignite-mgpu that this user can see" in result.output
+    assert f"process {other.pid} runs no job of ignite-mgpu that this user can see" in result.output

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ignite_mgpu.cli import main
+from ignite_mgpu.cli.commands import main
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.runs import read as runs
 from ignite_mgpu.runs.report import TABLE_EPOCHS, format_table
@@ -260,7 +260,7 @@ def test_without_matplotlib_the_table_is_printed_and_the_extra_named(tmp_path, m
 def test_report_imports_neither_torch_nor_ignite(tmp_path):
     run = make_run(tmp_path / "run", [epoch(1)])
     check = (
-        "import sys; from ignite_mgpu.cli import main; "
+        "import sys; from ignite_mgpu.cli.commands import main; "
         f"main(['report', {str(run)!r}, '--json'], standalone_mode=False); "
         "print(sorted(m for m in ('torch', 'ignite') if m in sys.modules))"
     )

@@ -159,7 +159,7 @@ def test_the_state_of_warm_up_and_one_cycle_resumes_exactly():
         (
             ["optim.scheduler=OneCycle"],
             r"^optim.scheduler=OneCycle is not known. Did you mean OneCycleLR\? Use cosine, constant, a class of "
-            r"torch.optim.lr_scheduler by its exact name \(ConstantLR, .*StepLR\), or 'package.module:factory' for "
+            r"torch.optim.lr_scheduler by its name, any case \(ConstantLR, .*StepLR\), or 'package.module:factory' for "
             r"your own.$",
         ),
         (

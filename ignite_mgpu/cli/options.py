@@ -1,12 +1,13 @@
 """The ``ignite-mgpu`` command's shared flags and their parsing: the flag -> config key table, the process and GPU
 flags of ``train`` and ``evaluate``, ``--wait``'s and ``--preempt-signal``'s values, the one-line error and the
-hint for a flag a command lacks. Torch-free, as cli.py."""
+hint for a flag a command lacks. Torch-free, as the commands."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import click
@@ -198,3 +199,17 @@ def refuse_unknown_options(args: tuple[str, ...]) -> None:
                 f"{keys[0]}={inline or given}? (`ignite-mgpu config` lists every key)"
             )
         fail(f"no such option: {flag} (see ignite-mgpu {command.name} --help).")
+
+
+@contextlib.contextmanager
+def errors_to_exit() -> Iterator[None]:
+    """A ConfigError or CheckpointError raised inside: its paragraph (after the user's traceback it carries), and
+    the command exits with its code (2 for a mistake), never a traceback of ours."""
+    from ignite_mgpu.errors import CheckpointError, ConfigError
+
+    try:
+        yield
+    except (ConfigError, CheckpointError) as err:
+        if detail := getattr(err, "detail", ""):
+            click.echo(detail.rstrip(), err=True)  # e.g. the traceback of the user's own factory
+        fail(str(err), err.exit_code)

@@ -1,28 +1,27 @@
-"""The ``ignite-mgpu`` command: parses argv into a Config, calls the job (``jobs.py``), prints. Nothing else lives
-here; torch is imported lazily so ``--help`` answers fast."""
+"""``main`` (the ``ignite-mgpu`` command group) and the commands that start jobs: argv into a Config, then the job
+(``jobs.py``), then what it prints. The commands that read what is there are ``readers.py``'s."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import click
 
 from ignite_mgpu import text
-from ignite_mgpu.cli_options import (
+from ignite_mgpu.cli.options import (
     FLAGS,
     ScriptCommand,
     dist_options,
+    errors_to_exit,
     fail,
     gpus_value,
     preempt_signal,
     refuse_unknown_options,
     wait_and_share,
 )
+from ignite_mgpu.cli.readers import checkpoint, devices, report, stacks
 from ignite_mgpu.config.schema import CPU_BINDINGS, STRATEGIES
 from ignite_mgpu.env import clock
 from ignite_mgpu.errors import exit_codes_text, signal_exit_code
@@ -37,18 +36,6 @@ def _load(args: tuple[str, ...], config_path: str | None, flags: dict[str, Any])
         fail("give one config file, either as --config FILE or as the first argument.")
     extra = [f"{FLAGS[k]}={'null' if v is None else v}" for k, v in flags.items() if v is not None]
     return load_config(config_path or (files[0] if files else None), overrides + extra)
-
-
-@contextlib.contextmanager
-def _errors_to_exit() -> Iterator[None]:
-    from ignite_mgpu.errors import CheckpointError, ConfigError
-
-    try:
-        yield
-    except (ConfigError, CheckpointError) as err:
-        if detail := getattr(err, "detail", ""):
-            click.echo(detail.rstrip(), err=True)  # e.g. the traceback of the user's own factory
-        fail(str(err), err.exit_code)
 
 
 class _Commands(click.Group):
@@ -111,7 +98,7 @@ def train(args: tuple[str, ...], config_path: str | None, **flags: Any) -> None:
     `ignite-mgpu config` prints every key with its default and meaning.
     """
     refuse_unknown_options(args)
-    with _errors_to_exit():
+    with errors_to_exit():
         cfg = _load(args, config_path, flags)
     from ignite_mgpu.jobs import fit
 
@@ -133,7 +120,7 @@ def config_command(args: tuple[str, ...], config_path: str | None) -> None:
         ignite-mgpu config my.yaml optim.lr=0.1          # the configuration that train my.yaml optim.lr=0.1 runs
     """
     refuse_unknown_options(args)
-    with _errors_to_exit():
+    with errors_to_exit():
         cfg = _load(args, config_path, {})
     from ignite_mgpu.config.keys import commented_yaml
 
@@ -155,7 +142,7 @@ def config_command(args: tuple[str, ...], config_path: str | None) -> None:
 def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | None, as_json: bool, **flags: Any) -> None:
     """Evaluate saved weights on the validation split and print accuracy and loss."""
     refuse_unknown_options(args)
-    with _errors_to_exit():
+    with errors_to_exit():
         cfg = _load(args, config_path, flags)
     from ignite_mgpu.jobs import evaluate as evaluate_job
 
@@ -215,7 +202,7 @@ def run(script: str, script_args: tuple[str, ...], module: bool, **flags: Any) -
     """
     from ignite_mgpu.config.schema import DistConfig
 
-    with _errors_to_exit():
+    with errors_to_exit():
         from ignite_mgpu.processes.script import run_script_job
 
         cfg = DistConfig(**flags)
@@ -251,115 +238,12 @@ def plan(args: tuple[str, ...], config_path: str | None, as_json: bool, **flags:
     step on the CPU; the fit keeps that margin free.
     """
     refuse_unknown_options(args)
-    with _errors_to_exit():
+    with errors_to_exit():
         cfg = _load(args, config_path, flags)
     from ignite_mgpu.jobs import plan_memory
 
     sys.exit(plan_memory(cfg, as_json))
 
 
-@main.command()
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def devices(as_json: bool) -> None:
-    """List every GPU, its processes and the job that claims it.
-
-    For each: physical id, PCI bus, memory, utilisation, processes and their users, the job that claims it, and its
-    CUDA index here."""
-    from ignite_mgpu.gpus import inventory
-    from ignite_mgpu.gpus.devices import format_devices, who_has
-
-    snapshot = inventory.query_gpus()
-    click.echo(format_devices(snapshot, os.environ, as_json=as_json, claims=who_has(snapshot, os.environ)))
-
-
-@main.command()
-@click.argument("target", metavar="RUN_DIR|PID")
-def stacks(target: str) -> None:
-    """Print every rank's Python stacks of a live job, without stopping it.
-
-    RUN_DIR: a train job's run folder; PID: the pid of the ignite-mgpu train or run command. Every thread of each
-    rank is shown, then its data-loader workers forked from it; a rank stuck in C code (a collective, a sleep)
-    answers too (faulthandler, on a signal), and a stopped (SIGSTOP) rank is named as such.
-    """
-    with _errors_to_exit():
-        from ignite_mgpu.processes.stacks import dump, format_dumps, live_ranks
-
-        ranks = live_ranks(target)
-    click.echo(format_dumps(dump(ranks)))
-
-
-@main.command()
-@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False), metavar="RUN_DIR...")
-@click.option(
-    "--out",
-    type=click.Path(dir_okay=False),
-    help="Image file [default: RUN_DIR/report.png for one run, ./report.png for several].",
-)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts instead of the table.")
-def report(run_dirs: tuple[str, ...], out: str | None, as_json: bool) -> None:
-    """Draw runs (their metrics.jsonl and config.yaml) into one PNG and print their figures as a table.
-
-    \b
-    Panels: training and validation loss, validation accuracy, samples/s and data-wait share per epoch, and
-    the peak memory of each GPU (dp) or process (ddp) in the last epoch with its max/min ratio, and where each
-    run's wall time went (goodput: start-up, training, data wait, evaluation, checkpoints, restarts). Several
-    RUN_DIRs are overlaid, each named by its folder, strategy and process count; a folder of runs (runs/) stands
-    for every run in it. Without matplotlib
-    (pip install "ignite-mgpu[plot]") only the table is printed. Reads files only: safe while a run is going.
-    """
-    with _errors_to_exit():
-        from ignite_mgpu.runs.figure import write_image
-        from ignite_mgpu.runs.read import read_runs
-        from ignite_mgpu.runs.report import format_table, to_json
-
-        found = read_runs(run_dirs)
-        image, note = write_image(found, out)
-    click.echo(to_json(found, image) if as_json else format_table(found))
-    click.echo(note, err=True)
-
-
-@main.group()
-def checkpoint() -> None:
-    """Inspect or convert checkpoint files, safetensors files and sharded folders.
-
-    .pt files are always loaded with weights_only=True."""
-
-
-@checkpoint.command()
-@click.argument("path", type=click.Path())
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def inspect(path: str, as_json: bool) -> None:
-    """Show what a checkpoint file or sharded folder holds.
-
-    Its entries, step, parameters, dtypes and wrapper prefixes (of a .safetensors file: its metadata and tied names
-    too)."""
-    import json
-
-    with _errors_to_exit():
-        from ignite_mgpu.checkpoint.tools import describe
-
-        info = describe(path)
-    click.echo(json.dumps(info, indent=2) if as_json else "\n".join(f"{k}: {v}" for k, v in info.items()))
-
-
-@checkpoint.command()
-@click.argument("src", type=click.Path())
-@click.argument("dst", type=click.Path(dir_okay=False))
-def convert(src: str, dst: str) -> None:
-    """Write a clean model state_dict (no module./_orig_mod. prefixes) from SRC into DST.
-
-    SRC is a checkpoint, state_dict or .safetensors file, or a sharded checkpoint folder (checkpoint.format=sharded),
-    whose shards are gathered here, in one process, into one file that loads anywhere. A DST ending in .safetensors
-    is written as safetensors (no pickle; tied weights once; the run's model settings as metadata), any other name
-    with torch.save.
-    """
-    from pathlib import Path
-
-    with _errors_to_exit():
-        from ignite_mgpu.checkpoint.tools import convert as convert_file
-
-        found = convert_file(src, dst)
-    if Path(src).is_dir():
-        click.echo(f"wrote {dst} (the model of sharded checkpoint {src})")
-        return
-    click.echo(f"wrote {dst}" + (f" (stripped {' and '.join(found)})" if found else " (no prefix found)"))
+for _command in (devices, stacks, report, checkpoint):
+    main.add_command(_command)
