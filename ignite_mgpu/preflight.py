@@ -163,9 +163,9 @@ def check_metric_factories(cfg: Config) -> None:
 
 
 def check_model_options(cfg: Config, plan: LaunchPlan) -> None:
-    """Model options that need what the plan's device lacks: SyncBatchNorm and FSDP's CPU offload need CUDA, and
-    torch.compile on the CPU a C++ compiler (its inductor backend builds C++ kernels); ``model.fsdp_blocks`` must
-    name classes of the model."""
+    """Model options that need what the plan's device lacks: SyncBatchNorm and FSDP's CPU offload need CUDA (and
+    FSDP itself before PyTorch 2.6), and torch.compile on the CPU a C++ compiler (its inductor backend builds C++
+    kernels); ``model.fsdp_blocks`` must name classes of the model."""
     if cfg.model.fsdp_cpu_offload and plan.device == "cpu":
         raise ConfigError(
             "model.fsdp_cpu_offload=true keeps FSDP's sharded parameters, gradients and optimizer state in CPU memory "
@@ -174,6 +174,10 @@ def check_model_options(cfg: Config, plan: LaunchPlan) -> None:
         )
     if cfg.model.fsdp_blocks is not None:
         check_fsdp_blocks(cfg)
+    if cfg.dist.strategy == "fsdp":
+        from ignite_mgpu.parallel.fsdp import check_device
+
+        check_device(plan.device, plan.world_size)
     if cfg.model.sync_batchnorm and plan.device == "cpu" and plan.world_size > 1:
         raise ConfigError(
             "model.sync_batchnorm=true: PyTorch's SyncBatchNorm only works on CUDA GPUs, and this job trains on "

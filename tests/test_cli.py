@@ -11,6 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from ignite_mgpu.cli.commands import main
+from ignite_mgpu.parallel import fsdp
 from ignite_mgpu.processes import launcher
 
 
@@ -171,7 +172,8 @@ def test_evaluate_makes_the_checks_of_train_before_anything(captured, tmp_path, 
     assert not captured
 
 
-def test_fsdp_on_one_process_is_allowed_with_a_note(captured, tmp_path):
+def test_fsdp_on_one_process_is_allowed_with_a_note(captured, tmp_path, monkeypatch):
+    monkeypatch.setattr(fsdp, "runs_on_cpu", lambda: True)  # nothing runs here; PyTorch before 2.6: the next test
     result = invoke(["train", "--strategy", "fsdp", "model.fsdp_blocks=[Conv2d]", "--output-dir", "out"], tmp_path)
     assert result.exit_code == 0, result.output
     plan, _, (_, cfg) = captured[0]
@@ -179,6 +181,19 @@ def test_fsdp_on_one_process_is_allowed_with_a_note(captured, tmp_path):
     assert any("--strategy fsdp with one process: nothing to shard" in m for m in plan.messages)
     assert invoke(["train", "--strategy", "fsdp", "--nproc", "2", "--output-dir", "two"], tmp_path).exit_code == 0
     assert not any("nothing to shard" in m for m in captured[1][0].messages)
+
+
+def test_fsdp_over_the_cpu_is_refused_where_pytorch_runs_it_only_on_cuda(captured, tmp_path, monkeypatch):
+    monkeypatch.setattr(fsdp, "runs_on_cpu", lambda: False)  # PyTorch 2.4 and 2.5
+    result = invoke(["train", "--strategy", "fsdp", "--nproc", "2", "--output-dir", "out"], tmp_path)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert (
+        "strategy=fsdp with 2 processes on the CPU needs PyTorch 2.6 or newer: FSDP2 in PyTorch "
+        f"{torch.__version__} runs only on CUDA GPUs (its streams are CUDA's). Upgrade torch (pip install -U "
+        "'torch>=2.6'), train on GPUs, or use strategy=ddp." in " ".join(result.output.split())
+    )
+    assert not captured and not (tmp_path / "out").exists()
+    assert invoke(["train", "--strategy", "fsdp", "--output-dir", "one"], tmp_path).exit_code == 0  # one: no shards
 
 
 def test_a_sharded_folder_is_resumed_or_refused_with_the_fix(captured, tmp_path):

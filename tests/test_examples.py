@@ -10,6 +10,7 @@ import yaml
 
 from tests.conftest import REPO
 from tests.docs_blocks import doc_block, run_block, sandbox
+from tests.helpers import hugging_face
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -76,7 +77,7 @@ def metrics(run_dir):
 
 @pytest.mark.timeout(240)
 def test_huggingface_gpt2_under_fsdp(tmp_path):
-    pytest.importorskip("transformers")
+    hugging_face()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -93,7 +94,7 @@ def test_huggingface_gpt2_under_fsdp(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_huggingface_sequence_classifier(tmp_path):
-    pytest.importorskip("transformers")
+    hugging_face()
     run_block(doc_block("hf-classifier"), sandbox(tmp_path), timeout=220)
     (line,) = metrics(tmp_path / "runs" / "classifier")
     assert 0 <= line["val_accuracy"] <= 1 and line["iteration"] == 4

@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers import memory_trackers
+
 SEE = "See CONTRIBUTING.md, 'Private APIs we still use'."
 
 
@@ -41,6 +43,7 @@ def test_fake_tensor_mode():
     )
 
 
+@memory_trackers
 def test_memory_trackers_call_the_peak_method_we_override():
     """``_PeakOnly`` replaces the trackers' ``_update_peak_stats`` (the per-module peaks, ~7x slower): the
     trackers must still call it after each op, with the state they keep under the same names."""

@@ -7,6 +7,7 @@ the workers, and only reading a file imports torch (about 3 s on a small machine
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
 import logging
@@ -161,13 +162,19 @@ def _numpy_rng_globals() -> Iterator[None]:
         from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]  # numpy 1 location
     allowed: list[Any] = [np.ndarray, np.dtype, _reconstruct]
     allowed += [type(np.dtype(t)) for t in ("uint32", "int64", "float64")]
+    # how pickle writes the arrays' bytes: newer PyTorch allows it by default, 2.4 does not
+    allowed.append(codecs.encode)
     import torch
 
-    # torch >= 2.5; older: allowed process-wide.
     scoped = getattr(torch.serialization, "safe_globals", None)
-    if scoped is None:
+    if scoped is None:  # PyTorch 2.4 has no such context manager: the same scope through the public list
+        before = list(torch.serialization.get_safe_globals())
         torch.serialization.add_safe_globals(allowed)
-        yield
+        try:
+            yield
+        finally:
+            torch.serialization.clear_safe_globals()
+            torch.serialization.add_safe_globals(before)
         return
     with scoped(allowed):
         yield

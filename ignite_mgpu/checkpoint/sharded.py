@@ -5,6 +5,7 @@ number of processes. ignite is imported only when saving."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import shutil
@@ -102,7 +103,7 @@ def save_sharded(to_save: Mapping[str, Any], folder: Path) -> None:
     with _saving_error(folder):
         with single_process_quietly():
             # Returns on every rank after .metadata.
-            dcp.save(state, checkpoint_id=str(_temp(folder)), no_dist=_alone())
+            dcp.save(state, checkpoint_id=str(_temp(folder)), **no_dist(_alone()))
         _commit(folder)
 
 
@@ -114,6 +115,7 @@ def save_sharded_async(to_save: Mapping[str, Any], folder: Path, stager: Any, gr
 
     state = _prepare(to_save, folder)
     with _saving_error(folder), single_process_quietly():
+        # The stager's PyTorch (2.9+) takes no_dist.
         upload = dcp.async_save(
             state, checkpoint_id=str(_temp(folder)), process_group=group, async_stager=stager, no_dist=_alone()
         )
@@ -185,11 +187,20 @@ def _alone() -> bool:
     return not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
+def no_dist(alone: bool) -> dict[str, bool]:
+    """torch.distributed.checkpoint's ``no_dist`` keyword (``alone``: one process reads or writes every shard),
+    where its save and load take it; PyTorch 2.4's infer it from whether a process group is initialised, as
+    ``_alone()`` does."""
+    import torch.distributed.checkpoint as dcp
+
+    return {"no_dist": alone} if "no_dist" in inspect.signature(dcp.save).parameters else {}
+
+
 @contextlib.contextmanager
 def single_process_quietly() -> Iterator[None]:
     # torch.distributed.checkpoint warns at every use without a process group, which is intended here.
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)", category=UserWarning)
         yield
 
 
@@ -238,7 +249,7 @@ def load_sharded(
         check(state)
     live = sharded_state(module, optimizer)
     with single_process_quietly():
-        dcp.load(live, checkpoint_id=str(folder), no_dist=_alone())
+        dcp.load(live, checkpoint_id=str(folder), **no_dist(_alone()))
     load_sharded_state(module, optimizer, live)
     for name, obj in to_load.items():
         if name not in SHARDED:

@@ -22,7 +22,7 @@ from ignite_mgpu.checkpoint.files import (
     read_safetensors,
     strip_prefixes,
 )
-from ignite_mgpu.checkpoint.sharded import SHARDED, model_shapes, single_process_quietly
+from ignite_mgpu.checkpoint.sharded import SHARDED, model_shapes, no_dist, single_process_quietly
 from ignite_mgpu.checkpoint.weights import SOURCE, model_metadata, write_safetensors
 from ignite_mgpu.errors import CheckpointError
 
@@ -127,7 +127,7 @@ def _gathered_model(folder: Path) -> dict[str, torch.Tensor]:
     if not model:
         raise CheckpointError(f"{folder} holds no model tensors to convert.")
     with single_process_quietly():
-        dcp.load({"model": model}, checkpoint_id=str(folder), no_dist=True)
+        dcp.load({"model": model}, checkpoint_id=str(folder), **no_dist(True))
     return model
 
 

@@ -27,6 +27,26 @@ from ignite_mgpu.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 CONTAINERS = (nn.Sequential, nn.ModuleList)
+# FSDP2 shards over the CPU (a gloo job) from PyTorch 2.6; before it, its streams and events are CUDA's.
+CPU_FSDP_TORCH = (2, 6)
+
+
+def runs_on_cpu() -> bool:
+    """Whether this PyTorch's FSDP2 runs on the CPU (``CPU_FSDP_TORCH``)."""
+    major, minor = torch.__version__.split(".")[:2]
+    return (int(major), int(minor)) >= CPU_FSDP_TORCH
+
+
+def check_device(device_type: str, world_size: int) -> None:
+    """ConfigError when FSDP would shard over the CPU with a PyTorch whose FSDP2 needs CUDA (one process has
+    nothing to shard: its model is only moved to its device)."""
+    if device_type == "cpu" and world_size > 1 and not runs_on_cpu():
+        version = ".".join(map(str, CPU_FSDP_TORCH))
+        raise ConfigError(
+            f"strategy=fsdp with {world_size} processes on the CPU needs PyTorch {version} or newer: FSDP2 in "
+            f"PyTorch {torch.__version__} runs only on CUDA GPUs (its streams are CUDA's). Upgrade torch "
+            f"(pip install -U 'torch>={version}'), train on GPUs, or use strategy=ddp."
+        )
 
 
 def _holds_parameters(module: nn.Module) -> bool:
@@ -112,6 +132,7 @@ def shard_model(
         check_blocks(model, names)
     if idist.get_world_size() == 1:  # the launcher says so once
         return model.to(idist.device())
+    check_device(idist.device().type, idist.get_world_size())  # the pre-flight's check, for launch()'s own code
     common: dict[str, Any] = {"mp_policy": mixed_precision(precision)}
     if cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy()

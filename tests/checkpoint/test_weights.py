@@ -29,7 +29,7 @@ from ignite_mgpu.processes import launcher
 from ignite_mgpu.runs.read import best_model
 from ignite_mgpu.train.step.trainer import create_trainer
 from tests.docs_blocks import doc_block, run_block, sandbox
-from tests.helpers import linear
+from tests.helpers import cpu_fsdp, hugging_face, linear
 
 
 class TiedLM(nn.Module):
@@ -52,7 +52,7 @@ def assert_same_weights(a, b):
 
 
 def tiny_gpt2(seed=0):
-    transformers = pytest.importorskip("transformers")
+    transformers = hugging_face()
     torch.manual_seed(seed)
     config = transformers.GPT2Config(
         vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
@@ -99,7 +99,7 @@ def test_gpt2_round_trips_through_convert_equal_and_still_tied(tmp_path):
 
 
 def test_the_how_to_gpt2_block_loads_tied_and_into_hugging_face(tmp_path, monkeypatch, capsys):
-    pytest.importorskip("transformers")
+    hugging_face()
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a local folder: nothing may be fetched
     names: dict = {}
@@ -215,6 +215,7 @@ def test_the_default_best_model_is_still_the_torch_save_file(tmp_path):
     assert path.name == "best_model_1_val_loss=0.5000.pt" and path.read_bytes() == expected.getvalue()
 
 
+@cpu_fsdp
 def test_a_sharded_model_is_gathered_and_written_with_its_tie_once(one_rank, tmp_path):
     from ignite_mgpu.checkpoint.state import FullModelState
     from ignite_mgpu.parallel.fsdp import fully_shard  # torch.distributed.fsdp on torch >= 2.6

@@ -21,6 +21,7 @@ from ignite_mgpu.parallel.fsdp import (
 )
 from ignite_mgpu.parallel.strategy import prepare_model, unwrap
 from ignite_mgpu.train.models import SimpleCNN, create_model
+from tests.helpers import cpu_fsdp
 
 
 def on_meta(build):
@@ -96,6 +97,7 @@ def step(model, optimizer, seed=1):
     optimizer.zero_grad()
 
 
+@cpu_fsdp
 def test_full_state_is_the_plain_state_and_loads_back(one_rank):
     model, plain = sharded()
     assert unwrap(model) is model and find_fsdp(model) is model and type(model).__name__ == "FSDPSequential"
@@ -133,6 +135,17 @@ def test_accumulation_steps_turn_gradient_sync_off(one_rank):
     assert calls == [False, "backward", True]
 
 
+def test_a_worker_refuses_to_shard_over_the_cpu_where_pytorch_runs_fsdp2_only_on_cuda(monkeypatch):
+    # The pre-flight refuses it before spawning (tests/test_cli.py); launch()'s own code meets it here.
+    monkeypatch.setattr(fsdp, "runs_on_cpu", lambda: False)
+    monkeypatch.setattr("ignite.distributed.get_world_size", lambda: 2)
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: pytest.fail("sharded"))
+    with pytest.raises(ConfigError, match=r"strategy=fsdp with 2 processes on the CPU needs PyTorch 2\.6 or newer"):
+        fsdp.shard_model(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    fsdp.check_device("cuda", 2)  # only the CPU is refused
+    fsdp.check_device("cpu", 1)  # one process shards nothing
+
+
 def test_cpu_offload_shards_over_a_group_with_a_cpu_backend(monkeypatch):
     # Issue #44 (9): offloaded gradients are CPU DTensors; clipping and fp16's found-inf check all-reduce them over
     # the mesh's group, which needs a CPU backend beside NCCL. Seen here through stand-ins (NCCL needs a GPU).
@@ -148,6 +161,7 @@ def test_cpu_offload_shards_over_a_group_with_a_cpu_backend(monkeypatch):
     assert fsdp.offload_backend("gloo") is None  # gloo's own group handles CPU tensors
     sharded = []
     monkeypatch.setattr("ignite.distributed.get_world_size", lambda: 2)
+    monkeypatch.setattr("ignite.distributed.device", lambda: torch.device("cuda", 0))  # NCCL's, as the group above
     monkeypatch.setattr(fsdp, "offload_mesh", lambda: "the offload mesh")
     monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: sharded.append(kw))
     fsdp.shard_model(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), cpu_offload=True)

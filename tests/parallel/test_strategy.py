@@ -18,7 +18,7 @@ from ignite_mgpu.parallel.strategy import (
     reduce_replica_losses,
     unwrap,
 )
-from tests.helpers import linear
+from tests.helpers import cpu_fsdp, linear
 
 
 def fake_data_parallel(n_devices):
@@ -126,11 +126,8 @@ def test_unwrap_a_compiled_module_whose_truth_value_calls_len():
 
 
 def test_no_sync_is_the_strategys_own(one_rank):
-    """DDP's no_sync (also under torch.compile), FSDP2's gradient sync off; nothing for DataParallel or a plain
-    model."""
+    """DDP's no_sync (also under torch.compile); nothing for DataParallel or a plain model. FSDP2's: below."""
     from torch.nn.parallel import DistributedDataParallel
-
-    from ignite_mgpu.parallel.fsdp import fully_shard  # torch.distributed.fsdp on torch >= 2.6
 
     for model in (linear(), fake_data_parallel(2), torch.compile(linear())):
         assert no_sync(model) is contextlib.nullcontext  # they sync nothing: no context to enter
@@ -139,6 +136,11 @@ def test_no_sync_is_the_strategys_own(one_rank):
         with no_sync(wrapped)():
             assert not ddp.require_backward_grad_sync
         assert ddp.require_backward_grad_sync
+
+
+@cpu_fsdp
+def test_no_sync_of_fsdp2_turns_its_gradient_sync_off(one_rank):
+    from ignite_mgpu.parallel.fsdp import fully_shard  # torch.distributed.fsdp on torch >= 2.6
 
     plain = linear()
     sharded = fully_shard(copy.deepcopy(plain))

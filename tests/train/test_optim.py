@@ -12,6 +12,7 @@ from ignite_mgpu import load_config
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.train import default_job
 from ignite_mgpu.train.optim import check_optim, create_optimizer
+from tests.helpers import cpu_fsdp
 
 PKG = "tests.plugins_pkg.optim_factories"
 
@@ -76,7 +77,8 @@ OPT = torch.optim
         (["optim.name=adamw"], lambda p: OPT.AdamW(p, lr=0.05, weight_decay=5e-4)),
         (
             ["optim.name=Adam", "optim.args.betas=[0.8,0.9]", "optim.args.eps=1e-6", "optim.lr=0.01"],
-            lambda p: OPT.Adam(p, lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=5e-4),
+            # betas as YAML gives them (a list): PyTorch 2.4 keeps them so in param_groups, newer ones make a tuple
+            lambda p: OPT.Adam(p, lr=0.01, betas=[0.8, 0.9], eps=1e-6, weight_decay=5e-4),
         ),
         (["optim.name=RMSprop"], lambda p: OPT.RMSprop(p, lr=0.05, momentum=0.9, weight_decay=5e-4)),  # has momentum
         (
@@ -225,6 +227,7 @@ def test_groups_hold_what_the_wrapper_trains_under_dataparallel_and_ddp():
         steps(wrapped, heads, n=1)
 
 
+@cpu_fsdp
 @pytest.mark.usefixtures("one_rank")
 def test_groups_of_an_fsdp2_model_are_its_sharded_parameters():
     from ignite_mgpu.parallel.fsdp import fully_shard  # torch.distributed.fsdp on torch >= 2.6
