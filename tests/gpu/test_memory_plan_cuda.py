@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import needs_gpus
+from tests.helpers import memory_trackers
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu, memory_trackers]
 
 
 @pytest.mark.parametrize("overrides", [["data.train_size=512"], ["model.name=mlp", "optim.name=adamw"]])

@@ -21,9 +21,9 @@ from ignite_mgpu.gpus.devices import format_devices, who_has
 from ignite_mgpu.gpus.inventory import GpuInfo, query_gpus
 from ignite_mgpu.gpus.ranges import GpuRange, gpu_range
 from ignite_mgpu.gpus.selection import GpusTaken, parse_gpus, plan_gpus
-from ignite_mgpu.memory.budget import capacity
 from ignite_mgpu.processes.plan import Machine, decide
 from tests.gpus.test_claims import TABLE, UUID, claimed, fake_gpus, hold_here, jobs  # noqa: F401  (fixtures)
+from tests.helpers import memory_trackers
 
 
 def gpu(index: int, processes: int = 0, mig: bool = False) -> GpuInfo:
@@ -141,6 +141,9 @@ def test_with_wait_a_range_waits_for_min_then_takes_every_free_gpu(idle_stand_in
     waiter.release()
 
 
+@memory_trackers
 def test_the_memory_plan_of_a_range_is_made_for_its_min():
+    from ignite_mgpu.memory.budget import capacity  # the memory plan's: PyTorch's trackers
+
     cap = capacity(load_config(None, ["dist.gpus=auto:2-4"]), {}, FOUR_IDLE)
     assert cap.where == "GPU 0,1 (--gpus auto:2-4 planned at its MIN, 2 processes)" and len(cap.free) == 2
