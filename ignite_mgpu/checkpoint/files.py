@@ -91,6 +91,16 @@ def is_safetensors(path: str | Path) -> bool:
     return len(head) == 9 and head[8:] == b"{" and int.from_bytes(head[:8], "little") < 2**27
 
 
+def _has_torch_header(path: Path) -> bool:
+    """torch.save's first bytes: a zip archive's, or the legacy format's pickled magic number."""
+    try:
+        with opened_regular(path) as name, open(name, "rb") as f:
+            head = f.read(4)
+    except OSError:  # NotRegular too
+        return False
+    return head in (b"PK\x03\x04", b"\x80\x02\x8a\x0a")
+
+
 def _safetensors_complete(path: Path) -> bool:
     """The header reads as JSON and the file ends where its last tensor does (the format covers every byte)."""
     try:
@@ -206,7 +216,8 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
             raise CheckpointError(
                 f"{path} is empty (0 bytes): its writer was stopped, or it is not a checkpoint."
             ) from None
-        # Random bytes fail as "Unsupported operand": garbage, not code; only a global names code to run.
+        # Random bytes fail as "Unsupported operand" (or, on PyTorch 2.4, as whatever its unpickler trips on):
+        # garbage, not code; only a global names code to run.
         if "Weights only load failed" in text and "global" in text.lower():
             first = next((ln for ln in text.splitlines()[1:] if "global" in ln.lower()), text.splitlines()[0])
             raise CheckpointError(
@@ -215,7 +226,7 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
             ) from None
         why = (
             "not a torch checkpoint: its bytes are neither a zip archive nor a pickle"
-            if "Unsupported operand" in text
+            if "Unsupported operand" in text or not _has_torch_header(path)
             else text.splitlines()[0]
         )
         raise CheckpointError(f"{path} is corrupt or truncated and cannot be loaded ({why}).") from None
