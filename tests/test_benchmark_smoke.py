@@ -18,6 +18,7 @@ import torch
 
 from benchmarks.overhead import loops, report, session
 from tests.conftest import run_in_session
+from tests.helpers import cpu_fsdp
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPT = BENCHMARKS / "overhead" / "bench_overhead.py"
@@ -183,6 +184,7 @@ def test_binding_quick_run_prints_every_part(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@cpu_fsdp
 @pytest.mark.timeout(150)
 def test_fsdp_memory_quick_run_prints_the_table(tmp_path):
     """bench_fsdp_memory.py --quick: 4 short CLI jobs (DDP and FSDP on 1 and 2 processes) and the table."""

@@ -12,7 +12,9 @@ import torch
 
 from ignite_mgpu.checkpoint.files import read_checkpoint
 from ignite_mgpu.checkpoint.tools import convert
+from ignite_mgpu.parallel import fsdp
 from tests.conftest import cpu_only, run_cli
+from tests.helpers import cpu_fsdp
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -54,6 +56,8 @@ def reference(tmp_path_factory) -> dict[str, Path]:
     runs = {}
     with cpu_only(root / "claims"):
         for name, extra in SETTINGS.items():
+            if name.startswith("fsdp") and not fsdp.runs_on_cpu():
+                continue  # its tests skip (cpu_fsdp)
             out = root / name
             result = run_cli(["train", *ARGS, *extra, "--nproc", "2", "--output-dir", str(out)], root, timeout=180)
             assert result.returncode == 0, result.stderr[-3000:]
@@ -72,7 +76,13 @@ def resumed(reference: Path, extra: list[str], nproc: int, tmp_path: Path) -> Pa
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "setting, counts", [("ddp", (2, 1, 3)), ("ddp-parts", (3,)), ("fsdp-full", (1, 3)), ("fsdp-sharded", (1, 3))]
+    "setting, counts",
+    [
+        ("ddp", (2, 1, 3)),
+        ("ddp-parts", (3,)),
+        pytest.param("fsdp-full", (1, 3), marks=cpu_fsdp),
+        pytest.param("fsdp-sharded", (1, 3), marks=cpu_fsdp),
+    ],
 )
 def test_a_run_resumed_mid_epoch_on_another_process_count_is_the_same_run(reference, tmp_path, setting, counts):
     want = final_weights(reference[setting])
@@ -96,6 +106,7 @@ def test_a_one_process_run_resumed_on_two_is_the_same_run(tmp_path):
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5, msg=f"1 -> 2: {key}")
 
 
+@cpu_fsdp
 @pytest.mark.timeout(300)
 def test_an_fsdp_checkpoint_resumed_under_ddp_on_another_count_is_the_same_run(reference, tmp_path):
     want = final_weights(reference["fsdp-full"])

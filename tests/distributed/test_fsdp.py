@@ -20,8 +20,9 @@ from ignite_mgpu.cli.commands import main
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.train.default_job import training
 from tests.conftest import TINY, cpu_only, run_cli
+from tests.helpers import cpu_fsdp
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, cpu_fsdp]
 # 2000 training samples in global batches of 20: 100 steps an epoch. 101 validation samples, 10 per rank and batch:
 # rank 0 holds 51 (6 batches), rank 1 50 (5 batches), so FSDP's evaluation must pad rank 1 with one forward.
 JOB = ["model.name=mlp", "data.image_size=8", "data.train_size=2000", "data.val_size=101", "data.batch_size=20"]
