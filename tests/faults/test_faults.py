@@ -48,13 +48,6 @@ BASE = [
 ]
 
 
-@pytest.fixture
-def h(tmp_path: Path):
-    harness = Harness(tmp_path)
-    yield harness
-    harness.cleanup()
-
-
 def wait_until(cond: Callable[[], bool], job: Job, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -39,13 +39,6 @@ HANGS = [
 ]
 
 
-@pytest.fixture
-def h(tmp_path: Path):
-    harness = Harness(tmp_path)
-    yield harness
-    harness.cleanup()
-
-
 def hang_file(out: Path) -> str:
     files = list(out.glob("hang_*.txt"))
     assert len(files) == 1, sorted(p.name for p in out.iterdir())

@@ -93,13 +93,6 @@ def rows(out: Path) -> list[tuple[int, int]]:
     return [(r["epoch"], r["restarts"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
 
 
-@pytest.fixture
-def h(tmp_path: Path):
-    harness = Harness(tmp_path)
-    yield harness
-    harness.cleanup()
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The uninterrupted job: 2 epochs, every checkpoint kept (iterations 4, 8, 10, 12, 16, 20)."""
@@ -247,12 +240,10 @@ def test_torchrun_restarts_the_same_resume_auto_command(h: Harness, reference: P
     assert rows(out) == [(1, 1)]  # TORCHELASTIC_RESTART_COUNT
 
 
-@pytest.mark.timeout(240)
-def test_slurm_preemption_checkpoints_requeues_and_the_requeued_job_resumes(h: Harness) -> None:
-    """A single-task SLURM job with 2 processes gets SIGUSR1 (sbatch --signal=USR1@90; SLURM signals every process
-    of the step): every rank stops at one iteration, writes a checkpoint, the job runs `scontrol requeue` and
-    exits 138. The requeued job, the same command, resumes from that checkpoint."""
-    out, bin_dir, log = h.root / "out", h.root / "bin", h.root / "scontrol.log"
+def preempted(h: Harness, out: Path, log: Path) -> tuple[list[str], dict[str, str], Result]:
+    """A 2-epoch EXACT job in a single-task SLURM job (a stand-in `scontrol` that logs to ``log``), pre-empted with
+    SIGUSR1 to every process of the step once checkpoint_4 exists: its args, its SLURM environment, its result."""
+    bin_dir = h.root / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n')
     (bin_dir / "scontrol").chmod(0o755)
@@ -265,6 +256,16 @@ def test_slurm_preemption_checkpoints_requeues_and_the_requeued_job_resumes(h: H
         os.kill(pid, signal.SIGUSR1)
     r = job.wait(60)
     assert r.rc == 138, str(r)
+    return args, slurm, r
+
+
+@pytest.mark.timeout(240)
+def test_slurm_preemption_checkpoints_requeues_and_the_requeued_job_resumes(h: Harness) -> None:
+    """A single-task SLURM job with 2 processes gets SIGUSR1 (sbatch --signal=USR1@90; SLURM signals every process
+    of the step): every rank stops at one iteration, writes a checkpoint, the job runs `scontrol requeue` and
+    exits 138. The requeued job, the same command, resumes from that checkpoint."""
+    out, log = h.root / "out", h.root / "scontrol.log"
+    args, slurm, r = preempted(h, out, log)
     assert "ignite-mgpu: SIGUSR1 received (pre-emption): every rank stops and writes a checkpoint" in r.stderr, str(r)
     m = re.search(r"stopped by SIGUSR1 at iteration (\d+)", r.stderr)
     assert m and 4 <= int(m.group(1)) < 20, str(r)
@@ -285,19 +286,8 @@ def test_slurm_preemption_checkpoints_requeues_and_the_requeued_job_resumes(h: H
 def test_a_preempted_job_requeued_on_three_processes_is_the_same_run(h: Harness, reference: Path) -> None:
     """A SLURM pre-emption at any iteration (the stop's checkpoint is as unplanned as a time-based one), and the
     requeued job gets 3 processes, not 2: it resumes at the stop and ends within 1e-5 of the uninterrupted run."""
-    out, bin_dir = h.root / "out", h.root / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\nexit 0\n")
-    (bin_dir / "scontrol").chmod(0o755)
-    slurm = {"SLURM_JOB_ID": "4243", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}
-    slurm["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
-    args = [*EXACT, "train.epochs=2", "--resume", "auto", "--output-dir", str(out)]
-    job = h.start(args, "slow:*:1:0.2", extra=slurm)
-    wait_until(lambda: (out / "checkpoint_4.pt").exists(), job, 90, "the first checkpoint")
-    for pid in [job.pid, *job.recorded_pids()]:
-        os.kill(pid, signal.SIGUSR1)
-    r = job.wait(60)
-    assert r.rc == 138, str(r)
+    out = h.root / "out"
+    args, slurm, r = preempted(h, out, h.root / "scontrol.log")
     stopped_at = int(re.search(r"stopped by SIGUSR1 at iteration (\d+)", r.stderr).group(1))  # type: ignore[union-attr]
     on_three = [a if a != "2" or args[i - 1] != "--nproc" else "3" for i, a in enumerate(args)]
     r = h.run(on_three, 120, None, tag="b", extra={**slurm, "SLURM_RESTART_COUNT": "1"})
