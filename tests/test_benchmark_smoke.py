@@ -308,13 +308,16 @@ def test_checkpoint_stall_quick_run_prints_both_formats(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
-def test_resize_benchmark_prints_both_restarts_and_their_ratio():
-    """bench_resize.py --repeat 1: a plain restart on 4 and a change of size to 3, on the stand-in nvidia-smi."""
+def test_resize_benchmark_prints_both_restarts_lending_and_their_ratios():
+    """bench_resize.py --repeat 1: a plain restart on 4, a change of size to 3 and a lending to 2, on the stand-in
+    nvidia-smi."""
     script = BENCHMARKS / "restart" / "bench_resize.py"
     proc = run_in_session([sys.executable, str(script), "--repeat", "1"], 190)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert "processes after: [4]" in proc.stdout and "processes after: [3]" in proc.stdout, proc.stdout
+    for after in ("[4]", "[3]", "[2]"):
+        assert f"processes after: {after}" in proc.stdout, proc.stdout
     assert float(proc.stdout.split("change of size / plain restart: ")[1].split()[0]) > 0, proc.stdout
+    assert float(proc.stdout.split("first iteration on 2) / plain restart: ")[1].split()[0]) > 0, proc.stdout
 
 
 def test_not_training_takes_each_figure_from_the_run_that_measured_it(monkeypatch):

@@ -57,11 +57,13 @@ class JobClock:
 
     # The command's start (command_start() of the launching process); under torchrun / SLURM, this process's.
     started: float
-    # A restart: when the previous attempt's first rank failed (None: a first start)
+    # A restart: when the previous attempt's first rank failed, or (a change of size) when its ranks had stopped
+    # (None: a first start)
     failed_at: float | None = None
     # A restart: the last iteration that every rank of the previous attempt had completed.
     reached: int = 0
-    # A restart on another number of processes (a failed GPU left out): how many the previous attempt had.
+    # A restart on another number of processes (a failed GPU left out, GPUs lent or taken back: an elastic job):
+    # how many the previous attempt had.
     resized_from: int | None = None
 
 

@@ -3,7 +3,9 @@
 - ``inventory``: GPU discovery (NVML, nvidia-smi) and each GPU's NUMA node, as a snapshot;
 - ``ranges``: ``--gpus auto:MIN-MAX``, an elastic job's range, and how many GPUs it takes from a snapshot;
 - ``selection``: the ``--gpus`` grammar and the physical ids a job uses, pure over the snapshot;
-- ``claims``: GPU claims on a shared machine (flocks in one machine-wide folder) and the waiting line;
+- ``claims``: GPU claims on a shared machine (flocks in one machine-wide folder) and who holds each;
+- ``waiting``: the line of jobs waiting for GPUs (``--wait``), a ticket each;
+- ``lending``: what an elastic job lends to the waiting line, or takes back when nobody waits (pure);
 - ``shared_dir``: safe reading and writing of files in a folder that several users write;
 - ``acquire``: ``--gpus`` planned around the claims, claimed all-or-nothing; ``--wait`` in line;
 - ``devices``: the ``ignite-mgpu devices`` table.

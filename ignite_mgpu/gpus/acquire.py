@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.errors import ConfigError, WaitInterrupted, WaitTimedOut
-from ignite_mgpu.gpus import claims, inventory
+from ignite_mgpu.gpus import claims, inventory, waiting
 from ignite_mgpu.gpus.claims import GpuClaims
 from ignite_mgpu.gpus.ranges import gpu_range
 from ignite_mgpu.gpus.selection import GpuPlan, GpusTaken, parse_gpus, plan_gpus, used_ids
@@ -74,7 +74,7 @@ def _claimed(snapshot: list[inventory.GpuInfo], dir_fd: int) -> dict[int, str]:
     }
 
 
-def _busy(snapshot: list[inventory.GpuInfo], min_free: float) -> dict[int, str]:
+def busy(snapshot: list[inventory.GpuInfo], min_free: float) -> dict[int, str]:
     """Physical id -> why it is not free although unclaimed: its processes (and their users), too little memory."""
     found = {}
     for g in snapshot:
@@ -112,11 +112,13 @@ def _wait_and_claim(
     """Wait in line (a ticket) until the GPUs are free and the earlier waiters have theirs, then claim them."""
     auto = cfg.gpus is not None and parse_gpus(cfg.gpus)[0] == "auto"
     wanted = used_ids(cfg.gpus, first, snapshot, environ)
-    ticket = claims.Ticket(dir_fd, None if auto else _names(snapshot, wanted))
+    elastic = gpu_range(cfg.gpus)
+    # How many it needs, for an elastic job that could lend them (gpus/lending.py): a range's MIN.
+    count = elastic.low if elastic is not None else max(1, len(wanted))
+    ticket = waiting.Ticket(dir_fd, None if auto else _names(snapshot, wanted), count)
     start = time.monotonic()
     deadline, next_status, waited = start + (cfg.wait or 0.0), start, False
     what = f"--gpus {cfg.gpus}" if cfg.gpus is not None else "the GPUs this job sees (no --gpus)"
-    elastic = gpu_range(cfg.gpus)
     # A range waits for its MIN; it takes up to MAX of the GPUs free then.
     free_gpus = (
         plural(len(wanted), "free GPU")
@@ -161,23 +163,28 @@ def _wait_and_claim(
 
 
 def _look(
-    cfg: DistConfig, snapshot: list[inventory.GpuInfo], environ: Mapping[str, str], dir_fd: int, ticket: claims.Ticket
+    cfg: DistConfig,
+    snapshot: list[inventory.GpuInfo],
+    environ: Mapping[str, str],
+    dir_fd: int,
+    ticket: waiting.Ticket,
 ) -> tuple[GpuPlan | None, dict[int, str], list[claims.Holder]]:
     """One look while waiting: the plan if its GPUs are free now and no earlier waiter comes first (else None),
     why each GPU that is not free is not, and the earlier waiters."""
-    unavailable = {**_busy(snapshot, cfg.min_free_memory), **_claimed(snapshot, dir_fd)}
+    unavailable = {**busy(snapshot, cfg.min_free_memory), **_claimed(snapshot, dir_fd)}
     ahead = ticket.ahead()
+    who = [w.who for w in ahead]
     # An earlier waiter's GPUs are its own, every GPU when it takes any (auto)
-    for _, wants in ahead:
+    for w in ahead:
         for g in snapshot:
-            if wants is None or claims.claim_name(g.uuid, g.pci_bus_id) in wants:
+            if w.wants is None or claims.claim_name(g.uuid, g.pci_bus_id) in w.wants:
                 unavailable.setdefault(g.index, "is waited for by an earlier job")
-    if any(wants is None for _, wants in ahead):
-        return None, unavailable, [who for who, _ in ahead]
+    if any(w.wants is None for w in ahead):
+        return None, unavailable, who
     try:
-        return plan_gpus(cfg.gpus, snapshot, environ, cfg.nproc, unavailable), unavailable, [who for who, _ in ahead]
+        return plan_gpus(cfg.gpus, snapshot, environ, cfg.nproc, unavailable), unavailable, who
     except GpusTaken:
-        return None, unavailable, [who for who, _ in ahead]
+        return None, unavailable, who
 
 
 def _reasons(unavailable: dict[int, str], ids: list[int] | None) -> str:

@@ -1,7 +1,7 @@
 """GPU claims on a shared machine: a job holds an ``flock`` on each of its GPUs' lock files in one machine-wide
 folder, which the kernel releases when the job dies however it dies; beside it, a file of the holder's own says who
-holds it, and waiting jobs queue with a ticket file each. Several users write the folder, so nothing read there is
-trusted: no symlink is followed, no other user's file is written, and what cannot be read is "an unknown job".
+holds it (waiting jobs queue in the same folder: ``waiting.py``). Several users write the folder, so nothing read
+there is trusted: no symlink is followed, no other user's file is written, and what cannot be read is "an unknown job".
 Torch-free.
 """
 
@@ -26,7 +26,6 @@ DEFAULT_CLAIMS_DIR = "/tmp/ignite-mgpu-claims"
 # A reader's probe holds a shared lock for a moment: a claim retries before it gives up.
 _LOCK_TRIES = 5
 _NO_HOLDER = "it wrote no readable holder file"
-_TICKET = re.compile(r"wait-(\d{1,20})-(\d{1,10})-(\d{1,10})")  # wait-<start ns>-<pid>-<uid>
 
 
 @dataclass(frozen=True)
@@ -42,6 +41,8 @@ class Holder:
     # Why the claim is not readable, e.g. "a symlink where the lock file should be"
     problem: str = ""
     gpu_range: str = ""  # an elastic job's "MIN-MAX" (--gpus auto:MIN-MAX), else ""
+    # An elastic job's GPUs (claim names) lent to jobs waiting in line: being let go, or held by a waiter now.
+    lent: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """ "alice (pid 4242, `ignite-mgpu train --gpus 2`, since 2026-12-01 16:05:12)", or the unknown job."""
@@ -55,7 +56,8 @@ class Holder:
     def as_json(self) -> dict[str, object]:
         since = None if self.since is None else time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.since))
         return {"user": self.user if self.known else None, "pid": self.pid, "command": self.command or None,
-                "since": since, "known": self.known, "range": self.gpu_range or None}  # fmt: skip
+                "since": since, "known": self.known, "range": self.gpu_range or None,
+                "lent": list(self.lent) if self.gpu_range else None}  # fmt: skip
 
 
 def format_time(when: float) -> str:
@@ -116,7 +118,10 @@ def _holder_from(data: dict | None, owner: int) -> Holder:
     text = printable(command) if isinstance(command, str) else ""
     elastic = data.get("range")
     elastic = elastic if isinstance(elastic, str) and re.fullmatch(r"\d{1,4}-\d{1,4}", elastic) else ""
-    return Holder(user_name(owner), pid, text, None if since is None else float(since), True, gpu_range=elastic)
+    lent = data.get("lent")
+    lent_names = tuple(lent) if elastic and isinstance(lent, list) and claim_names(lent) else ()
+    when = None if since is None else float(since)
+    return Holder(user_name(owner), pid, text, when, True, gpu_range=elastic, lent=lent_names)
 
 
 def holders(dir_fd: int | None, names: Iterable[str]) -> dict[str, Holder]:
@@ -174,9 +179,14 @@ class GpuClaims:
     launching process holds the job's claims, for the job's whole life, restarts included."""
 
     def __init__(
-        self, names: Iterable[str] = (), fds: Iterable[int] = (), by_name: Mapping[str, list[int]] | None = None
+        self,
+        names: Iterable[str] = (),
+        fds: Iterable[int] = (),
+        by_name: Mapping[str, list[int]] | None = None,
+        since: float | None = None,
     ) -> None:
         self.names = list(names)
+        self.since = since if since is not None else time.time()  # when the job claimed its first GPUs
         self._fds = list(fds)
         self._by_name = {name: list(held) for name, held in (by_name or {}).items()}  # its lock file, its holder file
 
@@ -191,6 +201,24 @@ class GpuClaims:
                     os.close(fd)
             self.names.remove(name)
         return let_go
+
+    def adopt(self, other: GpuClaims) -> None:
+        """Hold ``other``'s claims as this job's own from now on (an elastic job taking more GPUs)."""
+        self.names += other.names
+        self._fds += other._fds
+        self._by_name.update(other._by_name)
+        other._fds, other.names, other._by_name = [], [], {}
+
+    def rewrite(self, record: dict[str, object]) -> None:
+        """Write ``record`` into the holder file of every GPU held (an elastic job's ``lent``), through the fds that
+        hold their locks. Padded to at least the old length, so a reader sees the old or the new JSON whole (JSON
+        allows trailing blanks), never a mix cut short."""
+        data = json.dumps(record).encode()
+        for held in self._by_name.values():
+            if len(held) < 2:
+                continue  # no holder file was written for it
+            with contextlib.suppress(OSError):
+                os.pwrite(held[1], data.ljust(os.fstat(held[1]).st_size), 0)
 
     def __reduce__(self) -> tuple:
         return (GpuClaims, ())
@@ -235,15 +263,21 @@ def claim(dir_fd: int, names: Iterable[str], gpu_range: str = "") -> GpuClaims |
         for held in taken:
             os.close(held)
         raise
-    about = {"pid": os.getpid(), "command": _command(), "since": time.time()}
-    record = json.dumps(about | ({"range": gpu_range} if gpu_range else {})).encode()
+    since = time.time()
+    record = json.dumps(holder_record(gpu_range, since=since)).encode()
     by_name = {name: [fd] for name, fd in zip(wanted, taken, strict=True)}
     # Who holds it, for `ignite-mgpu devices` and the messages of other jobs; best effort.
     for name in wanted:
         if (fd := shared_dir.write_own(dir_fd, f"{name}.{os.geteuid()}.holder", record)) is not None:
             taken.append(fd)
             by_name[name].append(fd)
-    return GpuClaims(wanted, taken, by_name)
+    return GpuClaims(wanted, taken, by_name, since)
+
+
+def holder_record(gpu_range: str = "", lent: Iterable[str] = (), since: float | None = None) -> dict[str, object]:
+    """What a holder file says of this job: its pid, command, since when; an elastic job's range and lent GPUs."""
+    about: dict[str, object] = {"pid": os.getpid(), "command": command_line(), "since": since or time.time()}
+    return about | ({"range": gpu_range, "lent": sorted(lent)} if gpu_range else {})
 
 
 def _lock(dir_fd: int, name: str) -> int | None:
@@ -279,7 +313,7 @@ def _lock(dir_fd: int, name: str) -> int | None:
     return None
 
 
-def _command() -> str:
+def command_line() -> str:
     """This job's command line as its user typed it, shortened."""
     argv = list(sys.argv) or ["python"]
     if argv[0].endswith(("ignite_mgpu/__main__.py", "-m")):
@@ -289,75 +323,6 @@ def _command() -> str:
     return printable(" ".join(argv))
 
 
-class Ticket:
-    """A waiting job's place in the queue: ``wait-<start ns>-<pid>-<uid>`` holding what it waits for (GPU names,
-    or null for any), flocked while it waits. Jobs start in the order they began waiting: a job lets an earlier,
-    still waiting one go first onto the GPUs that one named, and onto every GPU when it takes any (auto)."""
-
-    def __init__(self, dir_fd: int, wants: list[str] | None) -> None:
-        self.dir_fd, self.fd = dir_fd, None
-        self.name = f"wait-{time.time_ns()}-{os.getpid()}-{os.geteuid()}"
-        # Written under a private name, then renamed: no reader ever sees it unlocked (stale) or half written.
-        temporary = f"tmp-{self.name}"
-        fd = shared_dir.write_own(dir_fd, temporary, json.dumps({"wants": wants, "command": _command()}).encode())
-        if fd is not None:
-            try:
-                os.rename(temporary, self.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-                self.fd = fd
-            except OSError:
-                os.close(fd)
-        self._remove_stale()
-
-    def _remove_stale(self) -> None:
-        """Tickets of this user's waits that ended without removing theirs (killed): unlocked, so dead."""
-        for entry in shared_dir.entries(self.dir_fd, lambda n: _TICKET.fullmatch(n.removeprefix("tmp-"))):
-            m = _TICKET.fullmatch(entry.removeprefix("tmp-"))  # tmp-: killed before it was renamed
-            if not m or int(m[3]) != os.geteuid() or entry == self.name:
-                continue
-            opened = shared_dir.open_file(self.dir_fd, entry)
-            if isinstance(opened, tuple):
-                try:
-                    if opened[1].st_uid == os.geteuid() and shared_dir.is_locked(opened[0]) is False:
-                        os.unlink(entry, dir_fd=self.dir_fd)
-                except OSError:
-                    pass
-                finally:
-                    os.close(opened[0])
-
-    def ahead(self) -> list[tuple[Holder, list[str] | None]]:
-        """The earlier tickets still waiting: (who, the GPU names it waits for or None for any)."""
-        mine = _TICKET.fullmatch(self.name)
-        assert mine is not None
-        order = (int(mine[1]), int(mine[2]))
-        found = []
-        for entry in shared_dir.entries(self.dir_fd, _TICKET.fullmatch):
-            m = _TICKET.fullmatch(entry)
-            if not m or (int(m[1]), int(m[2])) >= order:
-                continue
-            opened = shared_dir.open_file(self.dir_fd, entry)
-            if not isinstance(opened, tuple):
-                continue
-            fd, st = opened
-            try:
-                data = shared_dir.read_json(fd) if st.st_uid == int(m[3]) and shared_dir.is_locked(fd) else None
-            finally:
-                os.close(fd)
-            wants = None if data is None else data.get("wants", False)
-            if data is None or not (wants is None or _names(wants)):
-                continue  # dead, forged or garbage: only a well-formed, live ticket holds a place
-            who = Holder(
-                user_name(st.st_uid), int(m[2]), printable(str(data.get("command", ""))), int(m[1]) / 1e9, True
-            )
-            found.append((who, None if wants is None else list(wants)))
-        return found
-
-    def close(self) -> None:
-        if self.fd is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.name, dir_fd=self.dir_fd)
-            os.close(self.fd)
-            self.fd = None
-
-
-def _names(value: object) -> bool:
+def claim_names(value: object) -> bool:
+    """Whether ``value`` is a list of claim names as a job writes them (no more than 64, none longer than 100)."""
     return isinstance(value, list) and len(value) <= 64 and all(isinstance(v, str) and len(v) <= 100 for v in value)

@@ -46,12 +46,15 @@ def who_has(gpus: list[GpuInfo], environ: Mapping[str, str]) -> Occupancy:
     return Occupancy(by_id, users)
 
 
-def elastic_jobs(held: Occupancy) -> list[tuple[claims.Holder, list[int]]]:
-    """The jobs on a range of GPUs (``--gpus auto:MIN-MAX``) among the claims, each with the GPUs it holds."""
-    found: dict[tuple[str, int | None], tuple[claims.Holder, list[int]]] = {}
+def elastic_jobs(held: Occupancy, gpus: list[GpuInfo]) -> list[tuple[claims.Holder, list[int], list[int]]]:
+    """The jobs on a range of GPUs (``--gpus auto:MIN-MAX``) among the claims, each with the GPUs it holds and
+    those it lent to jobs that waited in line (physical ids)."""
+    found: dict[tuple[str, int | None], tuple[claims.Holder, list[int], list[int]]] = {}
+    ids = {claims.claim_name(g.uuid, g.pci_bus_id): g.index for g in gpus}
     for index, who in sorted(held.claims.items()):
         if who.known and who.gpu_range:
-            found.setdefault((who.user, who.pid), (who, []))[1].append(index)
+            lent = sorted(ids[name] for name in who.lent if name in ids)
+            found.setdefault((who.user, who.pid), (who, [], lent))[1].append(index)
     return list(found.values())
 
 
@@ -80,8 +83,8 @@ def _as_json(
         for g in gpus
     ]
     note = {"claims_note": held.note} if held.note else {}  # the claims folder cannot be read
-    elastic = [{"user": who.user, "pid": who.pid, "range": who.gpu_range, "holds": ids} for who, ids in
-               elastic_jobs(held)]  # fmt: skip
+    elastic = [{"user": who.user, "pid": who.pid, "range": who.gpu_range, "holds": ids, "lent": lent}
+               for who, ids, lent in elastic_jobs(held, gpus)]  # fmt: skip
     ranges = {"elastic_jobs": elastic} if elastic else {}  # jobs on --gpus auto:MIN-MAX
     return json.dumps({"gpus": rows, "cpu_fallback": fallback, **ranges, **note}, indent=2)
 
@@ -114,10 +117,11 @@ def format_devices(
     widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in table]
     lines += [f"GPU {i} is claimed by {who.describe()}." for i, who in sorted(held.claims.items())]
-    for who, ids in elastic_jobs(held):
+    for who, ids, lent in elastic_jobs(held, gpus):
+        lending = f"; lent GPU {format_ids(lent)} to jobs that waited in line" if lent else ""
         lines.append(
             f"Elastic job of {who.user} (pid {who.pid}): --gpus auto:{who.gpu_range}, holds GPU {format_ids(ids)} "
-            f"({len(ids)} of {who.gpu_range})."
+            f"({len(ids)} of {who.gpu_range}){lending}."
         )
     if held.note:
         lines.append(f"Claims not shown: {held.note}")

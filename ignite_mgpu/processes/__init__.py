@@ -6,6 +6,7 @@
 - ``forkserver``: the one process per job that imports torch once and forks every worker;
 - ``worker``: inside a worker: process group, signals, CPU binding, ``idist.Parallel``, its failure file;
 - ``elastic``: a failed GPU left out of the restart (``--gpus auto:MIN-MAX``), or the line saying a range would;
+- ``resize``: an elastic job lending GPUs to waiting jobs and taking free ones back (the supervisor's side);
 - ``outcome``: how a job ended (one exit code, one message) and whether a restart can cure it;
 - ``torchelastic``: what a torchrun launch also gives: the run's id, each rank's error file that ``@record`` fills;
 - ``notebook``: where ``launch()`` is called from (a notebook's function is forked, a script's spawned);

@@ -15,6 +15,7 @@ from ignite_mgpu.gpus import inventory
 from ignite_mgpu.gpus.claims import claim_name
 from ignite_mgpu.processes.outcome import Failure
 from ignite_mgpu.processes.plan import LaunchPlan
+from ignite_mgpu.processes.resize import with_gpus
 from ignite_mgpu.text import format_ids, plural
 
 # What CUDA, NCCL and the driver say when the device itself failed, not the program on it (NVIDIA's Xid catalogue:
@@ -103,15 +104,8 @@ def leave_out(
             f"(--gpus auto:{elastic})"
         )
         return Resize(lost, f"{refusal}.", refusal=refusal)
-    nproc = 1 if plan.strategy == "dp" else len(left)
-    smaller = dataclasses.replace(
-        plan,
-        gpus=left,
-        nproc=nproc,
-        backend=plan.backend if nproc * plan.nnodes > 1 else None,
-        env={**plan.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, left))},
-        gpu_names={i: name for i, name in plan.gpu_names.items() if i in left},
-    )
+    smaller = with_gpus(plan, {i: name for i, name in plan.gpu_names.items() if i in left})
+    nproc = smaller.nproc
     released = [plan.gpu_names[i] for i in gone if i in plan.gpu_names]
     line = (
         f"left out {named}; its claim is released, and the restart continues on GPU {format_ids(left)} "

@@ -47,8 +47,14 @@ class LaunchPlan:
     # Physical GPU ids in CUDA order (None: as the environment has them)
     gpus: list[int] | None = None
     gpu_names: dict[int, str] = field(default_factory=dict)  # physical id -> its claim name (UUID), to find it again
-    # --gpus auto:MIN-MAX: the restart leaves out a lost GPU, not below MIN (elastic.py)
+    # --gpus auto:MIN-MAX: the restart leaves out a lost GPU, not below MIN (elastic.py); lends GPUs (resize.py)
     gpu_range: GpuRange | None = None
+    # The backend of the job's process group, also while one process needs none (a range that may grow).
+    group_backend: str = "gloo"
+    # dist.min_free_memory: a GPU with less free is not free for an elastic job to take (resize.py)
+    min_free_memory: float = 0.0
+    # The CPUs that OMP_NUM_THREADS divides among the processes when the plan set it (0: the user's or unset).
+    cpu_share: int = 0
     device: str = "cpu"  # what the workers train on: "cuda" or "cpu"
     # Run even a single process in a spawned worker, whose CUDA starts fresh.
     spawn_one: bool = False
@@ -241,6 +247,8 @@ def decide(
         gpus=chosen,
         gpu_names=dict(gpu_plan.names) if gpu_plan else {},
         gpu_range=gpu_range(cfg.gpus),
+        group_backend=backend,
+        min_free_memory=cfg.min_free_memory,
         device="cuda" if n_cuda else "cpu",
         # CUDA reads CUDA_VISIBLE_DEVICES once, when this process first asks it anything (torch.cuda.is_available()
         # included, without is_initialized() turning true), and this process may have asked before --gpus was
@@ -254,7 +262,8 @@ def decide(
         join_group=join_group,
         start_method="forkserver" if join_group else "spawn",
     )
-    if plan.backend is not None:
+    # A range that may grow from one process has the group's environment ready.
+    if plan.backend is not None or (plan.gpu_range is not None and plan.gpu_range.high > 1):
         _group_environment(plan, backend, n_cuda, gpu_plan is None and join_group, machine, environ)
     return plan
 
@@ -302,6 +311,7 @@ def _group_environment(
         plan.messages.append(f"--backend gloo with {plan.nproc} processes and {n_cuda} GPU(s): training on the CPU.")
     if backend == "gloo" and "OMP_NUM_THREADS" not in environ:
         # No oversubscription.
+        plan.cpu_share = machine.cpu_count
         plan.env["OMP_NUM_THREADS"] = str(max(1, machine.cpu_count // plan.nproc))
 
 

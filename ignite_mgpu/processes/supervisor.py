@@ -24,7 +24,7 @@ from typing import Any
 
 from ignite_mgpu.env import stop
 from ignite_mgpu.env.clock import JobClock
-from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, USAGE, signal_exit_code
+from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, USAGE, ConfigError, signal_exit_code
 from ignite_mgpu.processes import elastic, forkserver, torchelastic
 from ignite_mgpu.processes.heartbeat import HangChecks
 from ignite_mgpu.processes.outcome import (
@@ -36,6 +36,7 @@ from ignite_mgpu.processes.outcome import (
     refused_start,
 )
 from ignite_mgpu.processes.plan import LaunchPlan, Restart, free_port
+from ignite_mgpu.processes.resize import Lender, Resizing, lends, with_gpus
 from ignite_mgpu.processes.worker import RESULT_FILE, worker_main
 
 # After the first failure the other ranks get this long to exit by themselves (a peer that lost its connection
@@ -44,6 +45,7 @@ FAILURE_SETTLE = 1.0
 # Seconds before restart k: BACKOFF * 2**(k-1), at most MAX_BACKOFF.
 BACKOFF, MAX_BACKOFF = 1.0, 30.0
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOPPED = signal_exit_code(signal.SIGTERM)  # a worker's code after a stop on SIGTERM (its checkpoint written)
 
 
 def _print(message: str) -> None:
@@ -92,6 +94,9 @@ class Supervisor:
         self.clock = plan.clock
         self.failures: list[Failure] = []  # the failure files of the last attempt's ranks
         self.gpu_line = ""  # a failed GPU left out of the coming restart (elastic.py), said with it
+        # An elastic job's looks at the waiting line (resize.py), and the change of size under way.
+        self.lender = Lender(plan) if lends(plan, restart is not None) else None
+        self.resizing: Resizing | None = None
 
     def _signal_all(self, sig: int) -> None:
         self.signalled = True
@@ -142,19 +147,24 @@ class Supervisor:
         plan = self.plan
         handled = [*_STOP_SIGNALS, *([plan.preempt_signal] if plan.preempt_signal else [])]
         old = {s: signal.signal(s, self._on_signal) for s in handled}
-        args, attempt, result, note = self.args, 0, Outcome(SUCCESS), ""
+        # attempt: every start of the workers; restarts: those after a failure (a change of size is not one)
+        args, attempt, restarts, result, note = self.args, 0, 0, Outcome(SUCCESS), ""
         try:
             while True:
-                result, reason, reached = self._attempt(attempt, args)
-                if reason is None and attempt < plan.max_restarts:
+                result, reason, reached = self._attempt(attempt, args, restarts)
+                attempt += 1
+                if self.resizing is not None and (resized := self._resized(result, restarts)) is not None:
+                    args = resized
+                    continue
+                if reason is None and restarts < plan.max_restarts:
                     reason = self._leave_out_failed_gpus()
-                if reason is not None or attempt >= plan.max_restarts:
+                if reason is not None or restarts >= plan.max_restarts:
                     if plan.max_restarts and result.code in (FAILED, DIVERGED):
-                        why = f"not restarted: {reason}" if reason else f"gave up after {attempt} restart(s)"
+                        why = f"not restarted: {reason}" if reason else f"gave up after {restarts} restart(s)"
                         note = f"{why} (dist.max_restarts={plan.max_restarts})."
                     break
-                attempt += 1
-                args = self._announce_restart(attempt, result, reached)
+                restarts += 1
+                args = self._announce_restart(restarts, result, reached)
                 if self.signal_received:
                     name = signal.Signals(self.signal_received).name
                     result = Outcome(signal_exit_code(self.signal_received), f"stopped by {name} before a restart.")
@@ -174,9 +184,10 @@ class Supervisor:
             _print(note)
         return result.code
 
-    def _attempt(self, attempt: int, args: tuple) -> tuple[Outcome, str | None, int]:
+    def _attempt(self, attempt: int, args: tuple, restarts: int) -> tuple[Outcome, str | None, int]:
         """Start every worker, watch them, stop them all. Returns how they ended, why a restart cannot cure it
-        (None: it can), and the last iteration that every rank had completed."""
+        (None: it can), and the last iteration that every rank had completed. ``restarts``: after failures, what
+        the workers count (TORCHELASTIC_RESTART_COUNT)."""
         plan = dataclasses.replace(self.plan, clock=self.clock)
         folder = Path(self.error_dir, f"attempt{attempt}")
         folder.mkdir()
@@ -193,7 +204,7 @@ class Supervisor:
         refused = None
         try:
             self.starting = True
-            refused = self._start_all(plan, args, str(folder), attempt)
+            refused = self._start_all(plan, args, str(folder), restarts)
             self.starting = False
             # Stopped while the workers started (the first waits for the fork server's imports): none has begun,
             # and one started after the signal never got it.
@@ -211,6 +222,10 @@ class Supervisor:
         if refused is not None:  # no restart: the machine would refuse it again
             return refused, refused.cause, 0
         exit_codes = [p.exitcode for p in self.procs]
+        reached = min((status[0] for status in self._statuses(folder)), default=0)
+        if self.resizing is not None and exit_codes and set(exit_codes) == {STOPPED} and not self.signal_received:
+            self.clock = JobClock(plan.clock.started, time.time(), reached)  # stopped for a change of size
+            return Outcome(STOPPED), None, reached
         offset = plan.node_rank * plan.nproc
         failed_ranks = [offset + i for i, code in enumerate(exit_codes) if code]
         failures = self.failures = torchelastic.with_error_files(self._read_failures(folder), folder, failed_ranks)
@@ -221,7 +236,6 @@ class Supervisor:
         if self.died == [self.first_failure[0] if self.first_failure else -1] and result.rank is not None:
             # One rank's death: its first restart need not wait.
             result = dataclasses.replace(result, died=True)
-        reached = min((status[0] for status in self._statuses(folder)), default=0)
         failed_at = self.failed_at if self.failed_at is not None else time.time()
         # Used only if the job restarts.
         self.clock = JobClock(plan.clock.started, failed_at, reached)
@@ -301,6 +315,46 @@ class Supervisor:
             time.sleep(min(0.1, max(0.0, end - time.monotonic())))
         return info.args
 
+    def _look_at_the_line(self, now: float, folder: Path) -> None:
+        """An elastic job, while every rank trains well (each completed an iteration in this attempt, so each has its
+        stop handler): a change of size asked for stops every rank at the next check, however long until then (an
+        evaluation), each writing the stop's checkpoint; ``_resized`` starts them again on the new GPUs."""
+        assert self.lender is not None
+        if self.resizing is not None or self.signal_received or self.failure_time != float("inf"):
+            return
+        if not self.lender.due(now):
+            return
+        statuses = self._statuses(folder)
+        if len(statuses) < len(self.procs) or not all(iteration > 0 for iteration, _ in statuses):
+            return
+        try:
+            self.resizing = self.lender.look(self.plan, now)
+        except (ConfigError, OSError) as err:  # the claims folder became unusable: the job keeps its GPUs
+            _print(f"no more lending: {err}")
+            self.lender = None
+            return
+        if self.resizing is not None:
+            self._signal_all(signal.SIGTERM)
+
+    def _resized(self, result: Outcome, restarts: int) -> tuple | None:
+        """After the workers stopped for a change of size: the lent GPUs let go, the plan on the new GPUs, the line
+        in the log; returns the restart's arguments (the stop's checkpoint). None: the change did not happen (the
+        job ended, failed or was stopped meanwhile); what it took is let go again."""
+        resizing, self.resizing = self.resizing, None
+        assert resizing is not None and self.lender is not None
+        if result.code != STOPPED or self.signal_received:
+            self.lender.cancel(self.plan, resizing)
+            return None
+        self.plan.claims.release(resizing.change.lend)
+        info = self.restart(restarts) if self.restart is not None else Restart(self.args)
+        where = "from the start (no checkpoint yet)"
+        if info.checkpoint:
+            where = f"resuming from {info.checkpoint} at iteration {info.iteration}"
+        _print(self.lender.line(resizing, self.plan, where))
+        self.clock = dataclasses.replace(self.clock, resized_from=self.plan.world_size)
+        self.plan = with_gpus(self.plan, resizing.names)
+        return info.args
+
     def _watch(self, folder: Path) -> None:
         alive = {p.sentinel: p for p in self.procs}
         while alive:
@@ -310,6 +364,8 @@ class Supervisor:
                 p.join()
             # Seen together, a rank killed by a signal comes first: its peers' errors (a closed connection) follow it.
             for p in sorted(ended, key=lambda p: p.exitcode >= 0):
+                if self.resizing is not None and p.exitcode == STOPPED:
+                    continue  # stopped for a change of size, its checkpoint written
                 if p.exitcode < 0 and not self.signalled:
                     self.died.append(self.procs.index(p))
                 if p.exitcode != 0 and self.first_failure is None:
@@ -321,6 +377,8 @@ class Supervisor:
                     self.failure_time, self.failed_at = time.monotonic(), time.time()
                     self.failure_deadline = self.failure_time + FAILURE_SETTLE
             now = time.monotonic()
+            if alive and self.lender is not None:
+                self._look_at_the_line(now, folder)
             if alive and self.failure_time == float("inf") and self.hangs.hung(len(self.procs), now):
                 self._signal_all(signal.SIGKILL)  # every rank's stacks are in the hang's report
             if alive and now > self.failure_deadline:

@@ -1,8 +1,12 @@
-"""Leaving out a failed GPU (processes/elastic.py) on the 4-GPU stand-in nvidia-smi with gloo workers on the CPU: a
-job on ``--gpus auto:2-4`` takes the 4 GPUs; in epoch 2 one rank's GPU fails (it leaves nvidia-smi's table and the
-rank is killed, or the rank raises a CUDA device error); the job restarts on the other 3 from the newest checkpoint,
-lets go of the failed GPU's claim, says so in one line, records the change in metrics.jsonl and the goodput, and
-ends within 1e-5 of an uninterrupted 4-process run (the tolerance of test_any_process_count.py).
+"""Elastic jobs on the 4-GPU stand-in nvidia-smi with gloo workers on the CPU; a job on ``--gpus auto:2-4`` takes
+the 4 GPUs, and every job ends within 1e-5 of an uninterrupted 4-process run (the tolerance of
+test_any_process_count.py), its changes recorded in metrics.jsonl and the goodput.
+
+- Leaving out a failed GPU (processes/elastic.py): in epoch 2 one rank's GPU fails (it leaves nvidia-smi's table and
+  the rank is killed, or the rank raises a CUDA device error); the job restarts on the other 3 from the newest
+  checkpoint, lets go of the failed GPU's claim and says so in one line.
+- Lending (processes/resize.py): a real job waiting in line for 2 GPUs gets GPU 2,3 from the running job, which goes
+  on with 2 processes, `devices` showing what it lent; when the waiter ends, the job takes them back.
 `python -m pytest tests/distributed/test_elastic.py`."""
 
 from __future__ import annotations
@@ -10,15 +14,20 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from ignite_mgpu.checkpoint.files import read_checkpoint
+from ignite_mgpu.gpus.devices import format_devices, who_has
+from ignite_mgpu.gpus.inventory import query_gpus
 from tests.conftest import REPO, cpu_only, needs_gpus, run_cli, run_in_session
-from tests.gpus.test_claims import TABLE, claimed, fake_gpus  # noqa: F401  (a fixture)
+from tests.gpus.test_claims import TABLE, Job, claimed, fake_gpus  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -136,3 +145,102 @@ def test_on_a_real_gpu_a_healthy_gpu_stays_and_one_with_a_device_error_is_never_
         r"failed, leaving 0 GPUs, below the range's MIN 1 \(--gpus auto:1-1\)",
         result.stderr,
     ), result.stderr
+
+
+def _wait_for(what, timeout: float, job: subprocess.Popen, log: Path) -> None:
+    end = time.monotonic() + timeout
+    while not what():
+        assert job.poll() is None, f"the elastic job ended ({job.returncode}):\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < end, f"not within {timeout} s:\n{log.read_text()[-4000:]}"
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(400)
+def test_a_job_on_a_range_lends_two_gpus_to_a_waiting_job_and_takes_them_back(fake_gpus, reference, tmp_path):  # noqa: F811
+    (fake_gpus / "gpus.csv").write_text(TABLE.replace("71680", "1").replace("40960", "1"))  # 4 idle GPUs
+    (fake_gpus / "apps.csv").write_text("")
+    out, log = tmp_path / "elastic", tmp_path / "elastic.log"
+    env = {**os.environ, **job_env(tmp_path, "slow:*:1:0.8")}  # 0.8 s an iteration: room for both changes
+    command = [sys.executable, str(RUNNER), "train", *ARGS, "--gpus", "auto:2-4", "--output-dir", str(out)]
+    with log.open("w") as stderr:
+        job = subprocess.Popen(command, env=env, stderr=stderr, stdout=subprocess.DEVNULL, start_new_session=True)
+    waiter = None
+    try:
+        _wait_for(lambda: (tmp_path / "pids" / "forward3").exists(), 150, job, log)  # training on 4
+        waiter = Job("--gpus", "auto:2", "--wait", "120", "--hold", "--poll", "0.1")
+        asked = time.monotonic()
+        got = waiter.line(timeout=60)
+        assert got.get("gpus") == [2, 3] and time.monotonic() - asked < 60, got
+        snapshot = query_gpus()
+        shown = format_devices(snapshot, os.environ, claims=who_has(snapshot, os.environ))
+        assert re.search(
+            r"Elastic job of \S+ \(pid \d+\): --gpus auto:2-4, holds GPU 0,1 \(2 of 2-4\); lent GPU 2,3 to jobs "
+            r"that waited in line\.",
+            shown,
+        ), shown
+        # The waiter holds GPU 2,3 until an epoch ended on 2 processes.
+        _wait_for(lambda: (out / "metrics.jsonl").exists() and metrics(out)[-1]["processes"] == 2, 150, job, log)
+        waiter.release()
+        assert job.wait(200) == 0, log.read_text()[-4000:]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        if waiter is not None:
+            waiter.kill()
+    stderr = log.read_text()
+    lent = re.findall(
+        r"ignite-mgpu: lent GPU 2,3 to \S+ \(pid \d+, `claimer.py --gpus auto:2 --wait [^`]*`, since [^)]*\), waiting "
+        r"in line: the job goes on with 2 processes on GPU 0,1 \(was 4; --gpus auto:2-4\), resuming from \S+"
+        r"checkpoint_(\d+)\.pt at iteration \1\.\n",
+        stderr,
+    )
+    assert len(lent) == 1, stderr[-4000:]
+    taken = re.findall(
+        r"ignite-mgpu: took GPU 2,3, free and waited for by nobody: the job goes on with 4 processes on GPU 0-3 "
+        r"\(was 2; --gpus auto:2-4\), resuming from \S+checkpoint_(\d+)\.pt at iteration \1\.\n",
+        stderr,
+    )
+    assert len(taken) == 1 and int(taken[0]) > int(lent[0]), stderr[-4000:]
+    assert "restart" not in stderr.replace("restarts", ""), stderr[-4000:]  # a change of size is not a restart
+    lines = metrics(out)
+    assert [(r["epoch"], r["processes"], r["restarts"]) for r in lines] == [(1, 2, 0), (2, 4, 0)], lines
+    assert all(r["time_resize_s"] > 0 and r["time_restart_s"] == 0 for r in lines), lines
+    want = weights(reference)
+    for key, value in weights(out).items():
+        torch.testing.assert_close(value, want[key], rtol=0, atol=1e-5, msg=key)
+    assert claimed() == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(400)
+def test_on_real_gpus_a_job_on_a_range_lends_one_to_a_waiting_job_and_takes_it_back(tmp_path, monkeypatch):
+    """The twin on a machine with 2 GPUs or more: nccl, the real nvidia-smi, the real CLI (a look every 5 s)."""
+    needs_gpus(2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    out, log = tmp_path / "elastic", tmp_path / "elastic.log"
+    # 3 epochs of 2 s steps: room for a look every 5 s, twice before taking the GPU back.
+    args = [a if a != "train.epochs=2" else "train.epochs=3" for a in ARGS if a not in ("--backend", "gloo")]
+    env = {**os.environ, "PYTHONPATH": str(REPO), **job_env(tmp_path, "slow:*:1:2")}  # 2 s a step: room to lend
+    command = [sys.executable, "-m", "ignite_mgpu", "train", *args, "--gpus", "auto:1-2", "--output-dir", str(out)]
+    with log.open("w") as stderr:
+        job = subprocess.Popen(command, env=env, stderr=stderr, stdout=subprocess.DEVNULL, start_new_session=True)
+    waiter = None
+    try:
+        _wait_for(lambda: (tmp_path / "pids" / "forward1").exists(), 150, job, log)
+        waiter = Job("--gpus", "auto:1", "--wait", "120", "--hold")
+        assert len(waiter.line(timeout=60).get("gpus", [])) == 1
+        _wait_for(lambda: (out / "metrics.jsonl").exists(), 150, job, log)
+        waiter.release()
+        assert job.wait(300) == 0, log.read_text()[-4000:]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        if waiter is not None:
+            waiter.kill()
+    stderr = log.read_text()
+    assert re.search(r"lent GPU \d+ to .* the job goes on with 1 process on GPU \d+ \(was 2", stderr), stderr
+    assert re.search(r"took GPU \d+, free and waited for by nobody: the job goes on with 2 processes", stderr), stderr
+    processes = [r["processes"] for r in metrics(out)]
+    assert processes[0] == 1 and processes[-1] == 2, processes

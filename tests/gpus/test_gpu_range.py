@@ -110,7 +110,7 @@ def test_a_range_claims_every_free_gpu_of_the_stand_in_and_devices_shows_it(idle
     assert re.search(r"Elastic job of \S+ \(pid \d+\): --gpus auto:2-4, holds GPU 0-3 \(4 of 2-4\)\.", text), text
     shown = json.loads(format_devices(snapshot, os.environ, as_json=True, claims=who_has(snapshot, os.environ)))
     assert shown["elastic_jobs"] == [{"user": shown["gpus"][0]["claim"]["user"], "pid": job.proc.pid,
-                                      "range": "2-4", "holds": [0, 1, 2, 3]}]  # fmt: skip
+                                      "range": "2-4", "holds": [0, 1, 2, 3], "lent": []}]  # fmt: skip
     assert shown["gpus"][3]["claim"]["range"] == "2-4"
     job.release()
     assert claimed() == {}

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from ignite_mgpu.gpus import claims, shared_dir
+from ignite_mgpu.gpus import claims, shared_dir, waiting
 
 GPU = "GPU-8a0e0000-0000-0000-0000-000000000001"
 
@@ -31,11 +31,12 @@ def test_a_live_holder_is_named_beside_any_number_of_other_files(flooded):
 
 
 def test_the_waiting_line_holds_beside_any_number_of_other_files(flooded):
-    first = claims.Ticket(flooded, [GPU])
-    second = claims.Ticket(flooded, None)
+    first = waiting.Ticket(flooded, [GPU])
+    second = waiting.Ticket(flooded, None, count=2)
     try:
         ahead = second.ahead()
-        assert [(who.pid, wants) for who, wants in ahead] == [(os.getpid(), [GPU])]
+        assert [(w.who.pid, w.wants, w.count) for w in ahead] == [(os.getpid(), [GPU], 1)]
+        assert [(w.wants, w.count) for w in waiting.waiting(flooded)] == [([GPU], 1), (None, 2)]
         assert first.ahead() == []
     finally:
         second.close()

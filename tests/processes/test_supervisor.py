@@ -19,7 +19,7 @@ class Scripted(Supervisor):
         super().__init__(plan, print, ("first",), restart)
         self.outcomes, self.started = list(outcomes), []
 
-    def _attempt(self, attempt, args):
+    def _attempt(self, attempt, args, restarts):
         self.started.append(args)
         return self.outcomes.pop(0)
 

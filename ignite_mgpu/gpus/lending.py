@@ -1,0 +1,90 @@
+"""Lending: what an elastic job (``--gpus auto:MIN-MAX``) does about the jobs waiting in line while it runs. It gives
+a waiter the GPUs it holds above MIN when the free ones are too few for that waiter, in the line's order, and
+takes free GPUs again (up to MAX) when nobody waits. ``decide`` is pure; ``look`` reads the claims folder and the
+GPU snapshot for it. The supervisor (``processes/resize.py``) acts on the change. Torch-free.
+
+The rules: never below MIN; never a GPU that another job claims; a waiter is lent to only when the GPUs lent,
+with the free ones, let it start (else lending would only slow this job down); GPUs that another elastic job is
+already lending count as free; a waiter that takes any GPUs (``auto``) and cannot be served holds every later
+waiter behind it, as the line itself does (``acquire.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ignite_mgpu.gpus import claims, inventory, waiting
+from ignite_mgpu.gpus.acquire import busy
+from ignite_mgpu.gpus.claims import Holder
+from ignite_mgpu.gpus.waiting import Waiter
+
+
+@dataclass(frozen=True)
+class Change:
+    """What the job does now: ``lend`` its GPUs (claim names) to the waiters ``to``, or ``take`` free ones."""
+
+    lend: tuple[str, ...] = ()
+    take: tuple[str, ...] = ()
+    to: tuple[Holder, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.lend or self.take)
+
+
+@dataclass(frozen=True)
+class Line:
+    """What the job sees at one look: the GPUs free now (no claim, no process, memory free; claim names in id
+    order), those another elastic job is lending (free soon), and the waiters in line order."""
+
+    free: tuple[str, ...]
+    coming: tuple[str, ...]
+    waiters: tuple[Waiter, ...]
+    claimed: frozenset[str] = frozenset()  # every GPU some job claims (this one's too)
+
+
+def decide(held: list[str], low: int, high: int, line: Line) -> Change:
+    """The change for a job holding ``held`` (claim names in CUDA order) on ``auto:low-high``. Lent first: the GPUs
+    a waiter names, else the job's last ones (rank 0 keeps its GPU)."""
+    pool = [*line.coming, *line.free]  # what a waiter can have without this job
+    spare = len(held) - low
+    lend: list[str] = []
+    reserved: set[str] = set()  # this job's GPUs that an earlier waiter named: no later waiter gets them
+    to: list[Holder] = []
+    for w in line.waiters:
+        if w.wants is not None:
+            ours = [n for n in w.wants if n in held and n not in lend]
+            if ours and len(ours) <= spare and all(n in pool or n in held for n in w.wants):
+                lend += ours
+                spare -= len(ours)
+                to.append(w.who)
+            reserved.update(n for n in w.wants if n in held)
+            pool = [n for n in pool if n not in w.wants]
+            continue
+        short = w.count - len(pool)
+        if short <= 0:  # the free GPUs serve it: it starts at its next look
+            pool = pool[w.count :]
+            continue
+        candidates = [n for n in reversed(held) if n not in lend and n not in reserved]
+        if short > min(spare, len(candidates)):
+            break
+        lend += candidates[:short]
+        spare -= short
+        pool = []
+        to.append(w.who)
+    take = () if line.waiters else line.free[: max(0, high - len(held))]
+    return Change(tuple(lend), tuple(take), tuple(to))
+
+
+def look(dir_fd: int, snapshot: list[inventory.GpuInfo], min_free_memory: float) -> Line:
+    """The claims folder and the snapshot as ``decide`` needs them."""
+    names = {g.index: claims.claim_name(g.uuid, g.pci_bus_id) for g in snapshot}
+    holders = claims.holders(dir_fd, names.values())
+    unusable = busy(snapshot, min_free_memory)
+    free = tuple(
+        name for i, name in sorted(names.items()) if name not in holders and i not in unusable and not _mig(snapshot, i)
+    )
+    coming = tuple(name for name, who in holders.items() if name in who.lent)
+    return Line(free, coming, tuple(waiting.waiting(dir_fd)), frozenset(holders))
+
+
+def _mig(snapshot: list[inventory.GpuInfo], index: int) -> bool:
+    return any(g.mig for g in snapshot if g.index == index)
