@@ -41,9 +41,10 @@ class Line:
     claimed: frozenset[str] = frozenset()  # every GPU some job claims (this one's too)
 
 
-def decide(held: list[str], low: int, high: int, line: Line) -> Change:
+def decide(held: list[str], low: int, high: int, line: Line, avoid: frozenset[str] = frozenset()) -> Change:
     """The change for a job holding ``held`` (claim names in CUDA order) on ``auto:low-high``. Lent first: the GPUs
-    a waiter names, else the job's last ones (rank 0 keeps its GPU)."""
+    a waiter names, else the job's last ones (rank 0 keeps its GPU). ``avoid``: free GPUs never to take (left out
+    after a failure); a waiter may have them."""
     pool = [*line.coming, *line.free]  # what a waiter can have without this job
     spare = len(held) - low
     lend: list[str] = []
@@ -70,7 +71,8 @@ def decide(held: list[str], low: int, high: int, line: Line) -> Change:
         spare -= short
         pool = []
         to.append(w.who)
-    take = () if line.waiters else line.free[: max(0, high - len(held))]
+    takable = [n for n in line.free if n not in avoid]
+    take = () if line.waiters else tuple(takable[: max(0, high - len(held))])
     return Change(tuple(lend), tuple(take), tuple(to))
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ignite_mgpu.cpus.binding import BindingPlan, plan_for_job
 from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.gpus import claims, inventory, lending
+from ignite_mgpu.gpus import claims, inventory, lending, waiting
 from ignite_mgpu.gpus.lending import Change
 from ignite_mgpu.processes.plan import LaunchPlan
 from ignite_mgpu.text import format_ids, plural
@@ -74,6 +74,7 @@ class Lender:
         self.next_look = time.monotonic() + LOOK_EVERY
         self.seen_take: tuple[str, ...] = ()  # free GPUs seen at the last look: taken when seen twice
         self.lent: list[str] = []
+        self.failed: set[str] = set()  # GPUs left out after a failure (elastic.py)
         assert plan.gpu_range is not None
         self.range = str(plan.gpu_range)
 
@@ -90,11 +91,14 @@ class Lender:
         if dir_fd is None:
             return None
         try:
+            held = [plan.gpu_names[i] for i in plan.gpus or [] if i in plan.gpu_names]
+            if len(held) >= plan.gpu_range.high and not self.lent and not waiting.waiting(dir_fd):
+                return None  # nothing to lend to, nothing to take: no nvidia-smi query
             snapshot = inventory.query_gpus()
             line = lending.look(dir_fd, snapshot, plan.min_free_memory)
-            held = [plan.gpu_names[i] for i in plan.gpus or [] if i in plan.gpu_names]
             given_back = [n for n in self.lent if n not in line.claimed or n in held]
-            change = lending.decide(held, plan.gpu_range.low, plan.gpu_range.high, line)
+            # A GPU left out as failed is never taken again, even when it shows up idle.
+            change = lending.decide(held, plan.gpu_range.low, plan.gpu_range.high, line, frozenset(self.failed))
             # Free GPUs are taken when seen free at two looks in a row, not at a moment's gap between two jobs.
             take, self.seen_take = (change.take, ()) if change.take == self.seen_take else ((), change.take)
             change = Change(change.lend, take, change.to)

@@ -282,6 +282,8 @@ class Supervisor:
         self.gpu_line = change.line if change.refusal is None else ""
         if change.plan is not None:
             self.plan.claims.release(change.released)
+            if self.lender is not None:
+                self.lender.failed.update(change.released)
             # Goodput counts the restart as a change of size.
             self.clock = dataclasses.replace(self.clock, resized_from=self.plan.world_size)
             self.plan = change.plan

@@ -1,6 +1,6 @@
 """Lending (gpus/lending.py): what an elastic job gives the line of waiting jobs and takes back, pure (``decide``),
-and what it reads of a real claims folder (``look``); the plan on the new GPUs (processes/resize.py). A real lending
-job on the stand-in is tests/distributed/test_elastic.py.
+and what it reads of a real claims folder (``look``). The supervisor's side is tests/processes/test_resize.py, a real
+lending job on the stand-in tests/distributed/test_elastic.py.
 
 Run: python -m pytest tests/gpus/test_lending.py -q
 """
@@ -9,17 +9,11 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
-from ignite_mgpu.cpus.binding import BindingPlan
 from ignite_mgpu.gpus import claims, waiting
 from ignite_mgpu.gpus.claims import Holder
 from ignite_mgpu.gpus.inventory import GpuInfo
 from ignite_mgpu.gpus.lending import Change, Line, decide, look
-from ignite_mgpu.gpus.ranges import GpuRange
 from ignite_mgpu.gpus.waiting import Waiter
-from ignite_mgpu.processes.plan import LaunchPlan
-from ignite_mgpu.processes.resize import lends, with_gpus
 
 G = [f"GPU-{i}" for i in range(8)]  # claim names
 
@@ -73,6 +67,7 @@ def test_free_gpus_are_taken_up_to_max_only_when_nobody_waits():
     assert decide(G[:2], 2, 4, line(free=[4, 5, 6])) == Change(take=(G[4], G[5]))
     assert not decide(HELD, 2, 4, line(free=[4, 5]))  # at MAX
     assert not decide(G[:2], 2, 4, line(any_of(3), free=[4, 5]))  # the free ones are the waiter's
+    assert decide(G[:2], 2, 4, line(free=[4, 5, 6]), avoid=frozenset({G[4]})).take == (G[5], G[6])
 
 
 def test_look_reads_free_gpus_the_line_and_what_another_elastic_job_lends():
@@ -94,42 +89,4 @@ def test_look_reads_free_gpus_the_line_and_what_another_elastic_job_lends():
     finally:
         ticket.close()
         held.close()
-        os.close(fd)
-
-
-def plan_on(gpus: list[int], backend: str | None = "gloo", strategy: str = "ddp") -> LaunchPlan:
-    names = {i: G[i] for i in gpus}
-    return LaunchPlan(backend, len(gpus) if strategy != "dp" else 1, gpus=gpus, gpu_names=names, strategy=strategy,
-                      gpu_range=GpuRange(1, 4), env={"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))},
-                      cpu_share=8, binding=BindingPlan())  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "start, backend, to, want",
-    [
-        ([0], None, {0: G[0], 3: G[3]}, (2, "gloo", "0,3", "4")),  # grows from one process: the group's backend
-        ([0, 1, 2], "gloo", {1: G[1]}, (1, None, "1", "8")),  # one process needs no group
-    ],
-)
-def test_with_gpus_plans_the_processes_backend_and_threads_of_the_new_gpus(start, backend, to, want):
-    new = with_gpus(plan_on(start, backend), to)
-    assert (new.nproc, new.backend, new.env["CUDA_VISIBLE_DEVICES"], new.env["OMP_NUM_THREADS"]) == want
-    assert new.gpus == sorted(to) and new.gpu_names == to
-    assert with_gpus(plan_on([0, 1], strategy="dp"), {0: G[0], 1: G[1], 2: G[2]}).nproc == 1
-
-
-def test_only_the_default_job_on_a_range_with_claims_lends():
-    fd = claims.open_dir(claims.claims_dir(), create=True)
-    assert fd is not None
-    try:
-        elastic = plan_on([0, 1])
-        assert not lends(elastic, True)  # no claims: --share, or nothing claimed
-        held = claims.claim(fd, [G[0]])
-        assert held is not None
-        with held:
-            elastic.claims = held
-            assert lends(elastic, True) and not lends(elastic, False)  # False: no restart hook (launch(), a script)
-            elastic.gpu_range = None
-            assert not lends(elastic, True)
-    finally:
         os.close(fd)
