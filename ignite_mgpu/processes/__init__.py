@@ -4,7 +4,8 @@
 - ``launcher``: ``launch()`` for Python code, ``run_plan`` / ``run_job`` for a decided plan;
 - ``supervisor``: starts the workers, stops them all on the first failure, restarts them;
 - ``forkserver``: the one process per job that imports torch once and forks every worker;
-- ``worker``: inside a worker: process group, signals, CPU binding, ``idist.Parallel``, its failure file;
+- ``worker``: inside a worker: process group, signals, CPU binding, ``idist.Parallel``;
+- ``attempt_files``: what a worker leaves for the supervisor (failure file, rank 0's value, status), and its reading;
 - ``elastic``: a failed GPU left out of the restart (``--gpus auto:MIN-MAX``), or the line saying a range would;
 - ``resize``: an elastic job lending GPUs to waiting jobs and taking free ones back (the supervisor's side);
 - ``outcome``: how a job ended (one exit code, one message) and whether a restart can cure it;

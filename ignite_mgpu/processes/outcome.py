@@ -14,7 +14,7 @@ from typing import Any
 from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, USAGE, signal_exit_code
 from ignite_mgpu.processes.notebook import NO_MAIN_GUARD, no_main_guard
 
-# A worker's failure file (worker.failure_record): rank, time, type, message, traceback, code.
+# A worker's failure file (attempt_files.failure_record): rank, time, type, message, traceback, code.
 Failure = dict[str, Any]
 
 
@@ -55,7 +55,7 @@ def outcome(
     """The job's exit code and what to tell the user, from how every worker ended.
 
     Args:
-        failures: the failure files of the workers that failed (``worker.failure_record``).
+        failures: the failure files of the workers that failed (``attempt_files.failure_record``).
         exit_codes: every local worker's exit code (negative: killed by that signal).
         first_failure: (local rank, exit code) of the first worker that ended with a non-zero code.
         signal_received: the signal the launcher itself received (0: none).
@@ -205,3 +205,22 @@ def cut_short_while_saving(result: Outcome, saving: bool) -> Outcome:
         cause=f"{head}, at once, while a checkpoint was being written: it was not written.",
         advice="--resume auto continues from the last complete checkpoint.",
     )
+
+
+def stop_line(signum: int, join_group: bool, grace: float, starting: bool) -> str:
+    """The line saying how a job stops on the signal ``signum`` (received first): the default job's ranks stop at
+    the next check (a pre-emption also writes a checkpoint and requeues); a script is sent the signal itself, as
+    torchrun passes it on (SIGINT: KeyboardInterrupt), its own handler deciding, SIGKILL after the grace."""
+    name_of = signal.Signals(signum).name
+    preempt = signum not in (signal.SIGINT, signal.SIGTERM)
+    name = f"{name_of} received{' (pre-emption)' if preempt else ''}"
+    if starting:
+        return f"{name} while the workers start: they are stopped at once."
+    within = f" (up to {grace:.0f} s)"
+    if preempt:
+        what = "stops and writes a checkpoint at the next check" if join_group else f"is sent {name_of}"
+        what += f"{within}; the job then requeues itself"
+    else:
+        what = "stops at the next check" if join_group else f"is sent {name_of}"
+        what += within if join_group else f" (then SIGKILL after {grace:.0f} s)"
+    return f"{name}: every rank {what}; press Ctrl-C again to stop at once."

@@ -8,10 +8,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import json
 import multiprocessing as mp
 import os
-import pickle
 import shutil
 import signal
 import sys
@@ -22,10 +20,10 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
-from ignite_mgpu.env import stop
 from ignite_mgpu.env.clock import JobClock
 from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, USAGE, ConfigError, signal_exit_code
 from ignite_mgpu.processes import elastic, forkserver, torchelastic
+from ignite_mgpu.processes.attempt_files import read_failures, read_statuses, read_value
 from ignite_mgpu.processes.heartbeat import HangChecks
 from ignite_mgpu.processes.outcome import (
     Failure,
@@ -34,10 +32,11 @@ from ignite_mgpu.processes.outcome import (
     no_restart_reason,
     outcome,
     refused_start,
+    stop_line,
 )
 from ignite_mgpu.processes.plan import LaunchPlan, Restart, free_port
 from ignite_mgpu.processes.resize import Lender, Resizing, lends, with_gpus
-from ignite_mgpu.processes.worker import RESULT_FILE, worker_main
+from ignite_mgpu.processes.worker import worker_main
 
 # After the first failure the other ranks get this long to exit by themselves (a peer that lost its connection
 # does at once; the failing rank's failure file is written by then); longer only while one of them writes a checkpoint.
@@ -118,28 +117,12 @@ class Supervisor:
             self._signal_all(signal.SIGKILL)
             raise KeyboardInterrupt
         self.signal_received = signum
-        preempt = signum not in _STOP_SIGNALS
-        name_of = signal.Signals(signum).name
-        within = f" (up to {self.plan.stop_grace:.0f} s)"
-        # A script gets the signal itself, as torchrun passes it on (SIGINT: KeyboardInterrupt), and its own handler
-        # decides what it does; after the grace, SIGKILL (torchrun: after --shutdown-timeout).
-        if preempt:
-            what = "stops and writes a checkpoint at the next check" if self.plan.join_group else f"is sent {name_of}"
-            what += f"{within}; the job then requeues itself"
-        else:
-            what = "stops at the next check" if self.plan.join_group else f"is sent {name_of}"
-            what += within if self.plan.join_group else f" (then SIGKILL after {self.plan.stop_grace:.0f} s)"
-        name = f"{name_of} received{' (pre-emption)' if preempt else ''}"
         self.stopped_while_starting = self.starting
-        if self.starting:  # _attempt kills what it started: no worker of this attempt has begun
-            print(f"ignite-mgpu: {name} while the workers start: they are stopped at once.", file=sys.stderr)
-        else:
-            print(
-                f"ignite-mgpu: {name}: every rank {what}; press Ctrl-C again to stop at once.",
-                file=sys.stderr,
-            )
+        # While starting, _attempt kills what it started: no worker of this attempt has begun.
+        _print(stop_line(signum, self.plan.join_group, self.plan.stop_grace, self.starting))
         # The pre-emption signal is passed on as it is: every rank must stop for the same reason (its exit code); the
         # default job's workers stop on SIGTERM (their SIGINT is ignored: a terminal's Ctrl-C is the launcher's).
+        preempt = signum not in _STOP_SIGNALS
         self._signal_all(signum if preempt or not self.plan.join_group else signal.SIGTERM)
         self.deadline = time.monotonic() + self.plan.stop_grace
 
@@ -222,15 +205,15 @@ class Supervisor:
         if refused is not None:  # no restart: the machine would refuse it again
             return refused, refused.cause, 0
         exit_codes = [p.exitcode for p in self.procs]
-        reached = min((status[0] for status in self._statuses(folder)), default=0)
+        reached = min((status[0] for status in read_statuses(folder)), default=0)
         if self.resizing is not None and exit_codes and set(exit_codes) == {STOPPED} and not self.signal_received:
             self.clock = JobClock(plan.clock.started, time.time(), reached)  # stopped for a change of size
             return Outcome(STOPPED), None, reached
         offset = plan.node_rank * plan.nproc
         failed_ranks = [offset + i for i, code in enumerate(exit_codes) if code]
-        failures = self.failures = torchelastic.with_error_files(self._read_failures(folder), folder, failed_ranks)
+        failures = self.failures = torchelastic.with_error_files(read_failures(folder), folder, failed_ranks)
         result = outcome(failures, exit_codes, self.first_failure, self.signal_received, offset, plan.timeout)
-        result = cut_short_while_saving(result, self.cut_short and any(s[1] for s in self._statuses(folder)))
+        result = cut_short_while_saving(result, self.cut_short and any(s[1] for s in read_statuses(folder)))
         reason = no_restart_reason(failures, exit_codes, self.first_failure, self.signal_received)
         result = self.hangs.outcome(result, bool(self.signal_received))  # where every rank was, if it hung
         if self.died == [self.first_failure[0] if self.first_failure else -1] and result.rank is not None:
@@ -239,7 +222,7 @@ class Supervisor:
         failed_at = self.failed_at if self.failed_at is not None else time.time()
         # Used only if the job restarts.
         self.clock = JobClock(plan.clock.started, failed_at, reached)
-        self.value = self._read_value(folder) if result.code == SUCCESS else None
+        self.value = read_value(folder) if result.code == SUCCESS else None
         return result, reason, reached
 
     def _start_all(self, plan: LaunchPlan, args: tuple, folder: str, attempt: int) -> Outcome | None:
@@ -326,7 +309,7 @@ class Supervisor:
             return
         if not self.lender.due(now):
             return
-        statuses = self._statuses(folder)
+        statuses = read_statuses(folder)
         if len(statuses) < len(self.procs) or not all(iteration > 0 for iteration, _ in statuses):
             return
         try:
@@ -386,9 +369,9 @@ class Supervisor:
             if alive and now > self.failure_deadline:
                 living = [self.plan.node_rank * self.plan.nproc + self.procs.index(p) for p in alive.values()]
                 # A dead rank's flag is stale.
-                saving = any(status[1] for status in self._statuses(folder, living))
+                saving = any(status[1] for status in read_statuses(folder, living))
                 if not saving or now > self.failure_time + self.plan.stop_grace:
-                    self.hangs.after_failure(self.first_failure, self._read_failures(folder))
+                    self.hangs.after_failure(self.first_failure, read_failures(folder))
                     self._signal_all(signal.SIGKILL)
                     self.failure_deadline = float("inf")
             if now > self.deadline:
@@ -400,24 +383,3 @@ class Supervisor:
                 self.hangs.after_stop()
                 self._signal_all(signal.SIGKILL)
                 self.deadline = float("inf")
-
-    @staticmethod
-    def _statuses(folder: Path, ranks: list[int] | None = None) -> list[tuple[int, bool]]:
-        """The status of every worker (or of the global ``ranks``) that wrote one."""
-        files = folder.glob("status*") if ranks is None else (folder / f"status{rank}" for rank in ranks)
-        found = (stop.read_status(f) for f in files)
-        return [s for s in found if s is not None]
-
-    @staticmethod
-    def _read_value(folder: Path) -> Any:
-        """What ``fn`` returned on global rank 0 (written by its worker; None where it returned nothing)."""
-        path = folder / RESULT_FILE
-        return pickle.loads(path.read_bytes()) if path.is_file() else None
-
-    @staticmethod
-    def _read_failures(folder: Path) -> list[Failure]:
-        failures = []
-        for f in folder.glob("rank*.json"):
-            with contextlib.suppress(ValueError, OSError):
-                failures.append(json.loads(f.read_text()))
-        return failures

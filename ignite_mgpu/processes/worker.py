@@ -11,25 +11,21 @@ import gc
 import json
 import logging
 import os
-import pickle
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ignite_mgpu.cpus.binding import apply_binding, current, free_group_threads, thread_ids
 from ignite_mgpu.env import clock, cluster, stop
-from ignite_mgpu.errors import FAILED, ScriptArgumentsError, TrainingStopped, is_user_error
 from ignite_mgpu.processes import forkserver, hang_report, torchelastic
+from ignite_mgpu.processes.attempt_files import RESULT_FILE, failure_record, write_result
 
 if TYPE_CHECKING:
     from ignite_mgpu.processes.plan import LaunchPlan
 
-# What the job function returned on global rank 0, beside the failure files.
-RESULT_FILE = "result.pkl"
 # When the job function raised in this process (the failure file's time)
 _raised_at: list[float] = []
 
@@ -209,41 +205,6 @@ def _check_served_fork() -> None:
         raise RuntimeError("the fork server touched CUDA before forking this worker (a bug of ignite-mgpu)")
 
 
-def failure_record(rank: int, err: BaseException) -> dict[str, Any]:
-    """What a failed worker tells the supervisor in its failure file: its rank, when, the error, its exit code."""
-    return {
-        "rank": rank,
-        "time": _raised_at[0] if _raised_at else time.time(),
-        "type": type(err).__name__,
-        "message": str(err),
-        "traceback": getattr(err, "detail", "") if is_user_error(err) else traceback.format_exc(),
-        "code": err.exit_code if isinstance(err, (TrainingStopped, ScriptArgumentsError)) else FAILED,
-        "user_error": is_user_error(err),  # a restart would meet it again
-    }
-
-
-def write_result(path: Path, value: Any) -> None:
-    """Pickle what the job function returned on global rank 0 for the supervisor; tensors go to the CPU (the
-    launching process must not initialise CUDA to read them: a notebook could not fork workers again)."""
-    torch = sys.modules.get("torch")
-
-    class ToCpu(pickle.Pickler):
-        def reducer_override(self, obj: Any) -> Any:
-            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-                return obj.cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-            return NotImplemented
-
-    try:
-        with path.open("wb") as f:
-            ToCpu(f, pickle.HIGHEST_PROTOCOL).dump(value)
-    except Exception as err:
-        raise TypeError(
-            f"the job function returned a {type(value).__name__} on rank 0 that cannot be pickled ({err}), so it "
-            "cannot reach the launching process. Return plain data (numbers, strings, lists, dicts, tensors, a "
-            "state_dict), or save the object to a file and return its path."
-        ) from None
-
-
 def _set_signals(plan: LaunchPlan) -> None:
     """Ctrl-C is the launcher's, which passes it on: to the default job as SIGTERM (a stop at the next check), to a
     script as SIGINT (KeyboardInterrupt: its ``except KeyboardInterrupt`` and ``finally`` run, as under torchrun).
@@ -326,7 +287,7 @@ def worker_main(
         if rank == 0 and value is not None:
             write_result(Path(error_dir, RESULT_FILE), value)
     except BaseException as err:  # every failure becomes a failure file and an exit code
-        record = failure_record(rank, err)
+        record = failure_record(rank, err, _raised_at[0] if _raised_at else None)
         code = record["code"]
         Path(error_dir, f"rank{rank}.json").write_text(json.dumps(record))
     sys.stdout.flush()

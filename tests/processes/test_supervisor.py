@@ -109,12 +109,12 @@ def test_rank_0s_return_value_travels_pickled_with_tensors_on_the_cpu(tmp_path):
 
     import torch
 
-    from ignite_mgpu.processes.worker import RESULT_FILE, write_result
+    from ignite_mgpu.processes.attempt_files import RESULT_FILE, read_value, write_result
 
     write_result(tmp_path / RESULT_FILE, {"loss": 0.5, "weight": torch.ones(2)})
-    value = Supervisor._read_value(tmp_path)
+    value = read_value(tmp_path)
     assert value["loss"] == 0.5 and torch.equal(value["weight"], torch.ones(2))
-    assert Supervisor._read_value(tmp_path / "nothing") is None  # returned None: no file
+    assert read_value(tmp_path / "nothing") is None  # returned None: no file
     with pytest.raises(TypeError, match=r"the job function returned a lock on rank 0 that cannot be pickled \("):
         write_result(tmp_path / "lock.pkl", threading.Lock())
 
