@@ -18,6 +18,12 @@ from tests.docs_blocks import doc_block, installed_only, run_block, write_files
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
+@pytest.fixture(scope="module")
+def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The installed package alone, for PYTHONPATH: set up once for every page followed here."""
+    return installed_only(tmp_path_factory.mktemp("site"))
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -28,8 +34,8 @@ def _closing(stderr: str) -> list[str]:
 
 
 @pytest.mark.timeout(420)
-def test_first_project_from_an_empty_folder(tmp_path):
-    package, home = installed_only(tmp_path / "site"), tmp_path / "home"
+def test_first_project_from_an_empty_folder(tmp_path, package):
+    home = tmp_path / "home"
     home.mkdir()
     run_block(doc_block("first-project-folder"), home, pythonpath=package)
     project = home / "waves"
@@ -57,10 +63,10 @@ def test_first_project_from_an_empty_folder(tmp_path):
 
 
 @pytest.mark.timeout(420)
-def test_from_dataparallel_from_an_empty_folder(tmp_path):
+def test_from_dataparallel_from_an_empty_folder(tmp_path, package):
     import torch
 
-    package, home = installed_only(tmp_path / "site"), tmp_path / "home"
+    home = tmp_path / "home"
     home.mkdir()
     run_block(doc_block("dp-folder"), home, pythonpath=package)
     folder = home / "from-dp"
@@ -95,9 +101,8 @@ def test_from_dataparallel_from_an_empty_folder(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_the_python_path_example_runs_anywhere_and_again(tmp_path):
+def test_the_python_path_example_runs_anywhere_and_again(tmp_path, package):
     """docs/how-to/python-api.md's fit() example: no config file of the repository, a folder of its own each run."""
-    package = installed_only(tmp_path / "site")
     (tmp_path / "home").mkdir()
     for _ in range(2):
         result = run_block(doc_block("python-fit"), tmp_path / "home", pythonpath=package)

@@ -115,12 +115,14 @@ def create_model(cfg: ModelConfig, example: Any = None) -> nn.Module:
 def check_factories(m: ModelConfig, loss: str, loss_args: Mapping[str, Any], o: OptimConfig) -> None:
     """The user's model, loss and optimizer factories called once before any worker starts, as the workers call them:
     the loss factory; the model built on the meta device (no memory, no initialisation) and the optimizer over its
-    parameters; what each returns checked. A factory that raises is a ConfigError with its traceback. A model that
+    parameters (sgd and adamw over the model's own parameters, which refuse only an empty list, are not built: their
+    first add_param_group imports torch._dynamo, a second or more in a launcher that never trains); what each returns
+    checked. A factory that raises is a ConfigError with its traceback. A model that
     cannot be built on the meta device (it reads a tensor's value, loads weights) is said so and left, with its
     optimizer, to the workers."""
     from ignite_mgpu.config.checks import BUILTIN_LOSSES
     from ignite_mgpu.train.losses import create_loss
-    from ignite_mgpu.train.optim import build_optimizer, optimizer_from_config
+    from ignite_mgpu.train.optim import BUILTIN_OPTIMIZERS, build_optimizer, optimizer_from_config, optimizer_name
 
     if loss not in BUILTIN_LOSSES:
         create_loss(loss, loss_args, device="cpu")
@@ -144,5 +146,12 @@ def check_factories(m: ModelConfig, loss: str, loss_args: Mapping[str, Any], o: 
         )
     if any(isinstance(p, nn.parameter.UninitializedParameter) for p in model.parameters()):
         return  # lazy layers: their shapes come from the first batch, in the workers
+    if optimizer_name(o.name) in BUILTIN_OPTIMIZERS and not o.args and o.param_groups is None:
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ConfigError(
+                f"model.name={m.name} has no trainable parameters (all have requires_grad=False): optim.name={o.name} "
+                "would train nothing. Leave requires_grad=True on the parameters to train."
+            )
+        return
     with torch.device("meta"):
         optimizer_from_config(o, model, build=build_optimizer)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, needs_gpus
-from tests.faults.harness import Harness
+from tests.faults.harness import Harness, Result
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 SCRIPTS = REPO / "examples" / "scripts"
@@ -179,6 +179,20 @@ def test_under_an_outer_torchrun_it_refuses_to_nest_launchers(h: Harness) -> Non
     h.assert_no_leftovers()
 
 
+def signalled(
+    h: Harness, script: str, text: str, signum: int, started: str, extra: dict[str, str] | None = None
+) -> Result:
+    """``text`` written as ``script`` and run by `ignite-mgpu run --nproc 2`, sent ``signum`` once both ranks wrote
+    their marker (``started`` with the rank for ``{}``): the job's result."""
+    from tests.faults.test_faults import wait_until
+
+    (h.root / script).write_text(text)
+    job = h.start(["run", "--nproc", "2", script], extra=extra)
+    wait_until(lambda: all((h.root / started.format(r)).exists() for r in (0, 1)), job, 120, "both ranks")
+    os.kill(job.pid, signum)
+    return job.wait(150)
+
+
 # Rank 0 handles the pre-emption signal (its snapshot names how many it got); rank 1 has no handler: the default
 # action ends it. A requeued job (TORCHELASTIC_RESTART_COUNT 1) only notes that it started again.
 PREEMPTED = """
@@ -206,19 +220,13 @@ def test_slurm_preemption_reaches_every_rank_and_requeues_the_job(h: Harness) ->
     """sbatch --signal=B:USR1@90 warns the batch shell, which passes it on (trap) to ignite-mgpu run: every rank
     gets the signal (the script's handler, or its default action), the job exits 138 and requeues itself once;
     the requeued job starts the script again, which the restart count tells."""
-    from tests.faults.test_faults import wait_until
-
-    (h.root / "preempted.py").write_text(PREEMPTED)
     bin_dir, log = h.root / "bin", h.root / "scontrol.log"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n')
     (bin_dir / "scontrol").chmod(0o755)
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SCONTROL_LOG": str(log)}
     slurm["PATH"] = f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
-    job = h.start(["run", "--nproc", "2", "preempted.py"], extra=slurm)
-    wait_until(lambda: all((h.root / f"started.{r}.0").exists() for r in (0, 1)), job, 120, "both ranks")
-    os.kill(job.pid, signal.SIGUSR1)
-    r = job.wait(150)
+    r = signalled(h, "preempted.py", PREEMPTED, signal.SIGUSR1, "started.{}.0", extra=slurm)
     assert r.rc == 138, str(r)
     assert (
         "ignite-mgpu: SIGUSR1 received (pre-emption): every rank is sent SIGUSR1 (up to 60 s); the job then requeues "
@@ -334,13 +342,7 @@ finally:
 def test_ctrl_c_reaches_every_rank_as_keyboardinterrupt_and_the_job_exits_130(h: Harness) -> None:
     """As torchrun passes it on: SIGINT to every rank (their `except KeyboardInterrupt` and `finally` run), not
     SIGTERM, which would end them without either."""
-    from tests.faults.test_faults import wait_until
-
-    (h.root / "interrupted.py").write_text(INTERRUPTED)
-    job = h.start(["run", "--nproc", "2", "interrupted.py"])
-    wait_until(lambda: all((h.root / f"started.{r}").exists() for r in (0, 1)), job, 120, "both ranks")
-    os.kill(job.pid, signal.SIGINT)
-    r = job.wait(150)
+    r = signalled(h, "interrupted.py", INTERRUPTED, signal.SIGINT, "started.{}")
     assert r.rc == 130, str(r)
     assert (
         "ignite-mgpu: SIGINT received: every rank is sent SIGINT (then SIGKILL after 60 s); press Ctrl-C again to "

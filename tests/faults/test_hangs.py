@@ -13,11 +13,13 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.faults.harness import REPO, Harness
+from tests.conftest import cpu_only
+from tests.faults.harness import REPO, Harness, Result
 from tests.faults.test_faults import wait_until
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -91,44 +93,65 @@ def test_sigstopped_rank_is_found_and_named(h: Harness) -> None:
     h.assert_no_leftovers()
 
 
-@pytest.mark.timeout(150)
-def test_slow_live_rank_and_long_evaluation_are_not_reported(h: Harness) -> None:
-    """Rank 1 reads 16x slower than rank 0; the evaluation (10 s) lasts longer than the window (3 s)."""
-    out = h.root / "out"
-    data = "data.args={slow: '1:0.005', val_slow: 0.02, val: 1000}"
-    r = h.run([*HANGS, data, "--output-dir", str(out)], timeout=120)
-    assert r.rc == 0, str(r)
-    assert "hung" not in r.stderr and not list(out.glob("hang_*")), str(r)
-
-
-@pytest.mark.timeout(150)
-def test_stacks_prints_both_ranks_of_a_live_job(h: Harness) -> None:
-    out = h.root / "out"
-    job = h.start([*HANGS, "data.args={slow: '0:0.01'}", "data.train_size=1920", "--output-dir", str(out)])
-    forward = job.pids_dir / "forward1"
-    wait_until(lambda: forward.is_file() and len(forward.read_text().splitlines()) >= 2, job, 60, "training")
+def stacks(target: str) -> subprocess.CompletedProcess:
+    """`ignite-mgpu stacks TARGET` (a run folder or a launcher's pid), as a user runs it."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for target in (str(out), str(job.pid)):
-        shown = subprocess.run(
-            [sys.executable, "-m", "ignite_mgpu", "stacks", target], env=env, capture_output=True, text=True, timeout=30
-        )
+    command = [sys.executable, "-m", "ignite_mgpu", "stacks", target]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
+
+
+@dataclass(frozen=True)
+class Live:
+    """The live job's result, its run folder and what `ignite-mgpu stacks` printed of it (by folder, by pid)."""
+
+    result: Result
+    out: Path
+    shown: list[subprocess.CompletedProcess]
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Live:
+    """One job that goes on to its end, shared by the tests that read it: rank 1 reads 16x slower than rank 0, the
+    evaluation (10 s) lasts longer than the window (3 s), and `ignite-mgpu stacks` is asked for both ranks by the
+    run folder and by the launcher's pid once rank 1 trains. Nothing of it may outlive it."""
+    root = tmp_path_factory.mktemp("live")
+    harness, out = Harness(root), root / "out"
+    try:
+        with cpu_only(root / "claims"):
+            data = "data.args={slow: '1:0.005', val_slow: 0.02, val: 1000}"
+            job = harness.start([*HANGS, data, "--output-dir", str(out)])
+            forward = job.pids_dir / "forward1"
+            wait_until(lambda: forward.is_file() and len(forward.read_text().splitlines()) >= 2, job, 60, "training")
+            shown = [stacks(target) for target in (str(out), str(job.pid))]
+            r = job.wait(timeout=120)
+        harness.assert_no_leftovers()
+    finally:
+        harness.cleanup()
+    return Live(r, out, shown)
+
+
+@pytest.mark.timeout(150)
+def test_slow_live_rank_and_long_evaluation_are_not_reported(live: Live) -> None:
+    """Rank 1 reads 16x slower than rank 0; the evaluation (10 s) lasts longer than the window (3 s)."""
+    assert live.result.rc == 0, str(live.result)
+    assert "hung" not in live.result.stderr and not list(live.out.glob("hang_*")), str(live.result)
+
+
+@pytest.mark.timeout(150)
+def test_stacks_prints_both_ranks_of_a_live_job(live: Live) -> None:
+    for shown in live.shown:  # by the run folder, by the launcher's pid
         assert shown.returncode == 0, shown.stderr
         assert "=== rank 0 ===" in shown.stdout and "=== rank 1 ===" in shown.stdout, shown.stdout
         assert shown.stdout.count("in worker_main") == 2, shown.stdout
-    r = job.wait(timeout=120)
-    assert r.rc == 0, str(r)  # the job went on to its end
-    h.assert_no_leftovers()
+    assert live.result.rc == 0, str(live.result)  # the job went on to its end
 
 
 @pytest.mark.timeout(150)
 def test_stacks_of_a_script_under_run(h: Harness) -> None:
     job = h.start(["run", "--nproc", "2", str(Path(__file__).parent / "live_script.py"), "40"])
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     deadline = time.monotonic() + 60
     while True:  # until both ranks are in the script's loop
-        shown = subprocess.run(
-            [sys.executable, "-m", "ignite_mgpu", "stacks", str(job.pid)], env=env, capture_output=True, text=True
-        )
+        shown = stacks(str(job.pid))
         if shown.stdout.count("in reduce_for") == 2 or time.monotonic() > deadline or not job.running():
             break
         time.sleep(1)

@@ -11,14 +11,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import cpu_only
 from tests.faults.harness import Harness, Result
 from tests.faults.test_faults import BASE, assert_last_good, checkpoints, wait_until
 
@@ -259,22 +262,56 @@ def preempted(h: Harness, out: Path, log: Path) -> tuple[list[str], dict[str, st
     return args, slurm, r
 
 
+@dataclass(frozen=True)
+class Preemption:
+    """The pre-empted job of ``preempted()``, run once for the tests of its requeue: its args, its SLURM environment,
+    its result, its run folder (read-only: each test requeues a copy) and its scontrol log."""
+
+    args: list[str]
+    slurm: dict[str, str]
+    result: Result
+    out: Path
+    log: Path
+
+    def copy(self, root: Path) -> tuple[list[str], dict[str, str], Path, Path]:
+        """The run folder and scontrol log copied into ``root``: the requeued job's args and environment pointing
+        at them, the copies."""
+        out, log = root / "out", root / "scontrol.log"
+        shutil.copytree(self.out, out)  # its lock file too, as a requeued job finds it
+        shutil.copyfile(self.log, log)
+        args = [str(out) if a == str(self.out) else a for a in self.args]
+        return args, {**self.slurm, "SCONTROL_LOG": str(log)}, out, log
+
+
+@pytest.fixture(scope="module")
+def preemption(tmp_path_factory: pytest.TempPathFactory) -> Preemption:
+    """One pre-empted job shared by the two requeue tests (the same command, requeued on 2 and on 3 processes)."""
+    root = tmp_path_factory.mktemp("preempted")
+    harness = Harness(root)
+    try:
+        with cpu_only(root / "claims"):
+            args, slurm, r = preempted(harness, root / "out", root / "scontrol.log")
+        harness.assert_no_leftovers()
+    finally:
+        harness.cleanup()
+    return Preemption(args, slurm, r, root / "out", root / "scontrol.log")
+
+
 @pytest.mark.timeout(240)
-def test_slurm_preemption_checkpoints_requeues_and_the_requeued_job_resumes(h: Harness) -> None:
+def test_slurm_preemption_checkpoints_requeues_and_the_requeued_job_resumes(h: Harness, preemption: Preemption) -> None:
     """A single-task SLURM job with 2 processes gets SIGUSR1 (sbatch --signal=USR1@90; SLURM signals every process
     of the step): every rank stops at one iteration, writes a checkpoint, the job runs `scontrol requeue` and
     exits 138. The requeued job, the same command, resumes from that checkpoint."""
-    out, log = h.root / "out", h.root / "scontrol.log"
-    args, slurm, r = preempted(h, out, log)
+    r = preemption.result
     assert "ignite-mgpu: SIGUSR1 received (pre-emption): every rank stops and writes a checkpoint" in r.stderr, str(r)
     m = re.search(r"stopped by SIGUSR1 at iteration (\d+)", r.stderr)
     assert m and 4 <= int(m.group(1)) < 20, str(r)
     stopped_at = int(m.group(1))
     assert "ignite-mgpu: requeued SLURM job 4242 (scontrol requeue 4242)" in r.stderr, str(r)
-    assert log.read_text() == "requeue 4242\n"  # once per job
-    h.assert_no_leftovers()
-    assert_last_good(out, stopped_at)
+    assert preemption.log.read_text() == "requeue 4242\n"  # once per job
+    assert_last_good(preemption.out, stopped_at)
 
+    args, slurm, out, log = preemption.copy(h.root)
     r = h.run(args, 120, None, tag="b", extra={**slurm, "SLURM_RESTART_COUNT": "1"})  # the requeued job
     assert r.rc == 0, str(r)
     assert re.search(rf"resumed from \S*checkpoint_{stopped_at}\.pt at iteration {stopped_at}", r.stderr), str(r)
@@ -283,12 +320,15 @@ def test_slurm_preemption_checkpoints_requeues_and_the_requeued_job_resumes(h: H
     h.assert_no_leftovers()
 
 
-def test_a_preempted_job_requeued_on_three_processes_is_the_same_run(h: Harness, reference: Path) -> None:
+@pytest.mark.timeout(240)
+def test_a_preempted_job_requeued_on_three_processes_is_the_same_run(
+    h: Harness, reference: Path, preemption: Preemption
+) -> None:
     """A SLURM pre-emption at any iteration (the stop's checkpoint is as unplanned as a time-based one), and the
     requeued job gets 3 processes, not 2: it resumes at the stop and ends within 1e-5 of the uninterrupted run."""
-    out = h.root / "out"
-    args, slurm, r = preempted(h, out, h.root / "scontrol.log")
+    r = preemption.result
     stopped_at = int(re.search(r"stopped by SIGUSR1 at iteration (\d+)", r.stderr).group(1))  # type: ignore[union-attr]
+    args, slurm, out, _ = preemption.copy(h.root)
     on_three = [a if a != "2" or args[i - 1] != "--nproc" else "3" for i, a in enumerate(args)]
     r = h.run(on_three, 120, None, tag="b", extra={**slurm, "SLURM_RESTART_COUNT": "1"})
     assert r.rc == 0, str(r)

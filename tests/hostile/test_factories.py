@@ -33,14 +33,35 @@ def started(monkeypatch):
         (f"train.loss={PKG}:loss_raises", "raised ValueError: the loss factory broke."),
         (f"optim.name={PKG}:optimizer_raises", "raised TypeError: the optimizer factory broke."),
         (f"optim.name={PKG}:optimizer_wrong", "returned a list, not a torch.optim.Optimizer."),
+        (f"model.name={PKG}:model_frozen", "has no trainable parameters (all have requires_grad=False): "
+         "optim.name=sgd would train nothing."),
+        (f"model.name={PKG}:model_frozen optim.name=SGD", "optim.name=SGD: calling it raised ValueError: optimizer "
+         "got an empty parameter list."),
     ],
 )  # fmt: skip
 def test_a_factory_that_fails_is_exit_2_before_any_worker(tmp_path, started, override, message):
-    result = CliRunner().invoke(main, ["train", *SMALL, "--output-dir", str(tmp_path / "out"), override])
+    result = CliRunner().invoke(main, ["train", *SMALL, "--output-dir", str(tmp_path / "out"), *override.split()])
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split())
     assert result.output.count("Traceback") == (1 if "raised" in message else 0)
     assert started == [] and not (tmp_path / "out").exists()  # no worker, no folder
+
+
+@pytest.mark.parametrize(("optim", "builds"), [("optim.name=adamw", False), ("optim.name=Adam", True)])
+def test_sgd_and_adamw_over_the_models_parameters_are_not_built_before_the_workers(
+    tmp_path, monkeypatch, started, optim, builds
+):
+    """Building one imports torch._dynamo (a second or more) in the launcher, which never trains; they can refuse
+    only an empty parameter list, checked without them (above). Any other optimizer is built on the meta model."""
+    from ignite_mgpu.train import optim as optim_module
+
+    built = []
+    real = optim_module.build_optimizer
+    monkeypatch.setattr(optim_module, "build_optimizer", lambda *a, **k: built.append(a[1]) or real(*a, **k))
+    args = ["train", *SMALL, "--output-dir", str(tmp_path / "out"), "model.name=tests.plugins_pkg.factories:net", optim]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert built == (["Adam"] if builds else []) and len(started) == 1
 
 
 def test_a_model_that_cannot_be_built_on_meta_is_left_to_the_workers(tmp_path, started):

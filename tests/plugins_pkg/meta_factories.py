@@ -30,3 +30,8 @@ def optimizer_raises(params, lr, weight_decay):
 
 def optimizer_wrong(params, lr, weight_decay):
     return [p for group in params for p in (group["params"] if isinstance(group, dict) else [group])]
+
+
+def model_frozen(num_classes: int = 10) -> nn.Module:
+    """Every parameter frozen: the optimizer would train nothing."""
+    return nn.Linear(4, num_classes).requires_grad_(False)
