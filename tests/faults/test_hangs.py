@@ -81,7 +81,8 @@ def test_rank_stuck_in_a_collective_the_other_never_joins(h: Harness) -> None:
 @pytest.mark.timeout(120)
 def test_sigstopped_rank_is_found_and_named(h: Harness) -> None:
     out = h.root / "out"
-    job = h.start([*HANGS, "data.args={slow: '1:0.002'}", "data.train_size=64000", "--output-dir", str(out)])
+    # 100 iterations (6400 samples, 2 ms a sample read on rank 1): the job is still training when rank 1 is stopped.
+    job = h.start([*HANGS, "data.args={slow: '1:0.002', n: 6400}", "--output-dir", str(out)])
     forward = job.pids_dir / "forward1"
     wait_until(lambda: forward.is_file() and len(forward.read_text().splitlines()) >= 2, job, 60, "rank 1 training")
     pid = int(forward.read_text().split()[0])
