@@ -6,8 +6,8 @@ import signal
 
 import pytest
 
-from ignite_mgpu.processes.outcome import no_restart_reason, outcome
 from ignite_mgpu.processes.attempt_files import failure_record
+from ignite_mgpu.processes.outcome import no_restart_reason, outcome
 
 
 def summarize(*args, **kwargs):

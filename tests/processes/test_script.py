@@ -18,9 +18,9 @@ from ignite_mgpu.cli.commands import main
 from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.errors import ConfigError, ScriptArgumentsError
 from ignite_mgpu.processes import launcher, script
+from ignite_mgpu.processes.attempt_files import failure_record
 from ignite_mgpu.processes.outcome import no_restart_reason, outcome
 from ignite_mgpu.processes.plan import Machine, decide, make_plan
-from ignite_mgpu.processes.attempt_files import failure_record
 
 
 @pytest.fixture
