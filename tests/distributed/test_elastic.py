@@ -160,7 +160,7 @@ def test_a_job_on_a_range_lends_two_gpus_to_a_waiting_job_and_takes_them_back(fa
     (fake_gpus / "gpus.csv").write_text(TABLE.replace("71680", "1").replace("40960", "1"))  # 4 idle GPUs
     (fake_gpus / "apps.csv").write_text("")
     out, log = tmp_path / "elastic", tmp_path / "elastic.log"
-    env = {**os.environ, **job_env(tmp_path, "slow:*:1:0.8")}  # 0.8 s an iteration: room for both changes
+    env = {**os.environ, **job_env(tmp_path, "slow:*:1:1")}  # 1 s an iteration: room for both changes
     command = [sys.executable, str(RUNNER), "train", *ARGS, "--gpus", "auto:2-4", "--output-dir", str(out)]
     with log.open("w") as stderr:
         job = subprocess.Popen(command, env=env, stderr=stderr, stdout=subprocess.DEVNULL, start_new_session=True)
