@@ -70,8 +70,7 @@ class Supervisor:
     ) -> None:
         self.plan, self.fn, self.args, self.restart, self.report = plan, fn, args, restart, report
         self.outcome, self.value, self.note = Outcome(SUCCESS), None, ""
-        # 0700: private to this user; named by this pid for `ignite-mgpu stacks PID` (processes/stacks.py)
-        self.error_dir = tempfile.mkdtemp(prefix=f"ignite-mgpu-{os.getpid()}-")
+        self.error_dir = ""  # the job's private folder, made by run() and removed when it ends
         self.signal_received = 0
         self.starting = False  # while the attempt's workers are being started
         # The stop signal came then: _attempt kills what it started.
@@ -128,6 +127,8 @@ class Supervisor:
 
     def run(self) -> int:
         plan = self.plan
+        # 0700: private to this user; named by this pid for `ignite-mgpu stacks PID` (processes/stacks.py)
+        self.error_dir = tempfile.mkdtemp(prefix=f"ignite-mgpu-{os.getpid()}-")
         handled = [*_STOP_SIGNALS, *([plan.preempt_signal] if plan.preempt_signal else [])]
         old = {s: signal.signal(s, self._on_signal) for s in handled}
         # attempt: every start of the workers; restarts: those after a failure (a change of size is not one)
