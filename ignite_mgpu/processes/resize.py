@@ -64,7 +64,6 @@ class Resizing:
     change: Change
     names: dict[int, str]
     was: int  # processes before
-    started: float  # time.monotonic() when the workers were asked to stop
 
 
 class Lender:
@@ -105,12 +104,12 @@ class Lender:
             if given_back:
                 self.lent = [n for n in self.lent if n not in given_back]
                 self._write(plan)
-            return self._begin(plan, dir_fd, snapshot, change, now) if change else None
+            return self._begin(plan, dir_fd, snapshot, change) if change else None
         finally:
             os.close(dir_fd)
 
     def _begin(
-        self, plan: LaunchPlan, dir_fd: int, snapshot: list[inventory.GpuInfo], change: Change, now: float
+        self, plan: LaunchPlan, dir_fd: int, snapshot: list[inventory.GpuInfo], change: Change
     ) -> Resizing | None:
         """The GPUs to take claimed (None: another job claimed one first), the lent ones written down."""
         names = {i: n for i, n in plan.gpu_names.items() if n not in change.lend}
@@ -123,7 +122,7 @@ class Lender:
             names.update({i: n for i, n in found.items() if n in change.take})
         self.lent += [n for n in change.lend if n not in self.lent]
         self._write(plan)
-        return Resizing(change, names, plan.nproc, now)
+        return Resizing(change, names, plan.nproc)
 
     def _write(self, plan: LaunchPlan) -> None:
         """The holder files say what the job has lent (``ignite-mgpu devices``; other lenders count it free soon)."""
