@@ -33,13 +33,19 @@ def _closing(stderr: str) -> list[str]:
     return [line.split(" INFO ", 1)[1] for line in stderr.splitlines() if " INFO " in line]
 
 
-@pytest.mark.timeout(420)
-def test_first_project_from_an_empty_folder(tmp_path, package):
+def from_an_empty_folder(tmp_path, package, block: str, name: str, page: str) -> tuple[Path, list[Path]]:
+    """The tutorial's first block run in an empty home folder, then its files written into the folder it made."""
     home = tmp_path / "home"
     home.mkdir()
-    run_block(doc_block("first-project-folder"), home, pythonpath=package)
-    project = home / "waves"
-    written = write_files("tutorials/first-project.md", project)
+    run_block(doc_block(block), home, pythonpath=package)
+    return home / name, write_files(page, home / name)
+
+
+@pytest.mark.timeout(420)
+def test_first_project_from_an_empty_folder(tmp_path, package):
+    project, written = from_an_empty_folder(
+        tmp_path, package, "first-project-folder", "waves", "tutorials/first-project.md"
+    )
     files = ["config.yaml", "my_project/__init__.py", "my_project/data.py", "my_project/model.py"]
     assert sorted(p.relative_to(project).as_posix() for p in written) == files
     assert sorted(p.name for p in project.iterdir()) == ["config.yaml", "my_project"]  # nothing else to lean on
@@ -66,11 +72,7 @@ def test_first_project_from_an_empty_folder(tmp_path, package):
 def test_from_dataparallel_from_an_empty_folder(tmp_path, package):
     import torch
 
-    home = tmp_path / "home"
-    home.mkdir()
-    run_block(doc_block("dp-folder"), home, pythonpath=package)
-    folder = home / "from-dp"
-    written = write_files("tutorials/from-dataparallel.md", folder)
+    folder, written = from_an_empty_folder(tmp_path, package, "dp-folder", "from-dp", "tutorials/from-dataparallel.md")
     assert sorted(p.name for p in written) == ["after.py", "before.py", "project.py", "train.yaml"]
 
     # The classic script: DataParallel (the CPU here), the loss computed in forward().
@@ -97,7 +99,7 @@ def test_from_dataparallel_from_an_empty_folder(tmp_path, package):
     project = importlib.util.module_from_spec(spec)  # the reader's own module, as written from the page
     spec.loader.exec_module(project)
     project.Net().load_state_dict(torch.load(folder / "runs" / "after" / "model.pt", weights_only=True))  # no "module."
-    assert not list(folder.glob("*.pt")) and not list(home.glob("*.pt"))  # nothing saved beside the scripts
+    assert not list(folder.glob("*.pt")) and not list(folder.parent.glob("*.pt"))  # nothing saved beside the scripts
 
 
 @pytest.mark.timeout(240)

@@ -76,8 +76,10 @@ def decide(held: list[str], low: int, high: int, line: Line, avoid: frozenset[st
     return Change(tuple(lend), tuple(take), tuple(to))
 
 
-def look(dir_fd: int, snapshot: list[inventory.GpuInfo], min_free_memory: float) -> Line:
-    """The claims folder and the snapshot as ``decide`` needs them."""
+def look(
+    dir_fd: int, snapshot: list[inventory.GpuInfo], min_free_memory: float, waiters: list[Waiter] | None = None
+) -> Line:
+    """The claims folder and the snapshot as ``decide`` needs them (``waiters``: the line, when already read)."""
     names = {g.index: claims.claim_name(g.uuid, g.pci_bus_id) for g in snapshot}
     holders = claims.holders(dir_fd, names.values())
     unusable = busy(snapshot, min_free_memory)
@@ -85,7 +87,8 @@ def look(dir_fd: int, snapshot: list[inventory.GpuInfo], min_free_memory: float)
         name for i, name in sorted(names.items()) if name not in holders and i not in unusable and not _mig(snapshot, i)
     )
     coming = tuple(name for name, who in holders.items() if name in who.lent)
-    return Line(free, coming, tuple(waiting.waiting(dir_fd)), frozenset(holders))
+    line = waiting.waiting(dir_fd) if waiters is None else waiters
+    return Line(free, coming, tuple(line), frozenset(holders))
 
 
 def _mig(snapshot: list[inventory.GpuInfo], index: int) -> bool:

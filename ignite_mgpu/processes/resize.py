@@ -91,10 +91,11 @@ class Lender:
             return None
         try:
             held = [plan.gpu_names[i] for i in plan.gpus or [] if i in plan.gpu_names]
-            if len(held) >= plan.gpu_range.high and not self.lent and not waiting.waiting(dir_fd):
+            waiters = waiting.waiting(dir_fd)
+            if len(held) >= plan.gpu_range.high and not self.lent and not waiters:
                 return None  # nothing to lend to, nothing to take: no nvidia-smi query
             snapshot = inventory.query_gpus()
-            line = lending.look(dir_fd, snapshot, plan.min_free_memory)
+            line = lending.look(dir_fd, snapshot, plan.min_free_memory, waiters)
             given_back = [n for n in self.lent if n not in line.claimed or n in held]
             # A GPU left out as failed is never taken again, even when it shows up idle.
             change = lending.decide(held, plan.gpu_range.low, plan.gpu_range.high, line, frozenset(self.failed))
