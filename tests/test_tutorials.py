@@ -33,19 +33,19 @@ def _closing(stderr: str) -> list[str]:
     return [line.split(" INFO ", 1)[1] for line in stderr.splitlines() if " INFO " in line]
 
 
-def from_an_empty_folder(tmp_path, package, block: str, name: str, page: str) -> tuple[Path, list[Path]]:
-    """The tutorial's first block run in an empty home folder, then its files written into the folder it made."""
+def from_an_empty_folder(tmp_path, package, block, name: str, page: str) -> tuple[Path, list[Path]]:
+    """The tutorial's first ``block`` (``doc_block``'s) run in an empty home folder, then its files written into
+    the folder it made."""
     home = tmp_path / "home"
     home.mkdir()
-    run_block(doc_block(block), home, pythonpath=package)
+    run_block(block, home, pythonpath=package)
     return home / name, write_files(page, home / name)
 
 
 @pytest.mark.timeout(420)
 def test_first_project_from_an_empty_folder(tmp_path, package):
-    project, written = from_an_empty_folder(
-        tmp_path, package, "first-project-folder", "waves", "tutorials/first-project.md"
-    )
+    page = "tutorials/first-project.md"
+    project, written = from_an_empty_folder(tmp_path, package, doc_block("first-project-folder"), "waves", page)
     files = ["config.yaml", "my_project/__init__.py", "my_project/data.py", "my_project/model.py"]
     assert sorted(p.relative_to(project).as_posix() for p in written) == files
     assert sorted(p.name for p in project.iterdir()) == ["config.yaml", "my_project"]  # nothing else to lean on
@@ -72,7 +72,8 @@ def test_first_project_from_an_empty_folder(tmp_path, package):
 def test_from_dataparallel_from_an_empty_folder(tmp_path, package):
     import torch
 
-    folder, written = from_an_empty_folder(tmp_path, package, "dp-folder", "from-dp", "tutorials/from-dataparallel.md")
+    page = "tutorials/from-dataparallel.md"
+    folder, written = from_an_empty_folder(tmp_path, package, doc_block("dp-folder"), "from-dp", page)
     assert sorted(p.name for p in written) == ["after.py", "before.py", "project.py", "train.yaml"]
 
     # The classic script: DataParallel (the CPU here), the loss computed in forward().
