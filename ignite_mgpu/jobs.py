@@ -20,6 +20,7 @@ from ignite_mgpu.config.loading import dotted_keys
 from ignite_mgpu.config.schema import Config
 from ignite_mgpu.env import cluster
 from ignite_mgpu.errors import NOTHING_FITS, SUCCESS, CheckpointError, Checks, ConfigError
+from ignite_mgpu.gpus.claims import GpuClaims
 from ignite_mgpu.preflight import (
     check_datasets,
     check_job,
@@ -31,8 +32,9 @@ from ignite_mgpu.preflight import (
     warn_restarts_without_checkpoints,
 )
 from ignite_mgpu.processes import forkserver, launcher
+from ignite_mgpu.processes.job import Job, Restart
 from ignite_mgpu.processes.launcher import in_workers
-from ignite_mgpu.processes.plan import LaunchPlan, Restart, make_plan
+from ignite_mgpu.processes.plan import LaunchPlan, make_plan
 from ignite_mgpu.runs import folder
 from ignite_mgpu.runs.folder import run_dir
 from ignite_mgpu.runs.lock import output_lock
@@ -102,30 +104,30 @@ def fit(cfg: Config | None = None) -> FitResult:
     try:
         validate(cfg)
         # The fork server imports torch and the training code while this process makes the plan.
-        with prepared(cfg, forkserver.preload_for(launcher.run_named, (TRAINING,))) as plan:
-            # Only the target's name is pickled for the workers: this process never imports ignite.
-            restart = functools.partial(_resume_newest, cfg, cluster.outer_restarts())
-            code = launcher.run_plan(plan, launcher.run_named, TRAINING, cfg, restart=restart)
+        with prepared(cfg, forkserver.preload_for(Job(TRAINING))) as (resolved, plan, claims):
+            # Only the function's name is pickled for the workers: this process never imports ignite.
+            out = run_dir(resolved.output_dir)
+            restart = functools.partial(_resume_newest, resolved)
+            ended = launcher.run_job(plan, Job(TRAINING, (resolved,)), claims, restart, run_dir=str(out))
+            code = ended.outcome.code
     except (ConfigError, CheckpointError) as err:
         return FitResult(_refused(err))
-    # Resolved by the pre-flight: a new folder under runs/ for a run without output_dir.
-    out = run_dir(cfg.output_dir)
     return FitResult(code, out, last_epoch(out), best_model(out))
 
 
-def _resume_newest(cfg: Config, outer_restarts: int, attempt: int) -> Restart:
-    """Restart ``attempt`` of the default job: ``--resume auto``, the newest complete checkpoint in output_dir (or
-    from the beginning when none was written yet, from the weights of a ``--resume X.safetensors`` start); named
-    here for the supervisor's log line."""
+def _resume_newest(cfg: Config, restarts: int) -> Restart:
+    """What the default job runs after ``restarts`` restarts (or a change of size): ``--resume auto``, the newest
+    complete checkpoint in output_dir (or from the beginning when none was written yet, from the weights of a
+    ``--resume X.safetensors`` start); named here for the supervisor's message. The restart count reaches the
+    workers as TORCHELASTIC_RESTART_COUNT."""
     from ignite_mgpu.checkpoint.files import CKPT_NAME, find_resumable, weights_only_resume
 
     path = find_resumable(run_dir(cfg.output_dir))
     match = CKPT_NAME.match(path.name) if path is not None else None
     if path is None and weights_only_resume(cfg.resume):
-        args = (TRAINING, cfg, outer_restarts + attempt)
-        return Restart(args, str(cfg.resume), 0)
-    args = (TRAINING, dataclasses.replace(cfg, resume="auto"), outer_restarts + attempt)
-    return Restart(args, str(path) if path is not None else None, int(match.group(1)) if match else 0)
+        return Restart((cfg,), str(cfg.resume), 0)
+    resumed = dataclasses.replace(cfg, resume="auto")
+    return Restart((resumed,), str(path) if path is not None else None, int(match.group(1)) if match else 0)
 
 
 def is_leader(cfg: Config, environ: Mapping[str, str] = os.environ) -> bool:
@@ -134,15 +136,16 @@ def is_leader(cfg: Config, environ: Mapping[str, str] = os.environ) -> bool:
     return cfg.dist.node_rank == 0 and cluster.is_first_process(environ)
 
 
-def resolve_output_dir(cfg: Config, environ: Mapping[str, str] = os.environ, now: float | None = None) -> None:
-    """Give a run without ``output_dir`` a folder of its own under runs/ (printed), so that the same command can run
-    twice; ``--resume auto`` without one continues the newest there. A folder the user names is left as it is.
+def resolve_output_dir(cfg: Config, environ: Mapping[str, str] = os.environ, now: float | None = None) -> Config:
+    """``cfg`` with a folder of its own under runs/ for a run without ``output_dir`` (printed), so that the same
+    command can run twice; ``--resume auto`` without one continues the newest there. A folder the user names is
+    left as it is. The caller's ``cfg`` is never changed.
 
     Under torchrun/SLURM every process runs this: the folder is named by the job's id (SLURM_JOB_ID, torchrun's
     --rdzv-id), which every process and every requeue of the job shares.
     """
     if cfg.output_dir is not None:
-        return
+        return cfg
     job_id = cluster.job_id(environ)
     if cluster.started_externally(environ):
         if job_id is None:
@@ -150,40 +153,40 @@ def resolve_output_dir(cfg: Config, environ: Mapping[str, str] = os.environ, now
                 "under torchrun without --rdzv-id every process would pick its own folder: pass --output-dir (or "
                 "output_dir=...), or give torchrun --rdzv-id."
             )
-        cfg.output_dir = str(folder.RUNS / f"job-{job_id}")
+        chosen = folder.RUNS / f"job-{job_id}"
     elif cfg.resume == "auto" and (earlier := folder.earlier_runs()):
-        cfg.output_dir = str(earlier[-1])
+        chosen = earlier[-1]
     # A new run (--resume auto with no earlier run starts one too, as on a first start under a scheduler)
     else:
         stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.localtime(now))
-        new, n = folder.RUNS / stamp, 1
-        while new.exists():
+        chosen, n = folder.RUNS / stamp, 1
+        while chosen.exists():
             n += 1
-            new = folder.RUNS / f"{stamp}-{n}"
-        cfg.output_dir = str(new)
-    print(said(f"ignite-mgpu: output_dir {cfg.output_dir} (--output-dir chooses one)"), file=sys.stderr)
-
-
-def checked_plan(cfg: Config) -> LaunchPlan:
-    """The launch plan, and the checks that need it: the model options its device allows, the datasets over its
-    processes. ``train`` and ``evaluate`` both run them, after ``check_job``."""
-    plan = make_plan(cfg.dist)
-    try:
-        check_model_options(cfg, plan)
-        check_datasets(cfg, plan.world_size)
-    except BaseException:
-        plan.claims.close()  # the GPUs this plan claimed go back at once
-        raise
-    return plan
+            chosen = folder.RUNS / f"{stamp}-{n}"
+    print(said(f"ignite-mgpu: output_dir {chosen} (--output-dir chooses one)"), file=sys.stderr)
+    return dataclasses.replace(cfg, output_dir=str(chosen))
 
 
 @contextlib.contextmanager
-def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[LaunchPlan]:
-    """Run every check, decide the launch plan, and hold the output folder's lock while the caller runs the job.
-    ``preload``: the fork server's modules (``forkserver.preload_for``); when the job runs in workers, the server
-    starts once every check has passed (bad input never starts a process) and imports them while the output
-    folder is locked and the supervisor starts (stopped here if the job does not start; the supervisor stops it
-    when the job ends).
+def checked_plan(cfg: Config) -> Iterator[tuple[LaunchPlan, GpuClaims]]:
+    """The launch plan and the GPU claims it made, held while the caller runs the job, and the checks that need the
+    plan: the model options its device allows, the datasets over its processes. ``train`` and ``evaluate`` both
+    run them, after ``check_job``; a failed check lets the GPUs go at once."""
+    plan, claims = make_plan(cfg.dist)
+    with claims:
+        check_model_options(cfg, plan)
+        check_datasets(cfg, plan.world_size)
+        yield plan, claims
+
+
+@contextlib.contextmanager
+def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[tuple[Config, LaunchPlan, GpuClaims]]:
+    """Run every check, name the output folder, decide the launch plan, and hold the GPU claims and the output
+    folder's lock while the caller runs the job; yields the config with its output folder named (``cfg`` itself
+    is left as it is), the plan and the claims. ``preload``: the fork server's modules (``forkserver.preload_for``);
+    when the job runs in workers, the server starts once every check has passed (bad input never starts a process)
+    and imports them while the output folder is locked and the supervisor starts (stopped here if the job does not
+    start; the supervisor stops it when the job ends).
 
     Raises:
         ConfigError, CheckpointError: before anything was started or created.
@@ -194,7 +197,7 @@ def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[LaunchPl
         check_job(cfg)
     with checks.one():
         check_trackers(cfg.train)  # training's alone: evaluate logs to no tracker
-    resolve_output_dir(cfg)
+    cfg = resolve_output_dir(cfg)
     leader = is_leader(cfg)
     if leader:
         with checks.one():
@@ -204,19 +207,17 @@ def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[LaunchPl
         warn_restarts_without_checkpoints(cfg)
         warn_double_warmup(cfg)
     try:
-        plan = checked_plan(cfg)
-        plan.run_dir = str(run_dir(cfg.output_dir))  # where a hang's report goes
-        # Every check passed: bad input never starts a process.
-        if preload is not None and in_workers(plan):
-            forkserver.start(preload, cluster.signal_number(cfg.dist.preempt_signal))
-        with plan.claims:  # the GPUs' claims, held while the job runs
+        with checked_plan(cfg) as (plan, claims):
+            # Every check passed: bad input never starts a process.
+            if preload is not None and in_workers(plan):
+                forkserver.start(preload, cluster.signal_number(cfg.dist.preempt_signal))
             if not leader:
-                yield plan
+                yield cfg, plan, claims
                 return
             with output_lock(run_dir(cfg.output_dir)):
                 # Again under the lock: a job may have run there since the check.
                 check_no_foreign_checkpoints(cfg)
-                yield plan
+                yield cfg, plan, claims
     finally:
         forkserver.stop()
 
@@ -233,13 +234,13 @@ def evaluate(cfg: Config, checkpoint: str | Path, as_json: bool = False) -> int:
     try:
         validate(cfg)
         check_job(cfg)
-        plan = checked_plan(cfg)
-        splits = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
-        model = create_model(cfg.model, example_inputs(splits.val, splits.collate_fn))
-        load_checkpoint(checkpoint, {"model": model}, map_location="cpu")
+        with checked_plan(cfg) as (plan, claims):
+            splits = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
+            model = create_model(cfg.model, example_inputs(splits.val, splits.collate_fn))
+            load_checkpoint(checkpoint, {"model": model}, map_location="cpu")
+            return launcher.run_job(plan, Job(scoring, (cfg, str(checkpoint), as_json)), claims).outcome.code
     except (ConfigError, CheckpointError) as err:
         return _refused(err)
-    return launcher.run_plan(plan, scoring, cfg, str(checkpoint), as_json)
 
 
 def plan_memory(cfg: Config, as_json: bool = False) -> int:

@@ -284,7 +284,7 @@ def check_no_foreign_checkpoints(cfg: Config) -> None:
 
     out = run_dir(cfg.output_dir)
     existing = list_checkpoints(out) if out.is_dir() else []
-    # A requeue continues them.
+    # A requeued job continues the checkpoints it wrote itself.
     if weights_only_resume(cfg.resume) and existing and not cluster.outer_restarts():
         raise ConfigError(
             f"--resume {cfg.resume} starts a new run from its weights (a fresh optimizer and schedule, epoch 0), but "

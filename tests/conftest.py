@@ -87,7 +87,7 @@ def _hide_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     from ignite_mgpu.gpus import inventory
-    from ignite_mgpu.processes import plan
+    from ignite_mgpu.processes import machine
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("PATH", _dirs_without_nvidia_smi(os.environ.get("PATH", "")))
@@ -97,7 +97,7 @@ def _hide_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(inventory, "_run_nvidia_smi", _no_nvidia_smi)
     # The plan asks torch.cuda (which tests patch to show GPUs) only where a GPU driver is installed: pretend one is.
     # The jobs the tests launch run on this machine as it is (tests/test_preflight.py: no driver, no torch there).
-    monkeypatch.setattr(plan, "GPU_DRIVER_FILES", ("/",))
+    monkeypatch.setattr(machine, "GPU_DRIVER_FILES", ("/",))
 
 
 @contextlib.contextmanager

@@ -13,17 +13,19 @@ from click.testing import CliRunner
 from ignite_mgpu.cli.commands import main
 from ignite_mgpu.parallel import fsdp
 from ignite_mgpu.processes import launcher
+from ignite_mgpu.processes.attempt import Ended
+from ignite_mgpu.processes.outcome import Outcome
 
 
 @pytest.fixture
 def captured(monkeypatch):
     calls = []
 
-    def fake_run_plan(plan, fn, *args, **kwargs):
-        calls.append((plan, fn, args))
-        return 0
+    def fake_run_job(plan, job, *args, **kwargs):
+        calls.append((plan, job.fn, (job.fn, *job.args)))
+        return Ended(Outcome(0))
 
-    monkeypatch.setattr(launcher, "run_plan", fake_run_plan)
+    monkeypatch.setattr(launcher, "run_job", fake_run_job)
     return calls
 
 
@@ -58,13 +60,11 @@ def test_flags_and_overrides_reach_the_config(captured, tmp_path):
     )
     assert result.exit_code == 0, result.output
     plan, fn, (target, cfg) = captured[0]
-    assert (
-        fn.__name__ == "run_named" and target == "ignite_mgpu.train.default_job:training"
-    )  # the parent never imports it
+    assert fn == target == "ignite_mgpu.train.default_job:training"  # named: the parent never imports it
     assert (plan.nproc, plan.backend, plan.world_size) == (2, "gloo", 2)
     assert cfg.optim.lr == 0.01 and cfg.train.epochs == 3 and cfg.seed == 7
     assert cfg.dist.nproc == 2 and cfg.dist.timeout == 20 and cfg.output_dir == "out"
-    assert plan.rendezvous_file is None and plan.master_port is None  # the supervisor picks a private file store
+    assert plan.master_port is None  # the supervisor picks a private file store
 
 
 def test_yaml_as_first_argument_then_overrides_then_flags(captured, tmp_path):

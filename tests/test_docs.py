@@ -186,7 +186,7 @@ def test_troubleshooting_messages_are_what_the_cli_prints(monkeypatch, tmp_path)
     from ignite_mgpu.cli.commands import main
     from ignite_mgpu.processes import launcher
 
-    monkeypatch.setattr(launcher, "run_plan", lambda *args, **kwargs: pytest.fail("a job was started"))
+    monkeypatch.setattr(launcher, "run_job", lambda *args, **kwargs: pytest.fail("a job was started"))
     monkeypatch.chdir(tmp_path)
     text = (REPO / "docs" / "how-to" / "troubleshooting.md").read_text()
     rows = re.findall(r"^\| `ignite-mgpu ([^`]+)`[^|]*\| `([^`]+)` \|$", text, flags=re.M)

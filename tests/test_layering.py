@@ -20,6 +20,7 @@ TORCH_FREE = (
     "ignite_mgpu.env",
     "ignite_mgpu.gpus",
     "ignite_mgpu.cpus",
+    "ignite_mgpu.hangs",
     "ignite_mgpu.processes",
     "ignite_mgpu.runs",
     "ignite_mgpu.errors",
@@ -44,6 +45,7 @@ RANKS: list[tuple[str, ...]] = [
     ("ignite_mgpu.env",),  # what torchrun/SLURM say, the stop request, the clock
     ("ignite_mgpu.gpus",),
     ("ignite_mgpu.cpus",),
+    ("ignite_mgpu.hangs",),  # a hang found and reported: the status files read, every rank's stacks
     ("ignite_mgpu.parallel",),  # wrapping a model: what the checkpoints and the training layer share
     ("ignite_mgpu.checkpoint",),
     ("ignite_mgpu.train.plugins",),  # the user's factories
@@ -286,3 +288,36 @@ def long_functions(root: Path) -> list[str]:
 def test_no_function_is_longer_than_sixty_lines():
     assert sorted(set(long_functions(PACKAGE)) - LONG_ON_PURPOSE) == []
     assert LONG_ON_PURPOSE <= set(long_functions(PACKAGE))  # an entry that is short now leaves the list
+
+
+MAX_CLASS_ATTRIBUTES = 20
+
+
+def crowded_classes(root: Path, most: int = MAX_CLASS_ATTRIBUTES) -> dict[str, int]:
+    """Each class that assigns more than ``most`` attributes of ``self`` in its methods: state that outgrew one
+    object (the supervisor once held 28). A frozen dataclass's fields are values, not state, and are not counted."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            assigned = {
+                target.attr
+                for sub in ast.walk(node)
+                if isinstance(sub, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+                for top in (sub.targets if isinstance(sub, ast.Assign) else [sub.target])
+                for target in ast.walk(top)
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+            }
+            if len(assigned) > most:
+                found[f"{module_name(path, root)}.{node.name}"] = len(assigned)
+    return found
+
+
+def test_no_class_holds_more_than_twenty_attributes(tmp_path):
+    assert crowded_classes(PACKAGE) == {}
+    planted = tmp_path / "pkg"
+    planted.mkdir()
+    body = "".join(f"        self.a{i} = {i}\n" for i in range(21))
+    (planted / "crowded.py").write_text(f"class Crowded:\n    def __init__(self):\n{body}")
+    assert crowded_classes(planted) == {"pkg.crowded.Crowded": 21}  # the check sees one

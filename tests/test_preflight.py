@@ -9,8 +9,13 @@ import torch
 
 from ignite_mgpu import fit, jobs, preflight
 from ignite_mgpu.config.loading import load_config
+from ignite_mgpu.env.clock import JobClock
 from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.processes import launcher
+from ignite_mgpu.processes import launcher, worker
+from ignite_mgpu.processes.attempt import Ended
+from ignite_mgpu.processes.job import Job
+from ignite_mgpu.processes.outcome import Outcome
+from ignite_mgpu.processes.worker import WorkerSpec
 from ignite_mgpu.runs import folder, lock
 
 
@@ -18,12 +23,19 @@ from ignite_mgpu.runs import folder, lock
 def launched(monkeypatch):
     calls = []
 
-    def fake_run_plan(plan, fn, *args, **kwargs):
-        calls.append((plan, args, (Path(args[-1].output_dir) / ".lock").exists(), kwargs))
-        return 0
+    def fake_run_job(plan, job, claims=None, restart=None, **kwargs):
+        locked = (Path(job.args[-1].output_dir) / ".lock").exists()
+        calls.append((plan, (job.fn, *job.args), locked, {"restart": restart, **kwargs}))
+        return Ended(Outcome(0))
 
-    monkeypatch.setattr(launcher, "run_plan", fake_run_plan)
+    monkeypatch.setattr(launcher, "run_job", fake_run_job)
     return calls
+
+
+def restart_count(plan, restarts):
+    """What the job's workers count after ``restarts`` restarts (TORCHELASTIC_RESTART_COUNT, read by training)."""
+    spec = WorkerSpec(plan, Job("unused:fn"), "folder", JobClock(0.0), restarts)
+    return int(worker.torchrun_variables(spec, 0)["TORCHELASTIC_RESTART_COUNT"])
 
 
 def config(tmp_path, *overrides):
@@ -139,22 +151,19 @@ def test_a_run_without_output_dir_under_torchrun_or_slurm_is_named_by_the_job(mo
 
     monkeypatch.chdir(tmp_path)
     torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}
-    cfg = Config()
-    jobs.resolve_output_dir(cfg, {**torchrun, "TORCHELASTIC_RUN_ID": "exp7"})
+    given = Config()
+    cfg = jobs.resolve_output_dir(given, {**torchrun, "TORCHELASTIC_RUN_ID": "exp7"})
     assert cfg.output_dir == "runs/job-exp7"  # every process and every restart of the job agree
+    assert given.output_dir is None  # the caller's config is left as it is
     with pytest.raises(preflight.ConfigError, match="under torchrun without --rdzv-id"):
         jobs.resolve_output_dir(Config(), {**torchrun, "TORCHELASTIC_RUN_ID": "none"})
-    slurm = Config()
-    jobs.resolve_output_dir(slurm, {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_PROCID": "2"})
+    slurm = jobs.resolve_output_dir(Config(), {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_PROCID": "2"})
     assert slurm.output_dir == "runs/job-4242"
-    named = Config(output_dir="mine")
-    jobs.resolve_output_dir(named, {})
+    named = jobs.resolve_output_dir(Config(output_dir="mine"), {})
     assert named.output_dir == "mine"  # a folder the user names is kept as it is
-    first_start = Config(resume="auto")  # no earlier run under runs/: a new one, as on a first start
-    jobs.resolve_output_dir(first_start, {})
+    first_start = jobs.resolve_output_dir(Config(resume="auto"), {})  # no earlier run: a new one, as on a first start
     assert folder.RUN_NAME.fullmatch(first_start.output_dir.removeprefix("runs/"))
-    stamped = Config()
-    jobs.resolve_output_dir(stamped, {}, now=0.0)
+    stamped = jobs.resolve_output_dir(Config(), {}, now=0.0)
     assert folder.RUN_NAME.fullmatch(stamped.output_dir.removeprefix("runs/"))
 
 
@@ -185,13 +194,14 @@ def test_a_restart_of_the_default_job_resumes_the_newest_complete_checkpoint(lau
     restart = launched[0][3]["restart"]
     first = restart(1)
     assert first.checkpoint is None and first.iteration == 0  # none written yet: from the beginning
-    target, cfg, restarts = first.args
+    plan, (target, _), _, _ = launched[0]
+    ((cfg,), restarts) = first.args, restart_count(plan, 1)
     assert target == "ignite_mgpu.train.default_job:training" and cfg.resume == "auto" and restarts == 3
     out = tmp_path / "out"
     torch.save({"model": {}}, out / "checkpoint_8.pt")
     (out / "checkpoint_12.pt").write_bytes(b"PK\x03\x04 truncated")  # the newest is incomplete: skipped
     second = restart(2)
-    assert (second.checkpoint, second.iteration, second.args[2]) == (str(out / "checkpoint_8.pt"), 8, 4)
+    assert (second.checkpoint, second.iteration, restart_count(plan, 2)) == (str(out / "checkpoint_8.pt"), 8, 4)
 
 
 def test_a_dataset_folder_is_checked_before_anything_starts(tmp_path):
@@ -242,15 +252,16 @@ CHECKS_IN_A_FRESH_PROCESS = """
 import sys
 from ignite_mgpu import jobs, preflight
 from ignite_mgpu.config.loading import load_config
-from ignite_mgpu.processes import plan
+from ignite_mgpu.processes import machine
 
-plan.GPU_DRIVER_FILES = ()  # this machine as one without a GPU driver, whatever the machine running the test has
+machine.GPU_DRIVER_FILES = ()  # this machine as one without a GPU driver, whatever the machine running the test has
 cfg = load_config(overrides=sys.argv[1:])
 preflight.check_job(cfg)
 preflight.check_trackers(cfg.train)
-jobs.resolve_output_dir(cfg)
+cfg = jobs.resolve_output_dir(cfg)
 preflight.check_output_dir(cfg)
-jobs.checked_plan(cfg)
+with jobs.checked_plan(cfg):
+    pass
 print("torch" in sys.modules)
 """
 

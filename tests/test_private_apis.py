@@ -107,7 +107,7 @@ def test_cuda_bad_fork_flag():
     assert callable(flag) and flag() is False, changed(
         "torch.cuda._is_in_bad_fork",
         "is gone or no longer answers False in a process that never started CUDA",
-        "ignite_mgpu/processes/worker.py (_check_served_fork) and notebook.py (fork_is_poisoned)",
+        "ignite_mgpu/processes/forkserver.py (check_served_fork) and notebook.py (fork_is_poisoned)",
         "Find how this release tells that a forked process cannot start CUDA (torch.cuda.is_initialized() is "
         "false there), and use that.",
     )

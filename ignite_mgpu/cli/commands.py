@@ -27,7 +27,8 @@ from ignite_mgpu.env import clock
 from ignite_mgpu.errors import exit_codes_text, signal_exit_code
 
 
-def _load(args: tuple[str, ...], config_path: str | None, flags: dict[str, Any]) -> Any:
+def _load(args: tuple[str, ...], config_path: str | None, flags: dict[str, Any], check: bool = False) -> Any:
+    """The config of a command's arguments; its values are checked by the job that runs it (``check``: here)."""
     from ignite_mgpu.config.loading import load_config
 
     files = [a for a in args if "=" not in a and a.endswith((".yaml", ".yml"))]
@@ -35,7 +36,7 @@ def _load(args: tuple[str, ...], config_path: str | None, flags: dict[str, Any])
     if files and config_path or len(files) > 1:
         fail("give one config file, either as --config FILE or as the first argument.")
     extra = [f"{FLAGS[k]}={'null' if v is None else v}" for k, v in flags.items() if v is not None]
-    return load_config(config_path or (files[0] if files else None), overrides + extra)
+    return load_config(config_path or (files[0] if files else None), overrides + extra, check=check)
 
 
 class _Commands(click.Group):
@@ -121,7 +122,7 @@ def config_command(args: tuple[str, ...], config_path: str | None) -> None:
     """
     refuse_unknown_options(args)
     with errors_to_exit():
-        cfg = _load(args, config_path, {})
+        cfg = _load(args, config_path, {}, check=True)
     from ignite_mgpu.config.keys import commented_yaml
 
     click.echo(commented_yaml(cfg), nl=False)

@@ -35,7 +35,7 @@ def stacks(target: str) -> None:
     answers too (faulthandler, on a signal), and a stopped (SIGSTOP) rank is named as such.
     """
     with errors_to_exit():
-        from ignite_mgpu.processes.stacks import dump, format_dumps, live_ranks
+        from ignite_mgpu.hangs.stacks import dump, format_dumps, live_ranks
 
         ranks = live_ranks(target)
     click.echo(format_dumps(dump(ranks)))

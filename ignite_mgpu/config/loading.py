@@ -75,8 +75,12 @@ def _yaml_where(err: Exception) -> str:
     return f" at line {mark.line + 1}, column {mark.column + 1}: {problem}{f' ({context})' if context else ''}"
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(
+    path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = (), *, check: bool = True
+) -> Config:
     """Build the run's `Config`: dataclass defaults, then the YAML file at ``path``, then dotted ``overrides``.
+    ``check=False`` leaves the checks of values and combinations (``checks.validate``) to the caller, for one that
+    runs them anyway (``fit``, ``evaluate``); keys and types are always checked.
 
     Raises:
         ConfigError: unknown key (with the closest key of any section), wrong type, bad value, unreadable YAML.
@@ -124,7 +128,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
             raise ConfigError(_paragraph(err, where)) from None
     # to_object returns the dataclass.
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
 
 

@@ -1,14 +1,12 @@
 """CPU binding (``--cpu-binding``): which CPUs and how many intra-op threads each local rank gets, decided once in the
-parent from the job's affinity mask, the topology in /sys and the GPUs, and applied in each worker before torch
-starts its thread pools. Torch-free, like the rest of the process layer.
+parent from the job's affinity mask, the topology in /sys and the GPUs (pure); each worker applies its own before
+torch starts its thread pools (``affinity.py``). Torch-free, like the rest of the process layer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ignite_mgpu.cpus.topology import Topology, read_topology
@@ -245,94 +243,3 @@ def plan_for_job(
         known = {g: topology.gpu_nodes[g] if topology.gpu_nodes[g] is not None else asked.get(g) for g in buses}
         topology = Topology(topology.online, topology.nodes, topology.core_of, known)
     return plan_binding(mode, nproc, allowed, environ, topology, rank_gpus)
-
-
-# ------------------------------------------------------------------------------------ in the rank's process
-
-# This process's binding, set by the process layer, read by data.py.
-_current: RankBinding | None = None
-
-
-def current() -> RankBinding | None:
-    """The binding applied to this process (None when ignite-mgpu's launcher did not start it)."""
-    return _current
-
-
-def cpu_share(local_processes: int) -> int:
-    """The CPUs this process counts as its own: its planned share, else its affinity split over the local ranks."""
-    if _current is not None:
-        return _current.share
-    return max(1, len(os.sched_getaffinity(0)) // max(1, local_processes))
-
-
-def _set_affinity(cpus: set[int]) -> list[tuple[int, set[int]]]:
-    """Bind every thread of this process that still has the process's mask; returns (thread, old mask) pairs."""
-    before = os.sched_getaffinity(0)
-    changed = [(0, before)]
-    # Pid 0: the calling thread; threads it starts from now on inherit the mask.
-    os.sched_setaffinity(0, cpus)
-    # Threads started earlier (an import) keep theirs otherwise.
-    for name in os.listdir("/proc/self/task"):
-        tid = int(name)
-        with contextlib.suppress(OSError):  # the thread may have ended meanwhile
-            mask = os.sched_getaffinity(tid)
-            if mask == before:
-                os.sched_setaffinity(tid, cpus)
-                changed.append((tid, mask))
-    return changed
-
-
-def thread_ids() -> set[int]:
-    """The ids of this process's threads now."""
-    return {int(name) for name in os.listdir("/proc/self/task")}
-
-
-def free_group_threads(started_before: set[int]) -> None:
-    """Give the threads started since ``started_before`` (``thread_ids()`` before joining the process group: the
-    group's threads) the CPUs the binding planned for them.
-
-    Bound beside the training thread on a one-CPU share, gloo's communication threads take turns with the backward
-    instead of overlapping it, and the step gets slower than unbound (``benchmarks/`` measures it).
-    """
-    if _current is None or _current.cpus is None or _current.group_cpus is None:
-        return
-    bound, group = set(_current.cpus), set(_current.group_cpus)
-    for tid in thread_ids() - started_before:
-        with contextlib.suppress(OSError):  # the thread may have ended meanwhile
-            # Inherited from the training thread, not set by its owner.
-            if os.sched_getaffinity(tid) == bound:
-                os.sched_setaffinity(tid, group)
-
-
-def apply_binding(rank: RankBinding) -> Callable[[], None]:
-    """Bind this process as ``rank`` says; call it before torch starts its thread pools. Returns the undo (for a
-    job run inside the caller's process); a spawned worker just exits."""
-    global _current
-    previous, saved_env = _current, {var: os.environ.get(var) for var in THREAD_VARS}
-    torch = sys.modules.get("torch")
-    saved_threads = torch.get_num_threads() if torch is not None else None
-    _current = rank
-    if rank.threads is not None:
-        os.environ.update({var: str(rank.threads) for var in THREAD_VARS})  # read when torch starts
-        # Already imported (by the job function's module): its pool exists, resize it.
-        if torch is not None:
-            torch.set_num_threads(rank.threads)
-    changed = _set_affinity(set(rank.cpus)) if rank.cpus is not None else []
-
-    def undo() -> None:
-        global _current
-        _current = previous
-        for tid, mask in changed:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(tid, mask)
-        if rank.threads is not None:
-            for var, value in saved_env.items():
-                if value is None:
-                    os.environ.pop(var, None)
-                else:
-                    os.environ[var] = value
-            now = sys.modules.get("torch")
-            if now is not None and saved_threads is not None:
-                now.set_num_threads(saved_threads)
-
-    return undo

@@ -67,6 +67,11 @@ class JobClock:
     resized_from: int | None = None
 
 
+def first_attempt() -> JobClock:
+    """The anchors of a job's first attempt, launched from this process: the command's start."""
+    return JobClock(command_start())
+
+
 _current: JobClock | None = None
 
 
@@ -78,4 +83,4 @@ def set_clock(clock: JobClock | None) -> None:
 
 def job_clock() -> JobClock:
     """The anchors set for this process; without any (the job function called directly), the command's start."""
-    return _current if _current is not None else JobClock(command_start())
+    return _current if _current is not None else first_attempt()

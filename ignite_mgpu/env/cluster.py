@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -57,6 +58,16 @@ def torchrun_store(environ: Mapping[str, str] = os.environ) -> tuple[str, int, s
     if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     return environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def run_id(environ: Mapping[str, str], nnodes: int) -> str:
+    """The job's ``TORCHELASTIC_RUN_ID``: the scheduler's job id (SLURM_JOB_ID) when there is one, shared by every
+    node and every requeue; else one of its own on one node (as ``torchrun --standalone``), and on several nodes
+    ``"none"``, which torchrun without ``--rdzv-id`` gives too (each node's launcher would pick another)."""
+    found = job_id(environ)
+    if found is not None:
+        return found
+    return uuid.uuid4().hex if nnodes == 1 else "none"
 
 
 def worker_environment(

@@ -1,7 +1,7 @@
 """How a worker process is told to stop, and what it tells its supervisor: the first stop signal it received, how
-long a collective may wait before the job gives up on a silent rank, and a status file (its last completed
-iteration, whether it is writing a checkpoint, its other progress: the heartbeat that the supervisor's hang watch
-reads). The process layer sets them up; the guard, the evaluator and the checkpoint handlers use them.
+long a collective may wait before the job gives up on a silent rank, and its status file (``Status``: its last
+completed iteration, whether it is writing a checkpoint, its other activity), which the supervisor's hang watch
+reads. The process layer sets them up; the guard, the evaluator and the checkpoint handlers write the status.
 
 Torch-free, a leaf like errors.py, so that the supervisor never imports the training code.
 """
@@ -15,15 +15,24 @@ import struct
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 _signal = 0
 _collective_timeout: float | None = None
 _map: mmap.mmap | None = None  # the worker's status file, mapped
-# _map as [last completed iteration, saving 0/1, beats: progress that is not a training iteration]
+# _map as the three fields of a Status: [iteration, saving 0/1, activity]
 _status: memoryview | None = None
 _STATUS = struct.Struct("qqq")
 # Saves in progress: the training thread's and a background write.
 _saving, _saving_lock = 0, threading.Lock()
+
+
+class Status(NamedTuple):
+    """What a worker's status file says."""
+
+    iteration: int  # the last completed training iteration
+    saving: bool  # writing a checkpoint now
+    activity: int  # a count of the other signs of progress: the trainer's start, evaluation iterations, saves
 
 
 def request_stop(signum: int) -> None:
@@ -73,15 +82,15 @@ def set_status_file(path: str | Path | None) -> None:
     _status = memoryview(_map).cast("q")
 
 
-def note_progress(iteration: int) -> None:
+def note_iteration(iteration: int) -> None:
     """This rank completed ``iteration`` (called after every iteration)."""
     if _status is not None:
         _status[0] = iteration
 
 
-def note_beat() -> None:
+def note_activity() -> None:
     """Progress that is not a training iteration: training starts, an evaluation iteration, a save begins or
-    ends. The supervisor's hang watch (processes/heartbeat.py) counts it as a sign of life."""
+    ends. The supervisor's hang watch (``hangs/watch.py``) counts it as a sign of life."""
     if _status is not None:
         _status[2] += 1
 
@@ -107,21 +116,13 @@ def saving() -> Iterator[None]:
                 _status[2] += 1
 
 
-def read_status(path: str | Path) -> tuple[int, bool] | None:
-    """(last completed iteration, writing a checkpoint now) from a worker's status file; None when there is
-    none."""
-    progress = read_progress(path)
-    return None if progress is None else (progress[0], progress[1])
-
-
-def read_progress(path: str | Path) -> tuple[int, bool, int] | None:
-    """(last completed iteration, writing a checkpoint now, beats) from a worker's status file; None when there
-    is none."""
+def read_status(path: str | Path) -> Status | None:
+    """A worker's status file; None when there is none."""
     try:
-        iteration, saving_now, beats = _STATUS.unpack(Path(path).read_bytes())
+        iteration, saving_now, activity = _STATUS.unpack(Path(path).read_bytes())
     except (OSError, struct.error):
         return None
-    return iteration, bool(saving_now), beats
+    return Status(iteration, bool(saving_now), activity)
 
 
 def reset() -> None:

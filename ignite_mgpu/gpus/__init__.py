@@ -6,6 +6,7 @@
 - ``claims``: GPU claims on a shared machine (flocks in one machine-wide folder) and who holds each;
 - ``waiting``: the line of jobs waiting for GPUs (``--wait``), a ticket each;
 - ``lending``: what an elastic job lends to the waiting line, or takes back when nobody waits (pure);
+- ``health``: which of a job's GPUs failed (gone, reported lost, named by a rank's device error);
 - ``shared_dir``: safe reading and writing of files in a folder that several users write;
 - ``acquire``: ``--gpus`` planned around the claims, claimed all-or-nothing; ``--wait`` in line;
 - ``devices``: the ``ignite-mgpu devices`` table.

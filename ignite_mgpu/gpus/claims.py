@@ -55,9 +55,15 @@ class Holder:
 
     def as_json(self) -> dict[str, object]:
         since = None if self.since is None else time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(self.since))
-        return {"user": self.user if self.known else None, "pid": self.pid, "command": self.command or None,
-                "since": since, "known": self.known, "range": self.gpu_range or None,
-                "lent": list(self.lent) if self.gpu_range else None}  # fmt: skip
+        return {
+            "user": self.user if self.known else None,
+            "pid": self.pid,
+            "command": self.command or None,
+            "since": since,
+            "known": self.known,
+            "range": self.gpu_range or None,
+            "lent": list(self.lent) if self.gpu_range else None,
+        }
 
 
 def format_time(when: float) -> str:
@@ -112,7 +118,7 @@ def _holder_from(data: dict | None, owner: int) -> Holder:
     pid, command, since = data.get("pid"), data.get("command"), data.get("since")
     if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:
         pid = None
-    # Nan, 1e300.
+    # Anyone may write a holder file: nan, inf or 1e300 are no time of a claim.
     if not isinstance(since, (int, float)) or isinstance(since, bool) or not 0 < since < 1e11:
         since = None
     text = printable(command) if isinstance(command, str) else ""

@@ -83,8 +83,10 @@ def _as_json(
         for g in gpus
     ]
     note = {"claims_note": held.note} if held.note else {}  # the claims folder cannot be read
-    elastic = [{"user": who.user, "pid": who.pid, "range": who.gpu_range, "holds": ids, "lent": lent}
-               for who, ids, lent in elastic_jobs(held, gpus)]  # fmt: skip
+    elastic = [
+        {"user": who.user, "pid": who.pid, "range": who.gpu_range, "holds": ids, "lent": lent}
+        for who, ids, lent in elastic_jobs(held, gpus)
+    ]
     ranges = {"elastic_jobs": elastic} if elastic else {}  # jobs on --gpus auto:MIN-MAX
     return json.dumps({"gpus": rows, "cpu_fallback": fallback, **ranges, **note}, indent=2)
 

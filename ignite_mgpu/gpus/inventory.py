@@ -12,7 +12,7 @@ from dataclasses import dataclass
 _QUERY_GPUS = "--query-gpu=index,pci.bus_id,name,memory.used,memory.total,utilization.gpu"
 # The UUID comes last, where a recording without it (older answers) leaves the other columns as they were.
 _GPU_ARGV = ["nvidia-smi", _QUERY_GPUS + ",mig.mode.current,uuid", "--format=csv,noheader,nounits"]
-# Drivers before MIG.
+# Drivers older than MIG know no mig.mode field and refuse the query: asked again without it.
 _GPU_ARGV_NO_MIG = ["nvidia-smi", _QUERY_GPUS + ",uuid", "--format=csv,noheader,nounits"]
 _APPS_ARGV = ["nvidia-smi", "--query-compute-apps=gpu_bus_id,pid", "--format=csv,noheader"]
 

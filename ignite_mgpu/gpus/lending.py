@@ -1,7 +1,7 @@
 """Lending: what an elastic job (``--gpus auto:MIN-MAX``) does about the jobs waiting in line while it runs. It gives
 a waiter the GPUs it holds above MIN when the free ones are too few for that waiter, in the line's order, and
-takes free GPUs again (up to MAX) when nobody waits. ``decide`` is pure; ``look`` reads the claims folder and the
-GPU snapshot for it. The supervisor (``processes/resize.py``) acts on the change. Torch-free.
+takes free GPUs again (up to MAX) when nobody waits. ``change_for`` is pure; ``look`` reads the claims folder and the
+GPU snapshot for it. The supervisor (``processes/elastic.py``) acts on the change. Torch-free.
 
 The rules: never below MIN; never a GPU that another job claims; a waiter is lent to only when the GPUs lent,
 with the free ones, let it start (else lending would only slow this job down); GPUs that another elastic job is
@@ -41,7 +41,7 @@ class Line:
     claimed: frozenset[str] = frozenset()  # every GPU some job claims (this one's too)
 
 
-def decide(held: list[str], low: int, high: int, line: Line, avoid: frozenset[str] = frozenset()) -> Change:
+def change_for(held: list[str], low: int, high: int, line: Line, avoid: frozenset[str] = frozenset()) -> Change:
     """The change for a job holding ``held`` (claim names in CUDA order) on ``auto:low-high``. Lent first: the GPUs
     a waiter names, else the job's last ones (rank 0 keeps its GPU). ``avoid``: free GPUs never to take (left out
     after a failure); a waiter may have them."""
@@ -79,7 +79,7 @@ def decide(held: list[str], low: int, high: int, line: Line, avoid: frozenset[st
 def look(
     dir_fd: int, snapshot: list[inventory.GpuInfo], min_free_memory: float, waiters: list[Waiter] | None = None
 ) -> Line:
-    """The claims folder and the snapshot as ``decide`` needs them (``waiters``: the line, when already read)."""
+    """The claims folder and the snapshot as ``change_for`` needs them (``waiters``: the line, when already read)."""
     names = {g.index: claims.claim_name(g.uuid, g.pci_bus_id) for g in snapshot}
     holders = claims.holders(dir_fd, names.values())
     unusable = busy(snapshot, min_free_memory)

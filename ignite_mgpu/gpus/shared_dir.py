@@ -83,8 +83,8 @@ def open_file(dir_fd: int, name: str, writable: bool = False) -> tuple[int, os.s
 def create_file(dir_fd: int, name: str, writable: bool) -> int | None:
     """A new file ``name`` readable by every user (so anyone can flock it), or None when the name is taken."""
     try:
-        fd = os.open(name, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o644,
-                     dir_fd=dir_fd)  # fmt: skip
+        mode = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CREAT | os.O_EXCL | OPEN_FLAGS
+        fd = os.open(name, mode, 0o644, dir_fd=dir_fd)
     except OSError:
         return None
     os.fchmod(fd, 0o644)  # whatever the umask

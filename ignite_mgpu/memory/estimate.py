@@ -122,9 +122,9 @@ def _autocast(precision: str) -> contextlib.AbstractContextManager[Any]:
 
 
 def _optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
-    from ignite_mgpu.train.optim import build_optimizer, optimizer_from_config
+    from ignite_mgpu.train.optim import create_optimizer, optim_options
 
-    return optimizer_from_config(cfg.optim, model, build_optimizer)
+    return create_optimizer(model, **optim_options(cfg.optim), distributed=False)
 
 
 def _run_steps(

@@ -1,93 +1,58 @@
-"""Leaving out a failed GPU: after a failure that a restart can cure, whether one of the job's GPUs is gone or
-unhealthy (nvidia-smi no longer lists it or reports it lost, or the failed rank's error is a CUDA device error),
-and what the restart does about it. A job on ``--gpus auto:MIN-MAX`` restarts on the GPUs left (never below MIN)
-and lets go of the lost one's claim; any other job restarts as before, told that a range would have continued.
-The restart resumes the newest checkpoint, which any number of processes continues as the same run. Torch-free."""
+"""An elastic job (``--gpus auto:MIN-MAX``) changing its GPUs between two attempts, the supervisor's side:
+
+- after a failure, a failed GPU (``gpus/health.py``) is left out of the restart, never below MIN, and its claim is
+  let go (``leave_out``); a job without a range restarts as before, told that a range would have continued;
+- while it runs, every ``LOOK_EVERY`` seconds the ``Lender`` looks at the line of waiting jobs (``gpus/lending.py``
+  decides): to lend, every rank stops at the next check (each writes the stop's checkpoint), the lent GPUs are let
+  go once the workers are gone, and the job goes on with the GPUs kept; free GPUs, when nobody waits, are claimed
+  first and then taken the same way (a ``Resize``).
+
+Either way the next attempt runs on ``LaunchPlan.on_gpus`` and resumes the newest checkpoint on its number of
+processes: the same run. What starts next is ``next_start.decide_next``'s. Torch-free."""
 
 from __future__ import annotations
 
-import dataclasses
-import re
+import os
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ignite_mgpu.gpus import inventory
-from ignite_mgpu.gpus.claims import claim_name
+from ignite_mgpu.gpus import claims, health, inventory, lending, waiting
+from ignite_mgpu.gpus.claims import GpuClaims
+from ignite_mgpu.gpus.lending import Change
 from ignite_mgpu.processes.outcome import Failure
 from ignite_mgpu.processes.plan import LaunchPlan
-from ignite_mgpu.processes.resize import with_gpus
 from ignite_mgpu.text import format_ids, plural
 
-# What CUDA, NCCL and the driver say when the device itself failed, not the program on it (NVIDIA's Xid catalogue:
-# 79 "fallen off the bus", 48/94/95 ECC errors, 13/31/43 launch failures that a bad device also gives).
-DEVICE_ERROR = re.compile(
-    r"fallen off the bus|GPU is lost|\bXid\b|unspecified launch failure|uncorrectable ECC|ECC error",
-    re.IGNORECASE,
-)
-# What nvidia-smi writes in the fields of a GPU that it still lists but cannot read.
-_LOST_FIELDS = re.compile(r"GPU is lost|Unknown Error", re.IGNORECASE)
+# Seconds between two looks at the line (as often as a waiting job looks, acquire.POLL): a waiter's GPUs are lent
+# within about this long plus one check and the stop's checkpoint.
+LOOK_EVERY = 5.0
 
 
 @dataclass(frozen=True)
-class Lost:
-    """One of the job's GPUs, found gone or unhealthy after a failure."""
+class LeftOut:
+    """What the restart does about failed GPUs: ``plan`` on the GPUs left (None: the same plan), the claims to let
+    go, the message for the log, and why the job cannot restart at all (None: it can)."""
 
-    physical_id: int
-    reason: str  # "nvidia-smi no longer lists it", "rank 2's error is a CUDA device error (...)"
-
-
-@dataclass(frozen=True)
-class Resize:
-    """What the restart does about lost GPUs: ``plan`` to restart on (None: the same plan), the claims to let go,
-    the line for the log, and why the job cannot restart at all (None: it can)."""
-
-    lost: list[Lost]
-    line: str
+    lost: list[health.Lost]
+    message: str
     plan: LaunchPlan | None = None
-    released: list[str] = dataclasses.field(default_factory=list)
+    released: list[str] = field(default_factory=list)
     refusal: str | None = None
-
-
-def device_error(text: str) -> str | None:
-    """The phrase of ``text`` that names a failed device (``DEVICE_ERROR``), or None."""
-    found = DEVICE_ERROR.search(text)
-    return found[0] if found else None
-
-
-def lost_gpus(plan: LaunchPlan, failures: list[Failure], snapshot: list[inventory.GpuInfo] | None) -> list[Lost]:
-    """The job's GPUs that failed: those the snapshot no longer lists or reports lost (an empty or missing snapshot
-    tells nothing: nvidia-smi itself may fail with a lost GPU), and the GPU of each rank whose error names a device
-    failure. One process driving several GPUs (``dp``) cannot say which GPU its error came from."""
-    ids, found = plan.gpus or [], {}
-    if snapshot:
-        listed = {claim_name(g.uuid, g.pci_bus_id): g for g in snapshot}
-        for index in ids:
-            if index not in plan.gpu_names:
-                continue  # not known by name (CUDA_VISIBLE_DEVICES as exported): only its rank's error can tell
-            gpu = listed.get(plan.gpu_names[index])
-            if gpu is None:
-                found[index] = "nvidia-smi no longer lists it"
-            elif _LOST_FIELDS.search(gpu.name):
-                found[index] = f"nvidia-smi reports it lost ({gpu.name})"
-    offset = plan.node_rank * plan.nproc
-    for failure in sorted(failures, key=lambda f: f.get("time", 0)):
-        text = f"{failure.get('message', '')}\n{failure.get('traceback', '')}"
-        local = int(failure.get("rank", -1)) - offset
-        if (phrase := device_error(text)) and plan.strategy != "dp" and 0 <= local < len(ids):
-            found.setdefault(ids[local], f"rank {failure['rank']}'s error is a CUDA device error ({phrase!r})")
-    return [Lost(index, why) for index, why in sorted(found.items())]
 
 
 def leave_out(
     plan: LaunchPlan,
     failures: list[Failure],
     query: Callable[[], list[inventory.GpuInfo]] = inventory.query_gpus,
-) -> Resize | None:
+) -> LeftOut | None:
     """After a failure that a restart can cure: None when none of the job's GPUs failed (or it chose none), else
-    the restart's plan on the GPUs left, or the line saying what a range would have done."""
+    the GPUs the restart runs on, or the message saying what a range would have done."""
     if not plan.gpus or plan.external:
         return None
-    lost = lost_gpus(plan, failures, query())
+    lost = health.lost_gpus(
+        plan.gpus, plan.gpu_names, failures, query(), plan.first_rank, one_per_rank=plan.strategy != "dp"
+    )
     if not lost:
         return None
     gone = [x.physical_id for x in lost]
@@ -96,19 +61,122 @@ def leave_out(
     elastic = plan.gpu_range
     if elastic is None:
         maybe = f"--gpus auto:{max(1, len(left))}-{len(plan.gpus)}" if left else "a range of GPUs"
-        return Resize(lost, f"failed: {named}. The restart runs on the same GPUs; {maybe} would have continued "
-                      f"on {'GPU ' + format_ids(left) if left else 'other GPUs'} without it.")  # fmt: skip
+        on = f"GPU {format_ids(left)}" if left else "other GPUs"
+        message = (
+            f"failed: {named}. The restart runs on the same GPUs; {maybe} would have continued on {on} without it."
+        )
+        return LeftOut(lost, message)
     if len(left) < elastic.low:
         refusal = (
             f"{named} failed, leaving {plural(len(left), 'GPU')}, below the range's MIN {elastic.low} "
             f"(--gpus auto:{elastic})"
         )
-        return Resize(lost, f"{refusal}.", refusal=refusal)
-    smaller = with_gpus(plan, {i: name for i, name in plan.gpu_names.items() if i in left})
-    nproc = smaller.nproc
-    released = [plan.gpu_names[i] for i in gone if i in plan.gpu_names]
-    line = (
+        return LeftOut(lost, f"{refusal}.", refusal=refusal)
+    smaller = plan.on_gpus({i: name for i, name in plan.gpu_names.items() if i in left})
+    message = (
         f"left out {named}; its claim is released, and the restart continues on GPU {format_ids(left)} "
-        f"({plural(nproc, 'process')}, was {plan.nproc}; --gpus auto:{elastic})."
+        f"({plural(smaller.nproc, 'process')}, was {plan.nproc}; --gpus auto:{elastic})."
     )
-    return Resize(lost, line, smaller, released)
+    return LeftOut(lost, message, smaller, [plan.gpu_names[i] for i in gone if i in plan.gpu_names])
+
+
+def lends(plan: LaunchPlan, held: GpuClaims, resumes: bool) -> bool:
+    """Whether a job lends: on a range, holding its claims (``held``), started here as the default job (which writes
+    a checkpoint when stopped and resumes it: ``resumes``), on one node."""
+    return bool(
+        plan.gpu_range and held.names and plan.join_group and not plan.external and plan.nnodes == 1 and resumes
+    )
+
+
+@dataclass(frozen=True)
+class Resize:
+    """A change of size under way: the new GPUs (physical id -> claim name), what was lent or taken, and to whom."""
+
+    change: Change
+    names: dict[int, str]
+    was: int  # processes before
+
+
+@dataclass
+class Lender:
+    """The looks of one job on a range at the line of waiting jobs, with the claims it holds (``held``, the job's:
+    the lender claims, adopts and lets go through them); ``lent`` are the GPUs it lent that a waiter still holds."""
+
+    held: GpuClaims
+    range: str  # MIN-MAX
+    next_look: float = field(default_factory=lambda: time.monotonic() + LOOK_EVERY)
+    seen_take: tuple[str, ...] = ()  # free GPUs seen at the last look: taken when seen twice
+    lent: list[str] = field(default_factory=list)
+    failed: set[str] = field(default_factory=set)  # GPUs left out after a failure: never taken again
+
+    def due(self, now: float) -> bool:
+        """Whether the next look is due (every LOOK_EVERY seconds)."""
+        return now >= self.next_look
+
+    def look(self, plan: LaunchPlan, now: float) -> Resize | None:
+        """The change to make now, its new GPUs claimed already; None: none. Looks again in LOOK_EVERY seconds."""
+        if plan.gpu_range is None:
+            return None
+        self.next_look = now + LOOK_EVERY
+        dir_fd = claims.open_dir(claims.claims_dir(), create=False)
+        if dir_fd is None:
+            return None
+        try:
+            held = [plan.gpu_names[i] for i in plan.gpus or [] if i in plan.gpu_names]
+            waiters = waiting.waiting(dir_fd)
+            if len(held) >= plan.gpu_range.high and not self.lent and not waiters:
+                return None  # nothing to lend to, nothing to take: no nvidia-smi query
+            snapshot = inventory.query_gpus()
+            line = lending.look(dir_fd, snapshot, plan.min_free_memory, waiters)
+            given_back = [n for n in self.lent if n not in line.claimed or n in held]
+            # A GPU left out as failed is never taken again, even when it shows up idle.
+            change = lending.change_for(held, plan.gpu_range.low, plan.gpu_range.high, line, frozenset(self.failed))
+            # Free GPUs are taken when seen free at two looks in a row, not at a moment's gap between two jobs.
+            take, self.seen_take = (change.take, ()) if change.take == self.seen_take else ((), change.take)
+            change = Change(change.lend, take, change.to)
+            if given_back:
+                self.lent = [n for n in self.lent if n not in given_back]
+                self._write()
+            return self._begin(plan, dir_fd, snapshot, change) if change else None
+        finally:
+            os.close(dir_fd)
+
+    def _begin(self, plan: LaunchPlan, dir_fd: int, snapshot: list[inventory.GpuInfo], change: Change) -> Resize | None:
+        """The GPUs to take claimed (None: another job claimed one first), the lent ones written down."""
+        names = {i: n for i, n in plan.gpu_names.items() if n not in change.lend}
+        if change.take:
+            taken = claims.claim(dir_fd, change.take, self.range)
+            if taken is None:
+                return None
+            self.held.adopt(taken)
+            found = {g.index: claims.claim_name(g.uuid, g.pci_bus_id) for g in snapshot}
+            names.update({i: n for i, n in found.items() if n in change.take})
+        self.lent += [n for n in change.lend if n not in self.lent]
+        self._write()
+        return Resize(change, names, plan.nproc)
+
+    def _write(self) -> None:
+        """The holder files say what the job has lent (``ignite-mgpu devices``; other lenders count it free soon)."""
+        self.held.rewrite(claims.holder_record(self.range, self.lent, self.held.since))
+
+    def cancel(self, resize: Resize) -> None:
+        """The change did not happen (the job ended or failed meanwhile): what was taken goes back, nothing is lent."""
+        self.held.release(resize.change.take)
+        self.lent = [n for n in self.lent if n not in resize.change.lend]
+        self._write()
+
+    def message(self, resize: Resize, plan: LaunchPlan, where: str) -> str:
+        """The change's message in the log, said when the job goes on (``where``: what it resumes from)."""
+        change, ids = resize.change, sorted(resize.names)
+        by_name = {n: i for i, n in {**plan.gpu_names, **resize.names}.items()}
+        named = format_ids(sorted(by_name[n] for n in (change.lend or change.take) if n in by_name))
+        if change.lend:
+            whom = "; ".join(who.describe() for who in change.to)
+            what = f"lent GPU {named} to {whom}, waiting in line"
+        else:
+            what = f"took GPU {named}, free and waited for by nobody"
+        nproc = 1 if plan.strategy == "dp" else len(ids)
+        return (
+            f"{what}: the job goes on with {plural(nproc, 'process')} on GPU {format_ids(ids)} (was "
+            f"{resize.was}; --gpus auto:{self.range}), {where}."
+        )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -21,6 +22,8 @@ import sys
 from collections.abc import Callable, Iterator
 from multiprocessing import forkserver, resource_tracker
 from typing import Any
+
+from ignite_mgpu.processes.job import Job
 
 METHOD = "forkserver"
 # In the server's own environment only: "launcher pid:signals it ignores"
@@ -34,19 +37,16 @@ _OWN = "ignite_mgpu."
 _started: list[int] = []  # the pid of the server that this process started (and stops), if one runs
 
 
-def preload_for(fn: Callable[..., Any], args: tuple) -> list[str]:
-    """The modules the server imports: torch, ignite, and the job's modules that are ignite-mgpu's own (the
-    function's, and the default job's when the function is ``launcher.run_named``). A user's module is imported by
-    each worker after the fork, as a spawned worker imports it: what it runs at import (a CUDA query, reading the
-    environment) runs where it would there."""
+def preload_for(job: Job) -> list[str]:
+    """The modules the server imports: torch, ignite, and the job's module when it is ignite-mgpu's own (the default
+    job's, named or not). A user's module is imported by each worker after the fork, as a spawned worker imports it:
+    what it runs at import (a CUDA query, reading the environment) runs where it would there."""
     # This module first: the server ignores the stop signals while it imports.
     modules = [__name__, *PRELOAD]
-    named = getattr(fn, "__qualname__", "") == "run_named" and args and isinstance(args[0], str)
-    for module in (str(getattr(fn, "__module__", "")), str(args[0]).partition(":")[0] if named else ""):
-        if module == DEFAULT_JOB[0]:
-            modules += DEFAULT_JOB
-        elif module.startswith(_OWN) and module not in modules:
-            modules.append(module)
+    if job.module == DEFAULT_JOB[0]:
+        modules += DEFAULT_JOB
+    elif job.module.startswith(_OWN) and job.module not in modules:
+        modules.append(job.module)
     return modules
 
 
@@ -164,6 +164,28 @@ def leave_server() -> None:
         server._forkserver_alive_fd = server._forkserver_pid = None
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+def from_the_server(environ: dict[str, str], threads: int | None) -> None:
+    """A worker forked by the fork server: the supervisor's environment replaces the server's (of when it started),
+    and what torch read at its import in the server follows it: the intra-op threads (libgomp reads
+    OMP_NUM_THREADS once, when it loads). ``threads``: the binding's own count, already applied."""
+    # The server's objects (torch's, ignite's modules) leave the garbage collector's view: its first full pass over
+    # them here would write to every one, copying the pages shared with the server (0.7 s of a restart, measured).
+    gc.freeze()
+    os.environ.clear()
+    os.environ.update(environ)
+    torch = sys.modules.get("torch")
+    if torch is not None and threads is None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+
+
+def check_served_fork() -> None:
+    """The server must never start CUDA (nor ask it anything): every worker it forks would then fail to use it."""
+    torch = sys.modules.get("torch")
+    # is_initialized() is false in a bad fork; only the private flag tells it (tests/test_private_apis.py)
+    if torch is not None and (torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork()):
+        raise RuntimeError("the fork server touched CUDA before forking this worker (a bug of ignite-mgpu)")
 
 
 def _in_the_server() -> bool:

@@ -1,7 +1,7 @@
-"""Running a job: ``launch(fn, ...)`` for Python code, ``run_job`` / ``run_plan`` for a decided plan
-(``plan.make_plan``). The supervisor starts one worker per process (forked by the fork server; from a notebook,
-forked from it) and runs ``fn(local_rank, *args)`` inside ``idist.Parallel`` there; a job of one process, or one
-that torchrun or SLURM started, runs in this process and joins their group.
+"""Running a job: ``launch(fn, ...)`` for Python code, ``run_job`` for a decided plan (``plan.make_plan``). The
+supervisor starts one worker per process (forked by the fork server; from a notebook, forked from it) and runs the
+job there inside ``idist.Parallel``; a job of one process, or one that torchrun or SLURM started, runs in this
+process and joins their group.
 
 Exit codes: errors.EXIT_CODES.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -17,7 +18,7 @@ from typing import Any
 
 from ignite_mgpu.config.checks import validate
 from ignite_mgpu.config.schema import BACKENDS, CPU_BINDINGS, STRATEGIES, Config, DistConfig
-from ignite_mgpu.cpus.binding import apply_binding
+from ignite_mgpu.cpus.affinity import apply_binding
 from ignite_mgpu.env import clock, cluster
 from ignite_mgpu.errors import (
     FAILED,
@@ -28,25 +29,16 @@ from ignite_mgpu.errors import (
     is_user_error,
     signal_exit_code,
 )
+from ignite_mgpu.gpus.claims import GpuClaims
 from ignite_mgpu.processes import notebook
+from ignite_mgpu.processes.attempt import Ended
+from ignite_mgpu.processes.job import Job, Restart
 from ignite_mgpu.processes.outcome import Outcome
-from ignite_mgpu.processes.plan import LaunchPlan, Restart, make_plan
+from ignite_mgpu.processes.plan import LaunchPlan, make_plan
 from ignite_mgpu.processes.supervisor import Supervisor
 from ignite_mgpu.processes.worker import in_process_signals, run_in_group
 
 _GPU_VARS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")  # what make_plan exports for gpus=
-
-
-def run_plan(
-    plan: LaunchPlan, fn: Callable[..., Any], *args: Any, restart: Callable[[int], Restart] | None = None
-) -> int:
-    """Run ``fn(local_rank, *args)`` as the plan says; returns the job's exit code (errors.EXIT_CODES).
-
-    ``restart(k)`` gives the arguments of restart k (``plan.max_restarts``; without it ``fn`` runs again with
-    ``args``). After a stop on the pre-emption signal, global rank 0 requeues the SLURM job. The plan's GPU
-    claims are released when the job ends.
-    """
-    return run_job(plan, fn, *args, restart=restart)[0].code
 
 
 def in_workers(plan: LaunchPlan) -> bool:
@@ -56,48 +48,48 @@ def in_workers(plan: LaunchPlan) -> bool:
 
 def run_job(
     plan: LaunchPlan,
-    fn: Callable[..., Any],
-    *args: Any,
+    job: Job,
+    claims: GpuClaims | None = None,
     restart: Callable[[int], Restart] | None = None,
     report: bool = True,
-) -> tuple[Outcome, Any]:
-    """``run_plan``, returning how the job ended and what ``fn`` returned on global rank 0 (None where it failed
-    or returned nothing). ``report=False``: how it ended is left to the caller, not printed. The plan's GPU claims
-    are released when the job ends."""
-    with plan.claims:
-        return _run_job(plan, fn, args, restart, report)
+    run_dir: str | None = None,
+) -> Ended:
+    """Run ``job`` as ``plan`` says; returns how it ended (its exit code is ``.outcome.code``, errors.EXIT_CODES) and
+    what its function returned on global rank 0 (``.value``; None where it failed or returned nothing).
 
-
-def _run_job(
-    plan: LaunchPlan, fn: Callable[..., Any], args: tuple, restart: Callable[[int], Restart] | None, report: bool
-) -> tuple[Outcome, Any]:
+    ``claims``: the job's GPU claims, which an elastic job changes (the caller holds and releases them).
+    ``restart(k)`` gives the arguments of restart k (``plan.max_restarts``; without it the job runs again with its
+    arguments). ``report=False``: how the job ended is left to the caller, not printed. ``run_dir``: where a hang's
+    report goes. After a stop on the pre-emption signal, global rank 0 requeues the SLURM job.
+    """
     for line in plan.messages:
         print(f"ignite-mgpu: {line}", file=sys.stderr)
     first = cluster.is_first_process()
     if plan.binding.reason and first:  # once per job
         print(f"ignite-mgpu: {plan.binding.reason}", file=sys.stderr)
     if in_workers(plan):
-        supervisor = Supervisor(plan, fn, args, restart, report)
+        supervisor = Supervisor(plan, job, claims, restart, report, run_dir)
         supervisor.run()
-        ended, value = supervisor.outcome, supervisor.value
+        ended = supervisor.ended
         # "gave up after 1 restart(s)": the caller's message says it too.
         if supervisor.note and not report:
-            ended = dataclasses.replace(ended, advice=" ".join(filter(None, [ended.advice, supervisor.note])))
+            advice = " ".join(filter(None, [ended.outcome.advice, supervisor.note]))
+            ended = dataclasses.replace(ended, outcome=dataclasses.replace(ended.outcome, advice=advice))
         first = plan.node_rank == 0
     else:
-        ended, value = _run_here(plan, fn, args, report)
-    if plan.preempt_signal and ended.code == signal_exit_code(plan.preempt_signal) and first:
+        ended = _in_this_process(plan, job, report)
+    if plan.preempt_signal and ended.outcome.code == signal_exit_code(plan.preempt_signal) and first:
         print(f"ignite-mgpu: {cluster.requeue(script=not plan.join_group)}", file=sys.stderr, flush=True)
-    return ended, value
+    return ended
 
 
-def _run_here(plan: LaunchPlan, fn: Callable[..., Any], args: tuple, report: bool = True) -> tuple[Outcome, Any]:
+def _in_this_process(plan: LaunchPlan, job: Job, report: bool = True) -> Ended:
     """One process of the job in this process: a one-process job, or one that torchrun / srun started."""
     unbind = apply_binding(plan.binding.rank(cluster.local_rank()))  # restored after the job
-    clock.set_clock(plan.clock)  # goodput's anchors: the command's start
+    clock.set_clock(clock.first_attempt())  # goodput's anchors: the command's start
     with in_process_signals(plan.preempt_signal):
         try:
-            value = run_in_group(plan, fn, args)
+            value = run_in_group(plan, job)
         except TrainingStopped as err:
             ended = Outcome(err.exit_code, str(err))
         except Exception as err:
@@ -105,13 +97,13 @@ def _run_here(plan: LaunchPlan, fn: Callable[..., Any], args: tuple, report: boo
                 raise
             ended = Outcome(FAILED, f"{type(err).__name__}: {err}", rank=cluster.global_rank())
         else:
-            return Outcome(SUCCESS), value
+            return Ended(Outcome(SUCCESS), value=value)
         finally:
             unbind()
             clock.set_clock(None)
     if report:
         print(f"ignite-mgpu: {ended.cause}", file=sys.stderr)
-    return ended, None
+    return Ended(ended)
 
 
 @contextlib.contextmanager
@@ -129,17 +121,8 @@ def _gpus_restored() -> Iterator[None]:
                 os.environ[var] = value
 
 
-def run_named(local_rank: int, target: str, *args: Any) -> Any:
-    """Import ``target`` ("module:function") and run it: passed to ``run_plan``, only the name is pickled, so the
-    launching process spawns the workers without importing ignite or the training code (a second per start)."""
-    import importlib
-
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)(local_rank, *args)
-
-
 def launch(
-    fn: Callable[..., Any],
+    fn: Callable[..., Any] | str,
     *args: Any,
     nproc: int | None = None,
     backend: str = "auto",
@@ -156,7 +139,8 @@ def launch(
     wait: float | None = None,
 ) -> Any:
     """Run ``fn(local_rank, *args)`` in ``nproc`` processes per node inside ``ignite.distributed.Parallel``; returns
-    what ``fn`` returned on global rank 0 (None where it returned nothing; pickled, tensors moved to the CPU).
+    what ``fn`` returned on global rank 0 (None where it returned nothing; pickled, tensors moved to the CPU). ``fn``
+    may be named as "package.module:function": each worker imports it, this process never does.
 
     ``backend="auto"`` is nccl with CUDA, else gloo; ``nproc`` defaults to the selected GPUs, or 1 on the CPU.
     Under torchrun / SLURM it spawns nothing and joins the group. On one node without ``master_port`` the
@@ -196,25 +180,43 @@ def launch(
         wait=wait,
     )
     validate(Config(dist=dist_cfg))
-    return _launch(dist_cfg, fn, args)
+    return _run_and_end(dist_cfg, Job(fn, args))
 
 
-def _launch(dist_cfg: DistConfig, fn: Callable[..., Any], args: tuple) -> Any:
+def _run_and_end(dist_cfg: DistConfig, job: Job) -> Any:
     """launch() once its arguments are checked: fork or spawn, run, and end as a script or a notebook expects."""
-    method = notebook.start_method(fn, args)
+    if isinstance(job.fn, str):
+        _check_named(job.fn)
+    method = notebook.start_method(job.fn, job.args)
     with _gpus_restored(), notebook.fork_safe_cuda_queries(method == "fork"):
-        plan = make_plan(dist_cfg)
-        if method == "fork":  # else the plan's: the fork server
-            plan = dataclasses.replace(plan, start_method=method)
-            if in_workers(plan):
-                notebook.check_fork_safe(plan.device)
-        interactive = notebook.interactive()
-        ended, value = run_job(plan, fn, *args, report=not interactive)
+        plan, claims = make_plan(dist_cfg)
+        with claims:  # the GPUs, held while the job runs
+            if method == "fork":  # else the plan's: the fork server
+                plan = dataclasses.replace(plan, start_method=method)
+                if in_workers(plan):
+                    notebook.check_fork_safe(plan.device)
+            interactive = notebook.interactive()
+            result = run_job(plan, job, claims, report=not interactive)
+    ended = result.outcome
     if ended.code == SUCCESS:
-        return value
+        return result.value
     if interactive:
         raise JobFailed(ended.message(), ended.code, ended.rank, ended.details)
     raise SystemExit(ended.code)
+
+
+def _check_named(fn: str) -> None:
+    """A function named for the workers to import: "package.module:function", its module found from here."""
+    module, _, name = fn.partition(":")
+    try:
+        found = bool(module and name.isidentifier()) and importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(
+            f"launch({fn!r}): a function named for the workers is written 'package.module:function', and its "
+            "module must be importable here (sys.path); pass the function itself, or fix the name."
+        )
 
 
 def _check_choices(**given: tuple[str, tuple[str, ...]]) -> None:

@@ -81,7 +81,7 @@ def _from_main(obj: Any) -> bool:
     return getattr(obj, "__module__", None) == "__main__" or type(obj).__module__ == "__main__"
 
 
-def start_method(fn: Callable[..., Any], args: tuple) -> str:
+def start_method(fn: Callable[..., Any] | str, args: tuple) -> str:
     """The start method of the workers: "fork" where a spawned one could not unpickle the job (the function, or one
     of its arguments, comes from a ``__main__`` that a fresh process cannot import: a notebook's cell), else
     "spawn"."""

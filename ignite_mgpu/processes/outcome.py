@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, USAGE, signal_exit_code
+from ignite_mgpu.hangs.hang_report import Hang
 from ignite_mgpu.processes.notebook import NO_MAIN_GUARD, no_main_guard
 
 # A worker's failure file (attempt_files.failure_record): rank, time, type, message, traceback, code.
@@ -207,7 +208,7 @@ def cut_short_while_saving(result: Outcome, saving: bool) -> Outcome:
     )
 
 
-def stop_line(signum: int, join_group: bool, grace: float, starting: bool) -> str:
+def stop_message(signum: int, join_group: bool, grace: float, starting: bool) -> str:
     """The line saying how a job stops on the signal ``signum`` (received first): the default job's ranks stop at
     the next check (a pre-emption also writes a checkpoint and requeues); a script is sent the signal itself, as
     torchrun passes it on (SIGINT: KeyboardInterrupt), its own handler deciding, SIGKILL after the grace."""
@@ -224,3 +225,21 @@ def stop_line(signum: int, join_group: bool, grace: float, starting: bool) -> st
         what = "stops at the next check" if join_group else f"is sent {name_of}"
         what += within if join_group else f" (then SIGKILL after {grace:.0f} s)"
     return f"{name}: every rank {what}; press Ctrl-C again to stop at once."
+
+
+def with_hang(result: Outcome, hang: Hang, stopped: bool) -> Outcome:
+    """The attempt's outcome with where every rank was: a hang found by the watch is the cause (unless the job
+    was asked to stop: its ending stays a stop); otherwise the lines follow the cause (a timeout, a stop)."""
+    where = "\n".join([f"Where each rank was (rank(s) {', '.join(map(str, hang.stuck))} stuck):", *hang.lines])
+    tail = f"{where}\nEvery rank's stacks: {hang.path}"
+    details = "\n".join(filter(None, [result.details, tail]))
+    if hang.cause is not None and not stopped:
+        return Outcome(
+            FAILED,
+            hang.cause,
+            "Look at what the stuck rank(s) wait for (data, I/O, a rank-dependent branch); --resume auto continues "
+            "from the last checkpoint; dist.hang_seconds sets the watch's shortest window (0: off).",
+            details,
+            failed=f"rank(s) {', '.join(map(str, hang.stuck))}",
+        )
+    return dataclasses.replace(result, details=details)

@@ -1,142 +1,128 @@
 """The launch plan: backend, processes, GPUs, rendezvous, CPU binding and restarts, decided once in the parent
-before anything is spawned (``make_plan``); and ``Restart``, what a job's restart hook gives the supervisor.
+before anything is spawned (``make_plan``), and never changed after: a frozen ``LaunchPlan``. A job on other GPUs
+(an elastic job's change of size) runs on a new plan made from it (``LaunchPlan.on_gpus``).
 
-Deciding is a pure function of the config, the GPU snapshot and a few facts about this machine (``decide``).
-Torch-free at import: torch is asked how many CUDA devices it sees, once, when the plan is made.
+Deciding is a pure function of the config, the GPU snapshot and a few facts about this machine (``decide``,
+``machine.py``). Torch-free at import: torch is asked how many CUDA devices it sees, once, when the plan is made.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.cpus.binding import BindingPlan, plan_for_job
 from ignite_mgpu.env import cluster
-from ignite_mgpu.env.clock import JobClock, command_start
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.gpus import acquire, selection
 from ignite_mgpu.gpus.claims import GpuClaims
 from ignite_mgpu.gpus.ranges import GpuRange, gpu_range
-from ignite_mgpu.processes import torchelastic
+from ignite_mgpu.processes import machine
+from ignite_mgpu.processes.machine import Machine, check_devices, check_outer_launcher, check_port_free
 
 
-@dataclass
+@dataclass(frozen=True)
 class LaunchPlan:
-    """Everything the supervisor and the workers need, decided once in the parent."""
+    """Everything the supervisor and the workers need, decided once in the parent. What changes while a job runs
+    (its GPU claims, each attempt's rendezvous and clock) is the job's, never the plan's."""
 
     backend: str | None  # "nccl", "gloo", or None for a single process without a process group
     nproc: int  # processes on this node
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
-    master_port: int | None = None
-    # A file store's path (private rendezvous on one node) or None (env://)
-    rendezvous_file: str | None = None
-    env: dict[str, str] = field(default_factory=dict)  # set in every worker before torch starts
+    master_port: int | None = None  # None on one node: a private file store (or, for a script, a free port)
+    env: Mapping[str, str] = field(default_factory=dict)  # set in every worker before torch starts
     timeout: float = 300.0
     stop_grace: float = 60.0
-    # The hang watch's shortest window (processes/heartbeat.py; 0: off), and the run folder its report goes to.
-    hang_seconds: float = 60.0
-    run_dir: str | None = None
+    hang_seconds: float = 60.0  # the hang watch's shortest window (hangs/watch.py; 0: off)
     strategy: str = "ddp"
     external: bool = False  # started by torchrun / SLURM: join, spawn nothing
     # Physical GPU ids in CUDA order (None: as the environment has them)
     gpus: list[int] | None = None
-    gpu_names: dict[int, str] = field(default_factory=dict)  # physical id -> its claim name (UUID), to find it again
-    # --gpus auto:MIN-MAX: the restart leaves out a lost GPU, not below MIN (elastic.py); lends GPUs (resize.py)
+    gpu_names: Mapping[int, str] = field(default_factory=dict)  # physical id -> its claim name (UUID), to find it again
+    # --gpus auto:MIN-MAX: the restart leaves out a lost GPU, not below MIN; the job lends GPUs (elastic.py)
     gpu_range: GpuRange | None = None
     # The backend of the job's process group, also while one process needs none (a range that may grow).
     group_backend: str = "gloo"
-    # dist.min_free_memory: a GPU with less free is not free for an elastic job to take (resize.py)
+    # dist.min_free_memory: a GPU with less free is not free for an elastic job to take (elastic.py)
     min_free_memory: float = 0.0
     # The CPUs that OMP_NUM_THREADS divides among the processes when the plan set it (0: the user's or unset).
     cpu_share: int = 0
     device: str = "cpu"  # what the workers train on: "cuda" or "cpu"
-    # Run even a single process in a spawned worker, whose CUDA starts fresh.
-    spawn_one: bool = False
-    messages: list[str] = field(default_factory=list)
+    messages: tuple[str, ...] = ()  # said once when the job starts
     binding: BindingPlan = field(default_factory=BindingPlan)  # CPUs and threads of each local rank
     # Restarts of the whole group after a failure a restart can cure (supervisor.py)
     max_restarts: int = 0
     # The pre-emption signal: checkpoint, stop, requeue the SLURM job.
     preempt_signal: int | None = None
-    # The job's GPU claims, held by the launching process until the job ends (run_plan releases them).
-    claims: GpuClaims = field(default_factory=GpuClaims, compare=False, repr=False)
-    # "forkserver" (launch/forkserver.py): a job joining the group; "spawn": a user's script (ignite-mgpu run),
-    # started in a fresh interpreter as python would run it; "fork": from a notebook (its function, a fresh process
-    # cannot import).
+    # "forkserver" (forkserver.py): a job joining the group; "spawn": a user's script (ignite-mgpu run), started
+    # in a fresh interpreter as python would run it; "fork": from a notebook (its function, a fresh process cannot
+    # import).
     start_method: str = "spawn"
     # False: the job creates its own process group (ignite-mgpu run: a user's script)
     join_group: bool = True
-    # TORCHELASTIC_RUN_ID of the workers (torchelastic.run_id): is_torchelastic_launched() is True, as under torchrun
+    # TORCHELASTIC_RUN_ID of the workers (cluster.run_id): is_torchelastic_launched() is True, as under torchrun
     run_id: str = "none"
-    # When the command started (and, for a restart, when the previous attempt failed): goodput's anchors.
-    clock: JobClock = field(default_factory=lambda: JobClock(command_start()), compare=False, repr=False)
 
     @property
     def world_size(self) -> int:
         return self.nproc * self.nnodes
 
+    @property
+    def spawn_one(self) -> bool:
+        """Whether even one process runs in a worker: on chosen GPUs (CUDA reads CUDA_VISIBLE_DEVICES once, at this
+        process's first question, maybe asked before --gpus was applied), with restarts (a process to restart), a
+        script (its workers get the torchrun environment, this process supervises)."""
+        return bool(self.gpus) or self.max_restarts > 0 or not self.join_group
 
-@dataclass
-class Restart:
-    """What a job's restart hook returns for restart k: the new arguments of ``fn`` and where they resume."""
+    @property
+    def first_rank(self) -> int:
+        """The global rank of this node's local rank 0."""
+        return self.node_rank * self.nproc
 
-    args: tuple
-    # The checkpoint the restarted job resumes from (None: from its beginning)
-    checkpoint: str | None = None
-    iteration: int = 0  # that checkpoint's iteration
-    # False: a plain function run again (launch()), nothing known about its progress.
-    resumes: bool = True
-    # What runs again from its start when it does not resume (a script's name)
-    name: str = "the job function"
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What deciding needs to know about this machine besides the GPU snapshot, read once by ``probe_machine``."""
-
-    cuda_devices: int  # CUDA devices PyTorch sees, with the chosen GPUs' environment in effect
-    torch_version: str = ""
-    cuda_build: str | None = None  # torch.version.cuda: None for a CPU-only build of PyTorch
-    cpu_count: int = 1
-    loopback: bool = True  # the machine has a "lo" interface
-
-
-# What a GPU driver puts on a machine: NVIDIA's (Linux, and WSL2's /dev/dxg) and ROCm's, whose GPUs torch.cuda shows.
-GPU_DRIVER_FILES = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd")
-
-
-def probe_machine() -> Machine:
-    """Ask torch how many CUDA devices it sees (CUDA reads CUDA_VISIBLE_DEVICES now, at its first use). A machine
-    without a GPU driver has none, and this process then does not import torch (about 3 s on a small machine)."""
-    loopback = any(name == "lo" for _, name in socket.if_nameindex())
-    if not any(os.path.exists(path) for path in GPU_DRIVER_FILES):
-        return Machine(0, cpu_count=os.cpu_count() or 1, loopback=loopback)
-    import torch
-
-    n_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return Machine(n_cuda, torch.__version__, torch.version.cuda, os.cpu_count() or 1, loopback)
+    def on_gpus(self, names: Mapping[int, str]) -> LaunchPlan:
+        """This plan on the GPUs ``names`` (physical id -> claim name): one process each (one in all for ``dp``),
+        the group's backend when there are several, the threads and the CPU binding planned again for them."""
+        ids = sorted(names)
+        nproc = 1 if self.strategy == "dp" else len(ids)
+        env = {**self.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
+        if self.cpu_share:  # OMP_NUM_THREADS is the plan's: the CPUs shared by the new number of processes
+            env["OMP_NUM_THREADS"] = str(max(1, self.cpu_share // nproc))
+        binding = self.binding
+        if binding.mode != "none":
+            try:
+                binding = plan_for_job(binding.mode, nproc, ids, self.device == "cuda", self.strategy, os.environ)
+            except ConfigError:
+                binding = BindingPlan()  # the new size cannot be bound as asked: unbound, as --cpu-binding none
+        return dataclasses.replace(
+            self,
+            gpus=ids,
+            nproc=nproc,
+            backend=(self.backend or self.group_backend) if nproc * self.nnodes > 1 else None,
+            env=env,
+            gpu_names=dict(sorted(names.items())),
+            binding=binding,
+        )
 
 
 def make_plan(
     cfg: DistConfig, environ: dict[str, str] | os._Environ[str] = os.environ, join_group: bool = True
-) -> LaunchPlan:
-    """Decide backend, process count, GPUs and rendezvous from ``cfg`` and this machine.
+) -> tuple[LaunchPlan, GpuClaims]:
+    """Decide backend, process count, GPUs and rendezvous from ``cfg`` and this machine; returns the plan and the
+    GPU claims of the job (``acquire.py``), which the caller holds while the job runs (``with claims:``). A job
+    that torchrun or SLURM started, or on the CPU, claims nothing.
 
     The chosen GPUs' environment (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER) is the one change to ``environ``, made
     before torch is asked anything: CUDA reads it once, when this process first asks. Everything else the plan
-    sets (``plan.env``) is applied in the workers. A job on GPUs claims them (``acquire.py``; ``plan.claims``,
-    released by ``run_plan``, or here when a check fails); one that torchrun or SLURM started claims nothing.
-    ``join_group=False``: a script that creates its own process group from the torchrun environment
-    (``launch/script.py``), on whichever backend it chooses.
+    sets (``plan.env``) is applied in the workers. ``join_group=False``: a script that creates its own process
+    group from the torchrun environment (``script.py``), on whichever backend it chooses.
 
     Raises:
-        ConfigError: every impossible request, before anything is spawned.
+        ConfigError: every impossible request, before anything is spawned (the claims are then let go).
     """
     check_outer_launcher(cfg, environ)
     external = cluster.started_externally(environ)
@@ -146,7 +132,7 @@ def make_plan(
             gpu_plan, held = acquire.acquire(cfg, environ, claim=not external)
             selection.check_cuda_not_initialized(gpu_plan.physical_ids, environ)
             environ.update(gpu_plan.env)
-        plan = decide(cfg, gpu_plan, probe_machine(), environ, join_group)
+        plan = decide(cfg, gpu_plan, machine.probe_machine(), environ, join_group)
         # The GPUs as the environment has them.
         if cfg.gpus is None and plan.device == "cuda" and not external:
             held = acquire.acquire(cfg, environ)[1]
@@ -159,66 +145,22 @@ def make_plan(
     except BaseException:
         held.close()
         raise
-    return dataclasses.replace(plan, binding=binding, claims=held, run_id=torchelastic.run_id(environ, cfg.nnodes))
-
-
-def check_outer_launcher(cfg: DistConfig, environ: Mapping[str, str]) -> None:
-    """Under torchrun/SLURM the outer launcher decides the processes and restarts them."""
-    if not cluster.started_externally(environ):
-        return
-    if cfg.nproc is not None or (cfg.gpus or "").startswith("auto"):
-        raise ConfigError(
-            "this process was started by torchrun/SLURM, which decides the processes: drop --nproc, and choose "
-            "GPUs with physical ids (--gpus 2,3) or CUDA_VISIBLE_DEVICES, not --gpus auto (each process would "
-            "choose on its own)."
-        )
-    if cfg.wait is not None:
-        raise ConfigError(
-            "--wait: this process was started by torchrun/SLURM, which own the GPUs they give a job (ignite-mgpu "
-            "claims GPUs and waits for them only for the jobs it starts itself). Drop --wait; under SLURM the "
-            "scheduler queues the job until its GPUs are free."
-        )
-    if cfg.max_restarts:
-        raise ConfigError(
-            f"--max-restarts {cfg.max_restarts}: this process was started by torchrun/SLURM, which starts (and "
-            "restarts) the processes; one of them cannot restart the others. Let the outer launcher restart the "
-            "job and resume it: torchrun --max-restarts N ... train --resume auto, or sbatch --requeue with "
-            "--resume auto; and drop --max-restarts."
-        )
-
-
-def check_port_free(addr: str, port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((addr if addr not in ("localhost",) else "127.0.0.1", port))
-        except OSError as err:
-            raise ConfigError(
-                f"--master-port {port} is already in use on this machine ({err.strerror}); another job (or an "
-                "earlier run that is still alive) is listening there. Pick another port, or leave --master-port "
-                "out on a single node so a private rendezvous is used."
-            ) from None
-
-
-def free_port(addr: str = "127.0.0.1") -> int:
-    """A TCP port that nothing listens on now, for a rendezvous of a script on one node (ignite-mgpu run)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr if addr != "localhost" else "127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return dataclasses.replace(plan, binding=binding, run_id=cluster.run_id(environ, cfg.nnodes)), held
 
 
 def decide(
     cfg: DistConfig,
     gpu_plan: selection.GpuPlan | None,
-    machine: Machine,
+    facts: Machine,
     environ: Mapping[str, str],
     join_group: bool = True,
 ) -> LaunchPlan:
     """The plan without its CPU binding: a pure function of the config, the chosen GPUs, the machine and the
     launcher's environment (read only). A script (``join_group=False``) chooses its own backend: the checks of
     ours (nccl needs a GPU per process) are its to make."""
-    n_cuda = machine.cuda_devices
+    n_cuda = facts.cuda_devices
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if n_cuda else "gloo")
-    check_devices(cfg, backend, gpu_plan, machine)
+    check_devices(cfg, backend, gpu_plan, facts)
     messages = list(gpu_plan.messages) if gpu_plan else []
     if cluster.started_externally(environ):
         return _external_plan(cfg, backend, n_cuda, messages, environ)
@@ -233,86 +175,66 @@ def decide(
             f"NCCL cannot put two ranks on one GPU. Use --nproc {n_cuda}, select more GPUs with --gpus, or use "
             "--backend gloo."
         )
-    plan = LaunchPlan(
+    grows = gpu_range(cfg.gpus)
+    in_group = nproc * cfg.nnodes > 1 or (grows is not None and grows.high > 1)  # a range may grow from one
+    group = _group_environment(cfg.nnodes, nproc, backend, n_cuda, gpu_plan is None and join_group, facts, environ)
+    env, device, cpu_share, note = group if in_group else ({}, "cuda" if n_cuda else "cpu", 0, None)
+    return LaunchPlan(
         backend=backend if nproc * cfg.nnodes > 1 else None,
         nproc=nproc,
         nnodes=cfg.nnodes,
         node_rank=cfg.node_rank,
         master_addr=cfg.master_addr,
         master_port=cfg.master_port,
+        env=env,
         timeout=cfg.timeout,
         stop_grace=cfg.stop_grace,
         hang_seconds=cfg.hang_seconds,
         strategy=cfg.strategy,
         gpus=chosen,
         gpu_names=dict(gpu_plan.names) if gpu_plan else {},
-        gpu_range=gpu_range(cfg.gpus),
+        gpu_range=grows,
         group_backend=backend,
         min_free_memory=cfg.min_free_memory,
-        device="cuda" if n_cuda else "cpu",
-        # CUDA reads CUDA_VISIBLE_DEVICES once, when this process first asks it anything (torch.cuda.is_available()
-        # included, without is_initialized() turning true), and this process may have asked before --gpus was
-        # applied: a job on chosen GPUs always runs in a spawned process, also a single one.
-        # A restart needs a process to restart: one process with --max-restarts runs in a spawned worker too.
-        # A script always runs in spawned workers: they get the torchrun environment, this process supervises.
-        spawn_one=bool(chosen) or cfg.max_restarts > 0 or not join_group,
-        messages=messages,
+        cpu_share=cpu_share,
+        device=device,
+        messages=(*messages, *([note] if note else [])),
         max_restarts=cfg.max_restarts,
         preempt_signal=cluster.signal_number(cfg.preempt_signal),
         join_group=join_group,
         start_method="forkserver" if join_group else "spawn",
     )
-    # A range that may grow from one process has the group's environment ready.
-    if plan.backend is not None or (plan.gpu_range is not None and plan.gpu_range.high > 1):
-        _group_environment(plan, backend, n_cuda, gpu_plan is None and join_group, machine, environ)
-    return plan
-
-
-def check_devices(cfg: DistConfig, backend: str, gpu_plan: selection.GpuPlan | None, machine: Machine) -> None:
-    """The backend, the chosen GPUs and the strategy against what PyTorch sees."""
-    n_cuda = machine.cuda_devices
-    if backend == "nccl" and not n_cuda:
-        raise ConfigError(
-            "--backend nccl needs CUDA, but no GPU is visible to PyTorch here. Use --backend gloo (CPU) or "
-            "--backend auto, or check CUDA_VISIBLE_DEVICES and the driver (ignite-mgpu devices)."
-        )
-    if gpu_plan is not None and gpu_plan.physical_ids and not n_cuda:
-        version, cuda_build = machine.torch_version, machine.cuda_build
-        if not version:  # not probed: this machine has no GPU driver
-            import torch
-
-            version, cuda_build = torch.__version__, torch.version.cuda
-        built = "without CUDA" if cuda_build is None else f"for CUDA {cuda_build}"
-        raise ConfigError(
-            f"--gpus {cfg.gpus} selects GPUs that nvidia-smi shows, but PyTorch sees no CUDA device (torch "
-            f"{version}, built {built}); the job would silently train on the CPU. Install a CUDA "
-            "build of PyTorch that matches the driver, or pass --gpus none to train on the CPU."
-        )
-    if cfg.strategy == "dp":
-        if not n_cuda:
-            raise ConfigError("--strategy dp (nn.DataParallel) needs GPUs; on the CPU use the default --strategy ddp.")
-        if (cfg.nproc or 1) != 1 or cfg.nnodes != 1:
-            raise ConfigError("--strategy dp runs ONE process that drives every selected GPU; drop --nproc/--nnodes.")
 
 
 def _group_environment(
-    plan: LaunchPlan, backend: str, n_cuda: int, gpus_as_found: bool, machine: Machine, environ: Mapping[str, str]
-) -> None:
-    """The workers' environment for a process group: loopback sockets on one node, CPU threads per process."""
-    if plan.nnodes == 1:
+    nnodes: int,
+    nproc: int,
+    backend: str,
+    n_cuda: int,
+    gpus_as_found: bool,
+    facts: Machine,
+    environ: Mapping[str, str],
+) -> tuple[dict[str, str], str, int, str | None]:
+    """The workers' environment for a process group: loopback sockets on one node, CPU threads per process. Returns
+    (the environment, the device they train on, the CPUs that OMP_NUM_THREADS divides, a note for the user)."""
+    env: dict[str, str] = {}
+    device = "cuda" if n_cuda else "cpu"
+    cpu_share, note = 0, None
+    if nnodes == 1:
         # Keep gloo/NCCL's own sockets on loopback: nothing of a single-node job listens on the network.
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if var not in environ and machine.loopback:
-                plan.env[var] = "lo"
-    if backend == "gloo" and 0 < n_cuda < plan.nproc and gpus_as_found:
+            if var not in environ and facts.loopback:
+                env[var] = "lo"
+    if backend == "gloo" and 0 < n_cuda < nproc and gpus_as_found:
         # ignite puts rank k on cuda:k whenever CUDA is visible; with more ranks than GPUs, train on the CPU.
-        plan.env["CUDA_VISIBLE_DEVICES"] = ""
-        plan.device = "cpu"
-        plan.messages.append(f"--backend gloo with {plan.nproc} processes and {n_cuda} GPU(s): training on the CPU.")
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        device = "cpu"
+        note = f"--backend gloo with {nproc} processes and {n_cuda} GPU(s): training on the CPU."
     if backend == "gloo" and "OMP_NUM_THREADS" not in environ:
-        # No oversubscription.
-        plan.cpu_share = machine.cpu_count
-        plan.env["OMP_NUM_THREADS"] = str(max(1, machine.cpu_count // plan.nproc))
+        # Each process's intra-op threads get its share of the CPUs, not every core (no oversubscription).
+        cpu_share = facts.cpu_count
+        env["OMP_NUM_THREADS"] = str(max(1, facts.cpu_count // nproc))
+    return env, device, cpu_share, note
 
 
 def _check_fsdp_processes(cfg: DistConfig, nproc: int, chosen: list[int] | None, messages: list[str]) -> None:
@@ -361,6 +283,6 @@ def _external_plan(
         strategy=cfg.strategy,
         external=True,
         device="cuda" if n_cuda else "cpu",
-        messages=messages,
+        messages=tuple(messages),
         preempt_signal=cluster.signal_number(cfg.preempt_signal),
     )

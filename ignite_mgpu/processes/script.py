@@ -21,7 +21,8 @@ from ignite_mgpu.config.schema import Config, DistConfig
 from ignite_mgpu.env import cluster
 from ignite_mgpu.errors import USAGE, ConfigError, ScriptArgumentsError
 from ignite_mgpu.processes import launcher
-from ignite_mgpu.processes.plan import Restart, make_plan
+from ignite_mgpu.processes.job import Job, Restart
+from ignite_mgpu.processes.plan import make_plan
 
 
 def run_script_job(
@@ -36,11 +37,12 @@ def run_script_job(
     check_not_nested(environ)
     check_target(target, module)
     validate(Config(dist=cfg))
-    plan = make_plan(cfg, os.environ, join_group=False)
-    args = (target, script_args, module)
-    # For the restart's line; TORCHELASTIC_RESTART_COUNT counts.
-    again = Restart(args, resumes=False, name=target)
-    return launcher.run_plan(plan, run_script, *args, restart=lambda attempt: again)
+    plan, claims = make_plan(cfg, os.environ, join_group=False)
+    job = Job(run_script, (target, script_args, module))
+    # For the restart's message; TORCHELASTIC_RESTART_COUNT counts.
+    again = Restart(job.args, resumes=False, name=target)
+    with claims:
+        return launcher.run_job(plan, job, claims, restart=lambda restarts: again).outcome.code
 
 
 def check_not_nested(environ: Mapping[str, str]) -> None:

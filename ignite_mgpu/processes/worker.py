@@ -1,5 +1,6 @@
-"""Inside one worker process: its process group and death signal, its CPU binding, its signal handlers, joining the
-job's process group through ``idist.Parallel``, and the error file the supervisor reads when the worker fails.
+"""Inside one worker process: what its attempt gives it (``WorkerSpec``), its process group and death signal, its
+CPU binding, its signal handlers, joining the job's process group through ``idist.Parallel``, and the files it
+leaves for the supervisor (its status, its failure, rank 0's return value).
 
 Torch-free at import (ignite is imported once the worker runs), like the rest of the process layer.
 """
@@ -7,32 +8,45 @@ Torch-free at import (ignite is imported once the worker runs), like the rest of
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import logging
 import os
 import signal
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ignite_mgpu.cpus.binding import apply_binding, current, free_group_threads, thread_ids
+from ignite_mgpu.cpus.affinity import apply_binding, blas_threads_as_torch, current, free_group_threads, thread_ids
 from ignite_mgpu.env import clock, cluster, stop
-from ignite_mgpu.processes import forkserver, hang_report, torchelastic
-from ignite_mgpu.processes.attempt_files import RESULT_FILE, failure_record, write_result
-
-if TYPE_CHECKING:
-    from ignite_mgpu.processes.plan import LaunchPlan
-
-# When the job function raised in this process (the failure file's time)
-_raised_at: list[float] = []
+from ignite_mgpu.env.clock import JobClock
+from ignite_mgpu.hangs import hang_report
+from ignite_mgpu.processes import forkserver
+from ignite_mgpu.processes.attempt_files import RESULT_FILE, error_file, failure_record, mark_raised, write_result
+from ignite_mgpu.processes.job import Job
+from ignite_mgpu.processes.plan import LaunchPlan
 
 
-def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> Any:
-    """Join the job's process group (or none, for one process) and run ``fn(local_rank, *args)`` in it; returns
-    what ``fn`` returned."""
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one attempt gives each of its workers (pickled for a spawned one)."""
+
+    plan: LaunchPlan
+    job: Job
+    folder: str  # the attempt's folder: status, failure, error and stacks files
+    clock: JobClock  # goodput's anchors: when the command started, when the previous attempt failed
+    restarts: int = 0  # the job's restarts after a failure before this attempt (TORCHELASTIC_RESTART_COUNT)
+    rendezvous_file: str | None = None  # a private file store on one node (None: env://)
+    master_port: int | None = None  # MASTER_PORT: the plan's, or the attempt's own free port (a script's)
+    parent: int | None = None  # the pid of the process that starts the worker: the supervisor, or the fork server
+    # The supervisor's environment, for a worker forked by the fork server (whose own is of when it started)
+    environ: Mapping[str, str] | None = None
+
+
+def run_in_group(plan: LaunchPlan, job: Job, rendezvous_file: str | None = None) -> Any:
+    """Join the job's process group (or none, for one process) and run the job in it; returns what its function
+    returned. ``rendezvous_file``: the attempt's private file store."""
     import ignite.distributed as idist
 
     stop.set_collective_timeout(plan.timeout)
@@ -40,24 +54,21 @@ def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> Any:
         # ignite keeps existing loggers.
         logging.getLogger(f"ignite.distributed.{name}").setLevel(logging.WARNING)
     before_group = thread_ids()
-    own_group = _create_group(plan)
+    own_group = _create_group(plan, rendezvous_file)
     returned = []  # Parallel.run drops what the function returns
-    _raised_at.clear()  # one job's (a forked worker starts with its parent's memory)
 
-    def run(local_rank: int, *args: Any) -> None:
+    def run(local_rank: int) -> None:
         try:
-            returned.append(fn(local_rank, *args))
-        except BaseException:
-            # Leaving Parallel destroys the process group, and the peers fail on it at once: the failure's time is
-            # taken now, so that the supervisor names this rank's error as the cause, not theirs.
-            _raised_at.append(time.time())
+            returned.append(job.call(local_rank))
+        except BaseException as err:
+            mark_raised(err)  # before Parallel destroys the group: the peers' errors come later
             raise
 
     try:
         with idist.Parallel(backend=None if own_group else plan.backend) as parallel:
             free_group_threads(before_group)  # cores: gloo's threads communicate on the job's CPUs
             _say_where(plan)
-            parallel.run(run, *args)
+            parallel.run(run)
             if idist.get_world_size() > 1:
                 # A gloo thread releases the last collective's tensors a moment after wait() returned, and needs
                 # the GIL for it. A process that exits normally (started by torchrun or srun) can reach interpreter
@@ -73,13 +84,13 @@ def run_in_group(plan: LaunchPlan, fn: Callable[..., Any], args: tuple) -> Any:
     return returned[0] if returned else None
 
 
-def _create_group(plan: LaunchPlan) -> bool:
+def _create_group(plan: LaunchPlan, rendezvous_file: str | None) -> bool:
     """Create the job's process group here where ignite's creation would go wrong (a spawned job's file store, a
     torchrun restart); False leaves it to ignite (env://, or no group for one process)."""
     if plan.backend is None:
         return False
-    if plan.rendezvous_file is not None:
-        store = _file_store(plan.rendezvous_file)
+    if rendezvous_file is not None:
+        store = _file_store(rendezvous_file)
     else:
         store = _torchrun_attempt_store() if plan.external else None
     if store is None:
@@ -159,52 +170,6 @@ def in_process_signals(preempt_signal: int | None = None) -> Iterator[None]:
             signal.signal(s, h)
 
 
-def _from_the_server(environ: dict[str, str], threads: int | None) -> None:
-    """A worker forked by the fork server: the supervisor's environment replaces the server's (of when it started),
-    and what torch read at its import in the server follows it: the intra-op threads (libgomp reads
-    OMP_NUM_THREADS once, when it loads). ``threads``: the binding's own count, already applied."""
-    # The server's objects (torch's, ignite's modules) leave the garbage collector's view: its first full pass over
-    # them here would write to every one, copying the pages shared with the server (0.7 s of a restart, measured).
-    gc.freeze()
-    os.environ.clear()
-    os.environ.update(environ)
-    torch = sys.modules.get("torch")
-    if torch is not None and threads is None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
-
-
-# A BLAS library's own thread-count variable, which it reads before OMP_NUM_THREADS.
-BLAS_THREAD_VARS = {"openblas": "OPENBLAS_NUM_THREADS", "mkl": "MKL_NUM_THREADS", "blis": "BLIS_NUM_THREADS"}
-
-
-def _blas_threads_as_torch(threads: int | None) -> None:
-    """numpy's BLAS (OpenBLAS, MKL, BLIS) read their thread count from the environment once, when numpy loads: in
-    the fork server, or in this worker while the job function's module was imported, before the binding. Without
-    this, every worker's (and every loader worker's) matrix products would start a thread per core of the machine.
-    Set each as a process that loaded numpy now would: its own variable (OPENBLAS_NUM_THREADS, ...) when set, else
-    torch's count (the binding's, else OMP_NUM_THREADS). numpy not loaded yet: it will read the environment."""
-    if "numpy" not in sys.modules:
-        return
-    omp = os.environ.get("OMP_NUM_THREADS", "")
-    count = threads if threads is not None else int(omp) if omp.isdigit() else None
-    if count is None:
-        return
-    from threadpoolctl import ThreadpoolController
-
-    controller = ThreadpoolController()
-    for api, var in BLAS_THREAD_VARS.items():
-        own = os.environ.get(var, "")
-        controller.select(internal_api=api).limit(limits=max(1, int(own) if own.isdigit() else count))
-
-
-def _check_served_fork() -> None:
-    """The server must never start CUDA (nor ask it anything): every worker it forks would then fail to use it."""
-    torch = sys.modules.get("torch")
-    # is_initialized() is false in a bad fork; only the private flag tells it (tests/test_private_apis.py)
-    if torch is not None and (torch.cuda.is_initialized() or torch.cuda._is_in_bad_fork()):
-        raise RuntimeError("the fork server touched CUDA before forking this worker (a bug of ignite-mgpu)")
-
-
 def _set_signals(plan: LaunchPlan) -> None:
     """Ctrl-C is the launcher's, which passes it on: to the default job as SIGTERM (a stop at the next check), to a
     script as SIGINT (KeyboardInterrupt: its ``except KeyboardInterrupt`` and ``finally`` run, as under torchrun).
@@ -221,75 +186,74 @@ def _set_signals(plan: LaunchPlan) -> None:
         signal.signal(plan.preempt_signal, _on_signal if plan.join_group else signal.SIG_DFL)
 
 
-def _torchrun_variables(plan: LaunchPlan, local_rank: int, attempt: int, error_dir: str) -> dict[str, str]:
+def torchrun_variables(spec: WorkerSpec, local_rank: int) -> dict[str, str]:
     """What torchrun would give this process (cluster.worker_environment), its error file that torch's @record
     fills included (read by the supervisor's report)."""
-    rank = plan.node_rank * plan.nproc + local_rank
+    plan = spec.plan
+    rank = plan.first_rank + local_rank
     # A requeued SLURM job's restarts count too (SLURM_RESTART_COUNT)
-    restarts = cluster.outer_restarts() + attempt
-    address = plan.master_addr, plan.master_port or 29500
+    restarts = cluster.outer_restarts() + spec.restarts
     return cluster.worker_environment(
         rank,
         local_rank,
         plan.world_size,
         plan.nproc,
         plan.node_rank,
-        *address,
+        plan.master_addr,
+        spec.master_port or 29500,
         restarts,
         plan.max_restarts,
         run_id=plan.run_id,
-        error_file=torchelastic.error_file(error_dir, rank),
+        error_file=error_file(spec.folder, rank),
     )
 
 
-def worker_main(
-    local_rank: int,
-    plan: LaunchPlan,
-    fn: Callable[..., Any],
-    args: tuple,
-    error_dir: str,
-    attempt: int = 0,
-    parent: int | None = None,
-    environ: dict[str, str] | None = None,
-) -> None:
-    """The spawned (or forked) process's entry: set up the process, run ``fn``, exit with its code (an error file
-    on failure; rank 0's return value in ``RESULT_FILE``). ``attempt``: the restart count (0: the first start).
-    ``parent``: the pid of the process that started this one (the supervisor, or the fork server).
-    ``environ``: the supervisor's environment, for a worker forked by the fork server (whose own is of when it
-    started)."""
+def _set_up(spec: WorkerSpec, local_rank: int) -> None:
+    """This process as the attempt's worker ``local_rank``: its own process group, the supervisor's environment and
+    the plan's, its CPUs and threads (before anything imports torch here, unless unpickling the job already did:
+    then its pool is resized), the torchrun variables, the signals, the files the supervisor reads."""
     forkserver.leave_server()
-    forkserver.die_with(parent)  # the supervisor's, or the server's death
+    forkserver.die_with(spec.parent)  # the supervisor's, or the server's death
     # Own process group: Ctrl-C reaches only the launcher, which then stops the workers.
     os.setpgid(0, 0)
+    plan = spec.plan
     binding = plan.binding.rank(local_rank)
-    if environ is not None:
-        _from_the_server({**environ, **plan.env}, binding.threads)
+    if spec.environ is not None:
+        forkserver.from_the_server({**spec.environ, **plan.env}, binding.threads)
     for var in cluster.slurm_task_variables():
         # Inside an allocation ignite would read the launcher's SLURM task, not this rank.
         del os.environ[var]
-    rank = plan.node_rank * plan.nproc + local_rank
     os.environ.update(plan.env)
-    # Before anything imports torch here (unless unpickling the job function already did: then it resizes the pool).
     apply_binding(binding)
-    _blas_threads_as_torch(binding.threads)
-    os.environ.update(_torchrun_variables(plan, local_rank, attempt, error_dir))
+    blas_threads_as_torch(binding.threads)
+    os.environ.update(torchrun_variables(spec, local_rank))
     _set_signals(plan)
-    # How far it got, and whether it is saving.
-    stop.set_status_file(Path(error_dir, f"status{rank}"))
-    hang_report.prepare_worker(error_dir, rank, plan.backend)  # its stacks on request; NCCL's Flight Recorder
-    # When the command started, when the previous attempt failed: goodput's anchors.
-    clock.set_clock(plan.clock)
+    rank = plan.first_rank + local_rank
+    # How far it got, and whether it is saving: what the supervisor's hang watch reads.
+    stop.set_status_file(Path(spec.folder, f"status{rank}"))
+    hang_report.prepare_worker(spec.folder, rank, plan.backend)  # its stacks on request; NCCL's Flight Recorder
+    clock.set_clock(spec.clock)
+
+
+def worker_main(local_rank: int, spec: WorkerSpec) -> None:
+    """The spawned (or forked) process's entry: set up the process, run the job, exit with its code (a failure
+    file on failure; rank 0's return value in ``RESULT_FILE``)."""
+    _set_up(spec, local_rank)
+    rank = spec.plan.first_rank + local_rank
     code = 0
     try:
-        if environ is not None:
-            _check_served_fork()
-        value = run_in_group(plan, fn, args) if plan.join_group else fn(local_rank, *args)
+        if spec.environ is not None:
+            forkserver.check_served_fork()
+        if spec.plan.join_group:
+            value = run_in_group(spec.plan, spec.job, spec.rendezvous_file)
+        else:
+            value = spec.job.call(local_rank)
         if rank == 0 and value is not None:
-            write_result(Path(error_dir, RESULT_FILE), value)
+            write_result(Path(spec.folder, RESULT_FILE), value)
     except BaseException as err:  # every failure becomes a failure file and an exit code
-        record = failure_record(rank, err, _raised_at[0] if _raised_at else None)
+        record = failure_record(rank, err)
         code = record["code"]
-        Path(error_dir, f"rank{rank}.json").write_text(json.dumps(record))
+        Path(spec.folder, f"rank{rank}.json").write_text(json.dumps(record))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skip interpreter teardown: a broken process group must not hang the exit

@@ -42,7 +42,7 @@ from ignite_mgpu.train.evaluator import create_evaluator, validation_metrics
 from ignite_mgpu.train.goodput import Goodput
 from ignite_mgpu.train.losses import create_loss
 from ignite_mgpu.train.models import create_model
-from ignite_mgpu.train.optim import create_lr_scheduler, optimizer_from_config
+from ignite_mgpu.train.optim import create_lr_scheduler, create_optimizer, optim_options
 from ignite_mgpu.train.step.deterministic import use_deterministic_algorithms
 from ignite_mgpu.train.step.trainer import Trainer, create_trainer
 from ignite_mgpu.train.tracking.trackers import Trackers
@@ -87,7 +87,7 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
     train_loader, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
     model = _create_model(cfg, train_loader)
     # After prepare_model: FSDP2's parameters are the sharded ones.
-    optimizer = _create_optimizer(cfg, model)
+    optimizer = create_optimizer(model, **optim_options(cfg.optim))
     lr_scheduler = _create_lr_scheduler(cfg, optimizer, len(train_loader))
     loss_fn = create_loss(t.loss, t.loss_args)
     trainer = _create_trainer(cfg, model, optimizer, lr_scheduler, loss_fn, out)
@@ -217,11 +217,6 @@ def _create_model(cfg: Config, loader: DataLoader) -> nn.Module:
     return prepare_model(model, cfg.dist.strategy, m.sync_batchnorm, m.compile, **fsdp_options(cfg))
 
 
-def _create_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
-    """``optim.name`` over the parameter groups of the prepared model."""
-    return optimizer_from_config(cfg.optim, model)
-
-
 def _create_lr_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, loader_length: int) -> LRScheduler:
     """``optim.scheduler`` after ``optim.warmup_epochs``, stepped once per optimizer step (accumulation windows)."""
     t, o = cfg.train, cfg.optim
@@ -261,7 +256,7 @@ def scoring(local_rank: int, cfg: Config, checkpoint_path: str, as_json: bool) -
     evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=cfg.train.precision)
     state = evaluator.run(val_loader)
     scores = {name: value for name, v in state.metrics.items() if (value := jsonable(v)) is not None}
-    # Sized.
-    result = {"checkpoint": checkpoint_path, "samples": len(val_loader.dataset), **scores}  # type: ignore[arg-type]
+    samples = len(val_loader.dataset)  # type: ignore[arg-type]  # a map-style dataset: torch's type has no len
+    result = {"checkpoint": checkpoint_path, "samples": samples, **scores}
     if rank == 0:
         print(json.dumps(result) if as_json else "  ".join(f"{k}: {v}" for k, v in result.items()))

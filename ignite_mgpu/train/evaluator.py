@@ -71,7 +71,7 @@ def create_evaluator(
     # Once per run: eval() visits every submodule.
     evaluator.add_event_handler(Events.STARTED, lambda: net.eval())
     # A sign of life for the supervisor's hang watch: a long evaluation is progress, not a hang.
-    evaluator.add_event_handler(Events.ITERATION_COMPLETED, stop.note_beat)
+    evaluator.add_event_handler(Events.ITERATION_COMPLETED, stop.note_activity)
     evaluator.logger.setLevel("CRITICAL")
     if fsdp:  # its forward is a collective: as many on every rank, before the metrics reduce
         attach_even_forwards(evaluator, eval_step)

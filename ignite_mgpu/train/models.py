@@ -72,7 +72,7 @@ def _resolve(name: str) -> Callable[..., nn.Module]:
 
     available = torchvision.models.list_models(module=torchvision.models)
     if name in available:
-        # Never downloads.
+        # weights=None: nothing is ever downloaded (a job, a test, CI may have no network).
         return functools.partial(torchvision.models.get_model_builder(name), weights=None)
     import difflib
 
@@ -122,7 +122,7 @@ def check_factories(m: ModelConfig, loss: str, loss_args: Mapping[str, Any], o: 
     optimizer, to the workers."""
     from ignite_mgpu.config.checks import BUILTIN_LOSSES
     from ignite_mgpu.train.losses import create_loss
-    from ignite_mgpu.train.optim import BUILTIN_OPTIMIZERS, build_optimizer, optimizer_from_config, optimizer_name
+    from ignite_mgpu.train.optim import BUILTIN_OPTIMIZERS, create_optimizer, optim_options, optimizer_name
 
     if loss not in BUILTIN_LOSSES:
         create_loss(loss, loss_args, device="cpu")
@@ -154,4 +154,4 @@ def check_factories(m: ModelConfig, loss: str, loss_args: Mapping[str, Any], o: 
             )
         return
     with torch.device("meta"):
-        optimizer_from_config(o, model, build=build_optimizer)
+        create_optimizer(model, **optim_options(o), distributed=False)

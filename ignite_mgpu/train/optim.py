@@ -61,9 +61,11 @@ def create_optimizer(
     args: Mapping[str, Any] | None = None,
     no_decay_norm_and_bias: bool = False,
     param_groups: str | None = None,
+    distributed: bool = True,
 ) -> Optimizer:
     """The optimizer over the trainable parameters of a prepared model (DDP, DataParallel, FSDP2 or plain), wrapped by
-    ``idist.auto_optim``.
+    ``idist.auto_optim`` (``distributed=False``: not wrapped, which asks no process group: the memory plan and the
+    pre-flight build it so). ``optim_options(section)`` gives the ``optim:`` section's arguments.
 
     ``name``: "sgd" (SGD, Nesterov momentum when ``nesterov`` and ``momentum > 0``), "adamw", a ``torch.optim`` class
     name ("Adam", "RMSprop", ...) or "package.module:factory", called as ``factory(param_groups, lr=..., **args)``.
@@ -72,36 +74,6 @@ def create_optimizer(
     ``no_decay_norm_and_bias`` and ``param_groups`` (a factory ``model -> groups``) make the groups
     (``param_groups.py``).
     """
-    import ignite.distributed as idist
-
-    opt = build_optimizer(
-        model,
-        name,
-        lr,
-        momentum,
-        weight_decay,
-        nesterov,
-        args=args,
-        no_decay_norm_and_bias=no_decay_norm_and_bias,
-        param_groups=param_groups,
-    )
-    return idist.auto_optim(opt)
-
-
-def build_optimizer(
-    model: nn.Module,
-    name: str,
-    lr: float,
-    momentum: float,
-    weight_decay: float,
-    nesterov: bool = True,
-    *,
-    args: Mapping[str, Any] | None = None,
-    no_decay_norm_and_bias: bool = False,
-    param_groups: str | None = None,
-) -> Optimizer:
-    """``create_optimizer``'s optimizer before ``idist.auto_optim``, which asks the process group (the memory plan
-    builds it under a process group of its own)."""
     extra, name = dict(args or {}), optimizer_name(name)
     fn = optimizer_factory(name)
     kwargs = _optimizer_kwargs(fn, name, lr, momentum, weight_decay, nesterov, extra)
@@ -110,7 +82,11 @@ def build_optimizer(
     opt = plugins.call(functools.partial(fn, groups), kwargs | extra, name, "optim.name")
     if not isinstance(opt, Optimizer):
         raise ConfigError(f"optim.name={name} returned a {type(opt).__name__}, not a torch.optim.Optimizer.")
-    return opt
+    if not distributed:
+        return opt
+    import ignite.distributed as idist
+
+    return idist.auto_optim(opt)
 
 
 def create_lr_scheduler(
@@ -145,20 +121,18 @@ def create_lr_scheduler(
     return main if warmup is None else SequentialLR(optimizer, [warmup, main], milestones=[warmup_steps])
 
 
-def optimizer_from_config(o: OptimConfig, model: nn.Module, build: Callable[..., Optimizer] | None = None) -> Optimizer:
-    """The ``optim:`` section's optimizer over ``model``: ``create_optimizer`` (or ``build``, e.g.
-    ``build_optimizer``) with the section's keys."""
-    return (build or create_optimizer)(
-        model,
-        o.name,
-        o.lr,
-        o.momentum,
-        o.weight_decay,
-        o.nesterov,
-        args=o.args,
-        no_decay_norm_and_bias=o.no_decay_norm_and_bias,
-        param_groups=o.param_groups,
-    )
+def optim_options(o: OptimConfig) -> dict[str, Any]:
+    """``create_optimizer``'s arguments from the ``optim:`` section."""
+    return {
+        "name": o.name,
+        "lr": o.lr,
+        "momentum": o.momentum,
+        "weight_decay": o.weight_decay,
+        "nesterov": o.nesterov,
+        "args": o.args,
+        "no_decay_norm_and_bias": o.no_decay_norm_and_bias,
+        "param_groups": o.param_groups,
+    }
 
 
 def check_optim(o: OptimConfig) -> None:

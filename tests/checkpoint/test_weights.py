@@ -152,7 +152,7 @@ def test_a_corrupt_or_truncated_file_is_one_paragraph_not_a_traceback(tmp_path, 
     with pytest.raises(CheckpointError, match=r"ignite_mgpu.tied=.* does not name tensors of the file"):
         read_safetensors(tmp_path / "edited.safetensors")
 
-    monkeypatch.setattr(launcher, "run_plan", lambda *a, **k: pytest.fail("a job was started"))
+    monkeypatch.setattr(launcher, "run_job", lambda *a, **k: pytest.fail("a job was started"))
     cfg = load_config(overrides=[f"output_dir={tmp_path / 'out'}", f"resume={truncated}", "dist.nproc=1"])
     assert (
         fit(cfg) == 1
@@ -273,11 +273,11 @@ def test_resume_from_safetensors_is_a_new_run_from_the_weights(tmp_path, caplog,
 
 def test_a_restart_before_the_first_checkpoint_starts_from_the_weights_again(tmp_path):
     cfg = load_config(overrides=[f"output_dir={tmp_path}", f"resume={tmp_path / 'w.safetensors'}"])
-    restart = jobs._resume_newest(cfg, 0, 1)
-    assert restart.args[1].resume == str(tmp_path / "w.safetensors") and restart.checkpoint == cfg.resume
+    restart = jobs._resume_newest(cfg, 1)
+    assert restart.args[0].resume == str(tmp_path / "w.safetensors") and restart.checkpoint == cfg.resume
     torch.save({"model": linear().state_dict()}, tmp_path / "checkpoint_4.pt")
-    restart = jobs._resume_newest(cfg, 0, 1)
-    assert restart.args[1].resume == "auto" and restart.iteration == 4
+    restart = jobs._resume_newest(cfg, 1)
+    assert restart.args[0].resume == "auto" and restart.iteration == 4
 
 
 @pytest.mark.distributed

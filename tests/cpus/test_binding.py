@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from ignite_mgpu.config.schema import DistConfig
-from ignite_mgpu.cpus import binding, topology
-from ignite_mgpu.cpus.binding import RankBinding, apply_binding, plan_binding, plan_for_job
+from ignite_mgpu.cpus import affinity, topology
+from ignite_mgpu.cpus.affinity import apply_binding
+from ignite_mgpu.cpus.binding import RankBinding, plan_binding, plan_for_job
 from ignite_mgpu.cpus.topology import Topology, parse_cpulist, read_topology
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.gpus import inventory
@@ -133,18 +134,18 @@ def test_under_torchrun_or_slurm_the_outer_launcher_binds():
 def test_make_plan_carries_the_binding(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     allowed = sorted(os.sched_getaffinity(0))
-    plan = make_plan(DistConfig(nproc=1, cpu_binding="cores"))
+    plan = make_plan(DistConfig(nproc=1, cpu_binding="cores"))[0]
     assert plan.binding.mode == "cores" and plan.binding.ranks[0].cpus == tuple(allowed)
-    assert make_plan(DistConfig(nproc=1)).binding.mode == "none"  # the default
+    assert make_plan(DistConfig(nproc=1))[0].binding.mode == "none"  # the default
     with pytest.raises(ConfigError, match="cannot apply here: .* need a CPU each"):
-        make_plan(DistConfig(nproc=len(allowed) + 1, cpu_binding="cores", backend="gloo"))
+        make_plan(DistConfig(nproc=len(allowed) + 1, cpu_binding="cores", backend="gloo"))[0]
     with pytest.raises(ConfigError, match="numa binds each rank to the CPUs of its GPU's NUMA node, but this job "):
-        make_plan(DistConfig(nproc=1, cpu_binding="numa"))
+        make_plan(DistConfig(nproc=1, cpu_binding="numa"))[0]
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)
-    assert make_plan(DistConfig(cpu_binding="auto")).binding.mode == "none"
+    assert make_plan(DistConfig(cpu_binding="auto"))[0].binding.mode == "none"
     with pytest.raises(ConfigError, match="torchrun --numa-binding node, srun --cpu-bind=cores"):
-        make_plan(DistConfig(cpu_binding="cores"))
+        make_plan(DistConfig(cpu_binding="cores"))[0]
 
 
 # ------------------------------------------------------------------------------------ numa: a fake 2-socket machine
@@ -278,14 +279,14 @@ def test_apply_binds_every_thread_sets_the_threads_and_undo_restores():
     try:
         assert os.sched_getaffinity(0) == {cpu} and torch.get_num_threads() == 1
         assert os.environ["OMP_NUM_THREADS"] == os.environ["MKL_NUM_THREADS"] == "1"
-        assert binding.current().share == 1 and binding.cpu_share(4) == 1
+        assert affinity.current().share == 1 and affinity.cpu_share(4) == 1
         release.set()
         t.join(10)
         assert seen["mask"] == {cpu}  # the earlier thread moved too
     finally:
         undo()
     assert os.sched_getaffinity(0) == before and torch.get_num_threads() == threads_before
-    assert binding.current() is None and binding.cpu_share(1) == len(before)
+    assert affinity.current() is None and affinity.cpu_share(1) == len(before)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs: a share and another")
@@ -310,10 +311,10 @@ def test_the_process_groups_threads_get_the_jobs_cpus_and_no_other_thread_does()
     undo = apply_binding(RankBinding((cpu,), None, 1, "cores", tuple(sorted(before))))
     try:
         start("before the group")  # e.g. a thread an import started: it stays on the share
-        started = binding.thread_ids()
+        started = affinity.thread_ids()
         start("the group's")  # inherits the share from the training thread
         start("its own mask", own={other})
-        binding.free_group_threads(started)
+        affinity.free_group_threads(started)
         assert os.sched_getaffinity(0) == {cpu}  # the training thread keeps its share
     finally:
         release.set()

@@ -10,14 +10,14 @@ import os
 
 from ignite_mgpu.cli.commands import main
 from ignite_mgpu.gpus import inventory
-from ignite_mgpu.processes import plan, resize
+from ignite_mgpu.processes import elastic, machine
 
 
-def _machine() -> plan.Machine:
-    return plan.Machine(len(inventory.query_gpus()), cpu_count=os.cpu_count() or 1)
+def _machine() -> machine.Machine:
+    return machine.Machine(len(inventory.query_gpus()), cpu_count=os.cpu_count() or 1)
 
 
 if __name__ == "__main__":
-    plan.probe_machine = _machine
-    resize.LOOK_EVERY = float(os.environ.get("LOOK_EVERY", "0.5"))
+    machine.probe_machine = _machine
+    elastic.LOOK_EVERY = float(os.environ.get("LOOK_EVERY", "0.5"))
     main()

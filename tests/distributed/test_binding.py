@@ -20,7 +20,6 @@ from ignite_mgpu.checkpoint.files import list_checkpoints, read_checkpoint
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.cpus.binding import plan_for_job
 from ignite_mgpu.cpus.topology import parse_cpulist
-from ignite_mgpu.processes.launcher import run_named
 from ignite_mgpu.train.default_job import training
 from tests.conftest import run_cli
 
@@ -66,9 +65,8 @@ def record_binding(local_rank: int, out: str) -> None:
 def test_each_rank_and_its_loader_workers_run_on_its_share(tmp_path, monkeypatch, capfd):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     expected = plan_for_job("cores", 2, None, False, "ddp", {})
-    # Through run_named, as the CLI starts jobs: torch is first imported in the worker after the binding.
-    target = "tests.distributed.test_binding:record_binding"
-    launch(run_named, target, str(tmp_path), nproc=2, backend="gloo", cpu_binding="cores")
+    # By name, as the CLI starts jobs: torch is first imported in the worker after the binding.
+    launch("tests.distributed.test_binding:record_binding", str(tmp_path), nproc=2, backend="gloo", cpu_binding="cores")
     err = capfd.readouterr().err
     assert "ignite-mgpu: cpu binding: cores (as asked)" in err
     for r in (0, 1):

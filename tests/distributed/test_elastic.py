@@ -5,7 +5,7 @@ test_any_process_count.py), its changes recorded in metrics.jsonl and the goodpu
 - Leaving out a failed GPU (processes/elastic.py): in epoch 2 one rank's GPU fails (it leaves nvidia-smi's table and
   the rank is killed, or the rank raises a CUDA device error); the job restarts on the other 3 from the newest
   checkpoint, lets go of the failed GPU's claim and says so in one line.
-- Lending (processes/resize.py): a real job waiting in line for 2 GPUs gets GPU 2,3 from the running job, which goes
+- Lending (processes/elastic.py): a real job waiting in line for 2 GPUs gets GPU 2,3 from the running job, which goes
   on with 2 processes, `devices` showing what it lent; when the waiter ends, the job takes them back.
 `python -m pytest tests/distributed/test_elastic.py`."""
 

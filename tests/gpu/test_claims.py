@@ -42,7 +42,7 @@ def test_a_plan_on_a_real_gpu_claims_it_and_a_second_job_is_refused_it():
         assert got["gpus"] == [0] and got["claimed"][0].startswith("GPU-")
         code = (
             "from ignite_mgpu.config.schema import DistConfig; from ignite_mgpu.processes.plan import make_plan\n"
-            "plan = make_plan(DistConfig(gpus='auto:1')); print(plan.gpus, plan.claims.names)"
+            "plan, held = make_plan(DistConfig(gpus='auto:1')); print(plan.gpus, held.names)"
         )
         second = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
         if cuda_device_count() > 1:  # another GPU: auto takes it, by its own UUID

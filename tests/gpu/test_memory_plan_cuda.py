@@ -22,7 +22,7 @@ def test_estimate_is_within_15_percent_of_max_memory_allocated(overrides):
     from ignite_mgpu.train.data import batches
     from ignite_mgpu.train.data.datasets import build_datasets, example_inputs, first_batch
     from ignite_mgpu.train.models import create_model
-    from ignite_mgpu.train.optim import build_optimizer
+    from ignite_mgpu.train.optim import create_optimizer, optim_options
 
     cfg = load_config(None, [*overrides, "data.batch_size=512"])
     estimate = measure(cfg, example_batch(cfg), 512, cuda=True).peak  # the foreach optimizer, cuBLAS's workspaces
@@ -33,8 +33,7 @@ def test_estimate_is_within_15_percent_of_max_memory_allocated(overrides):
     start = torch.cuda.memory_allocated(device)
     batch = batches.to_device(first_batch(splits.train, splits.collate_fn, 512), device)
     model = create_model(cfg.model, example).to(device)
-    o = cfg.optim
-    optimizer = build_optimizer(model, o.name, o.lr, o.momentum, o.weight_decay, o.nesterov)
+    optimizer = create_optimizer(model, **optim_options(cfg.optim), distributed=False)
     for _ in range(2):
         loss = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
         loss.backward()

@@ -29,6 +29,7 @@ from ignite_mgpu.errors import WAIT_TIMEOUT, ConfigError, WaitInterrupted, WaitT
 from ignite_mgpu.gpus import acquire, claims, inventory
 from ignite_mgpu.gpus.selection import GpusTaken
 from ignite_mgpu.processes import launcher
+from ignite_mgpu.processes.attempt import Ended
 from ignite_mgpu.processes.outcome import Outcome
 from ignite_mgpu.processes.plan import make_plan
 from tests.conftest import REPO, run_cli
@@ -400,23 +401,26 @@ def test_the_plan_holds_the_claims_until_the_job_ends_and_lets_them_go_on_a_fail
 
     # This machine's torch has no CUDA: the plan's device check fails after the claim, which must not stay.
     with pytest.raises(ConfigError, match="PyTorch sees no CUDA device"):
-        make_plan(DistConfig(gpus="2"))
+        make_plan(DistConfig(gpus="2"))[0]
     assert claimed() == {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    plan = make_plan(DistConfig(gpus="2"))
-    assert plan.claims.names == [UUID(2)] and set(claimed()) == {UUID(2)}
-    assert pickle.loads(pickle.dumps(plan)).claims.names == []  # a spawned worker holds nothing
-    assert all(not os.get_inheritable(fd) for fd in plan.claims._fds)  # nor does any process started by exec
-    monkeypatch.setattr(launcher, "_run_job", lambda *args: (Outcome(0), None))
-    assert launcher.run_plan(plan, print) == 0
-    assert claimed() == {}
+    plan, held = make_plan(DistConfig(gpus="2"))
+    assert held.names == [UUID(2)] and set(claimed()) == {UUID(2)}
+    assert pickle.loads(pickle.dumps(held)).names == []  # a spawned worker holds nothing
+    assert not hasattr(pickle.loads(pickle.dumps(plan)), "claims")  # and its plan names none
+    assert all(not os.get_inheritable(fd) for fd in held._fds)  # nor does any process started by exec
+    held.close()
+    during = []
+    monkeypatch.setattr(launcher, "run_job", lambda *args, **kwargs: during.append(claimed()) or Ended(Outcome(0)))
+    assert launcher.launch(print, gpus="2") is None
+    assert list(during[0]) == [UUID(2)] and claimed() == {}  # held while the job ran, let go when it ended
 
 
 def test_jobs_on_the_cpu_claim_nothing():
     for dist in (DistConfig(), DistConfig(gpus="none"), DistConfig(nproc=2, wait=10.0)):
-        plan = make_plan(dist)
-        assert plan.device == "cpu" and plan.claims.names == []
+        plan, held = make_plan(dist)
+        assert plan.device == "cpu" and held.names == []
     assert list(claims_dir().iterdir()) == []
 
 
@@ -643,7 +647,7 @@ def test_wait_under_torchrun_is_refused(monkeypatch):
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(ConfigError, match=r"^--wait: this process was started by torchrun/SLURM, which own the GPUs"):
-        make_plan(DistConfig(wait=60.0))
+        make_plan(DistConfig(wait=60.0))[0]
 
 
 def test_the_timeout_error_is_a_config_error_with_its_own_code():

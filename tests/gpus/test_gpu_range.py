@@ -21,7 +21,8 @@ from ignite_mgpu.gpus.devices import format_devices, who_has
 from ignite_mgpu.gpus.inventory import GpuInfo, query_gpus
 from ignite_mgpu.gpus.ranges import GpuRange, gpu_range
 from ignite_mgpu.gpus.selection import GpusTaken, parse_gpus, plan_gpus
-from ignite_mgpu.processes.plan import Machine, decide
+from ignite_mgpu.processes.machine import Machine
+from ignite_mgpu.processes.plan import decide
 from tests.gpus.test_claims import TABLE, UUID, claimed, fake_gpus, hold_here, jobs  # noqa: F401  (fixtures)
 from tests.helpers import memory_trackers
 

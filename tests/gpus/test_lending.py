@@ -1,5 +1,5 @@
-"""Lending (gpus/lending.py): what an elastic job gives the line of waiting jobs and takes back, pure (``decide``),
-and what it reads of a real claims folder (``look``). The supervisor's side is tests/processes/test_resize.py, a real
+"""Lending (gpus/lending.py): what an elastic job gives the line of waiting jobs and takes back, pure (``change_for``),
+and what it reads of a real claims folder (``look``). The supervisor's side is tests/processes/test_lender.py, a real
 lending job on the stand-in tests/distributed/test_elastic.py.
 
 Run: python -m pytest tests/gpus/test_lending.py -q
@@ -12,7 +12,7 @@ import os
 from ignite_mgpu.gpus import claims, waiting
 from ignite_mgpu.gpus.claims import Holder
 from ignite_mgpu.gpus.inventory import GpuInfo
-from ignite_mgpu.gpus.lending import Change, Line, decide, look
+from ignite_mgpu.gpus.lending import Change, Line, change_for, look
 from ignite_mgpu.gpus.waiting import Waiter
 
 G = [f"GPU-{i}" for i in range(8)]  # claim names
@@ -34,40 +34,40 @@ HELD = G[:4]  # the elastic job holds GPU 0-3, on auto:2-4
 
 
 def test_a_waiter_gets_the_gpus_above_min_that_the_free_ones_lack_the_last_ones_first():
-    change = decide(HELD, 2, 4, line(any_of(2)))
+    change = change_for(HELD, 2, 4, line(any_of(2)))
     assert change == Change(lend=(G[3], G[2]), to=(Holder("bob", 1, known=True),))
     # One free GPU: only one more is lent.
-    assert decide(HELD, 2, 4, line(any_of(2), free=[5])).lend == (G[3],)
+    assert change_for(HELD, 2, 4, line(any_of(2), free=[5])).lend == (G[3],)
     # Enough free GPUs, or GPUs another job is lending: nothing is lent, and nothing is taken while anyone waits.
-    assert not decide(HELD, 2, 4, line(any_of(2), free=[5, 6]))
-    assert not decide(HELD, 2, 4, line(any_of(2), coming=[5, 6]))
+    assert not change_for(HELD, 2, 4, line(any_of(2), free=[5, 6]))
+    assert not change_for(HELD, 2, 4, line(any_of(2), coming=[5, 6]))
 
 
 def test_never_below_min_and_never_for_a_waiter_that_could_not_start_anyway():
-    assert not decide(HELD, 3, 4, line(any_of(2)))  # only one above MIN 3: the waiter needs 2
-    assert not decide(HELD, 4, 4, line(any_of(1)))  # at MIN
-    assert decide(HELD, 3, 4, line(any_of(2), free=[5])).lend == (G[3],)
+    assert not change_for(HELD, 3, 4, line(any_of(2)))  # only one above MIN 3: the waiter needs 2
+    assert not change_for(HELD, 4, 4, line(any_of(1)))  # at MIN
+    assert change_for(HELD, 3, 4, line(any_of(2), free=[5])).lend == (G[3],)
 
 
 def test_the_line_order_holds_an_unservable_auto_waiter_keeps_the_later_ones_waiting():
-    assert not decide(HELD, 2, 4, line(any_of(3), any_of(1, pid=3)))
+    assert not change_for(HELD, 2, 4, line(any_of(3), any_of(1, pid=3)))
     # Served in order: the first takes the free GPU, the second gets one lent.
-    assert decide(HELD, 2, 4, line(any_of(1), any_of(1, pid=3), free=[5])).lend == (G[3],)
+    assert change_for(HELD, 2, 4, line(any_of(1), any_of(1, pid=3), free=[5])).lend == (G[3],)
 
 
 def test_a_waiter_naming_gpus_gets_those_of_this_job_and_no_later_waiter_gets_them():
-    assert decide(HELD, 2, 4, line(named(1))).lend == (G[1],)
-    assert decide(HELD, 2, 4, line(named(1, 5), free=[5])).lend == (G[1],)
+    assert change_for(HELD, 2, 4, line(named(1))).lend == (G[1],)
+    assert change_for(HELD, 2, 4, line(named(1, 5), free=[5])).lend == (G[1],)
     # It also needs GPU 6, which is nobody's to give: nothing is lent, and GPU 1 stays out of a later waiter's reach.
-    assert decide(HELD, 2, 4, line(named(1, 6), any_of(1, pid=3))).lend == (G[3],)
-    assert not decide(HELD, 2, 4, line(named(0, 1, 2)))  # would leave 1, below MIN 2
+    assert change_for(HELD, 2, 4, line(named(1, 6), any_of(1, pid=3))).lend == (G[3],)
+    assert not change_for(HELD, 2, 4, line(named(0, 1, 2)))  # would leave 1, below MIN 2
 
 
 def test_free_gpus_are_taken_up_to_max_only_when_nobody_waits():
-    assert decide(G[:2], 2, 4, line(free=[4, 5, 6])) == Change(take=(G[4], G[5]))
-    assert not decide(HELD, 2, 4, line(free=[4, 5]))  # at MAX
-    assert not decide(G[:2], 2, 4, line(any_of(3), free=[4, 5]))  # the free ones are the waiter's
-    assert decide(G[:2], 2, 4, line(free=[4, 5, 6]), avoid=frozenset({G[4]})).take == (G[5], G[6])
+    assert change_for(G[:2], 2, 4, line(free=[4, 5, 6])) == Change(take=(G[4], G[5]))
+    assert not change_for(HELD, 2, 4, line(free=[4, 5]))  # at MAX
+    assert not change_for(G[:2], 2, 4, line(any_of(3), free=[4, 5]))  # the free ones are the waiter's
+    assert change_for(G[:2], 2, 4, line(free=[4, 5, 6]), avoid=frozenset({G[4]})).take == (G[5], G[6])
 
 
 def test_look_reads_free_gpus_the_line_and_what_another_elastic_job_lends():

@@ -12,6 +12,8 @@ from click.testing import CliRunner
 
 from ignite_mgpu.cli.commands import main
 from ignite_mgpu.processes import launcher
+from ignite_mgpu.processes.attempt import Ended
+from ignite_mgpu.processes.outcome import Outcome
 
 PKG = "tests.plugins_pkg.meta_factories"
 SMALL = ["--nproc", "2", "--backend", "gloo", "data.train_size=64", "data.val_size=16", "data.batch_size=16"]
@@ -20,7 +22,7 @@ SMALL = ["--nproc", "2", "--backend", "gloo", "data.train_size=64", "data.val_si
 @pytest.fixture
 def started(monkeypatch):
     calls = []
-    monkeypatch.setattr(launcher, "run_plan", lambda *args, **kwargs: calls.append(args) or 0)
+    monkeypatch.setattr(launcher, "run_job", lambda *args, **kwargs: calls.append(args) or Ended(Outcome(0)))
     return calls
 
 
@@ -56,8 +58,8 @@ def test_sgd_and_adamw_over_the_models_parameters_are_not_built_before_the_worke
     from ignite_mgpu.train import optim as optim_module
 
     built = []
-    real = optim_module.build_optimizer
-    monkeypatch.setattr(optim_module, "build_optimizer", lambda *a, **k: built.append(a[1]) or real(*a, **k))
+    real = optim_module.create_optimizer
+    monkeypatch.setattr(optim_module, "create_optimizer", lambda *a, **k: built.append(k["name"]) or real(*a, **k))
     args = ["train", *SMALL, "--output-dir", str(tmp_path / "out"), "model.name=tests.plugins_pkg.factories:net", optim]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output

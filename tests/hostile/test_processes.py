@@ -9,43 +9,57 @@ import time
 
 import pytest
 
+from ignite_mgpu.env.clock import JobClock
+from ignite_mgpu.processes.attempt import Attempt
+from ignite_mgpu.processes.job import Job
 from ignite_mgpu.processes.plan import LaunchPlan
 from ignite_mgpu.processes.supervisor import Supervisor
+from ignite_mgpu.processes.worker import WorkerSpec
 
 
-class Refused(Supervisor):
-    """The first worker starts (a sleeper); the machine refuses the second."""
+@pytest.fixture
+def refused(monkeypatch):
+    """Every attempt's first worker starts (a sleeper); the machine refuses the second with the error set in
+    ``refused.err``. ``refused.calls``: the starts asked for; ``refused.attempts``: the attempts."""
 
-    def __init__(self, plan, err):
-        super().__init__(plan, print, ())
-        self.err, self.calls = err, 0
+    class Starts:
+        err: BaseException = OSError()
+        calls = 0
+        attempts: list[Attempt] = []
 
-    def _start(self, plan, local_rank, args, folder, attempt):
-        self.calls += 1
+    def start_worker(attempt, local_rank):
+        Starts.calls += 1
+        if attempt not in Starts.attempts:
+            Starts.attempts.append(attempt)
         if local_rank == 1:
-            raise self.err
+            raise Starts.err
         p = mp.get_context("fork").Process(target=time.sleep, args=(60,))
         p.start()
         return p
 
+    monkeypatch.setattr(Attempt, "start_worker", start_worker)
+    return Starts
+
 
 @pytest.mark.parametrize("err", [BlockingIOError(11, "Resource temporarily unavailable"), EOFError()])
-def test_a_refused_process_is_one_paragraph_exit_2_without_restart(capsys, err):
-    sup = Refused(LaunchPlan("gloo", 4, max_restarts=2), err)
+def test_a_refused_process_is_one_paragraph_exit_2_without_restart(capsys, refused, err):
+    refused.err = err
+    sup = Supervisor(LaunchPlan("gloo", 4, max_restarts=2), Job(print))
     start = time.monotonic()
     assert sup.run() == 2
-    assert time.monotonic() - start < 20 and sup.calls == 2  # no third start, no restart
-    assert sup.procs[0].exitcode is not None  # the started one was stopped
+    assert time.monotonic() - start < 20 and refused.calls == 2  # no third start, no restart
+    assert refused.attempts[0].procs[0].exitcode is not None  # the started one was stopped
     out = " ".join(capsys.readouterr().err.split())
     assert "could not start process 2 of 4: this machine refused a new process" in out
     assert "ulimit -u" in out and "Lower --nproc" in out and "Traceback" not in out and "restart" not in out
 
 
-def test_another_os_error_at_a_start_is_not_called_a_refused_process():
-    sup = Refused(LaunchPlan("gloo", 2), OSError(28, "No space left on device"))
+def test_another_os_error_at_a_start_is_not_called_a_refused_process(tmp_path, refused):
+    refused.err = OSError(28, "No space left on device")
+    attempt = Attempt(WorkerSpec(LaunchPlan("gloo", 2), Job(print), str(tmp_path), JobClock(0.0)), 0)
     with pytest.raises(OSError, match="No space left"):
-        sup._start_all(sup.plan, (), "unused", 0)
-    for p in sup.procs:
+        attempt._start_all()
+    for p in attempt.procs:
         p.kill()
         p.join()
 

@@ -1,16 +1,18 @@
-"""Leaving out a failed GPU (processes/elastic.py), pure: which of a job's GPUs failed (gone from nvidia-smi,
-reported lost, a rank's CUDA device error), the restart's plan on the GPUs left (not below MIN) and the line of a
-job without a range. The real restart on the stand-in is tests/distributed/test_elastic.py.
+"""Leaving out a failed GPU, pure: which of a job's GPUs failed (gpus/health.py: gone from nvidia-smi, reported lost,
+a rank's CUDA device error), the restart's plan on the GPUs left (processes/elastic.py: not below MIN) and the
+message of a job without a range. The real restart on the stand-in is tests/distributed/test_elastic.py.
 
 Run: python -m pytest tests/processes/test_elastic.py -q
 """
 
 import pytest
 
+from ignite_mgpu.gpus import health
 from ignite_mgpu.gpus.claims import claim_name
+from ignite_mgpu.gpus.health import device_error
 from ignite_mgpu.gpus.inventory import GpuInfo, query_gpus
 from ignite_mgpu.gpus.ranges import GpuRange
-from ignite_mgpu.processes.elastic import device_error, leave_out, lost_gpus
+from ignite_mgpu.processes.elastic import leave_out
 from ignite_mgpu.processes.plan import LaunchPlan
 from tests.gpus.test_claims import TABLE, fake_gpus  # noqa: F401  (a fixture)
 
@@ -25,6 +27,12 @@ def plan(gpus=(0, 1, 2, 3), elastic: GpuRange | None = GpuRange(2, 4), strategy:
     names = {i: claim_name(UUID(i), "") for i in gpus}
     return LaunchPlan("nccl", len(gpus), gpus=list(gpus), gpu_names=names, gpu_range=elastic, strategy=strategy,
                       env={"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "OMP_NUM_THREADS": "4"})  # fmt: skip
+
+
+def lost_gpus(plan: LaunchPlan, failures: list[dict], snapshot: list[GpuInfo] | None) -> list[health.Lost]:
+    """``health.lost_gpus`` over a plan's GPUs, as the restart asks it."""
+    one_per_rank = plan.strategy != "dp"
+    return health.lost_gpus(plan.gpus or [], plan.gpu_names, failures, snapshot, plan.first_rank, one_per_rank)
 
 
 def failure(rank: int, message: str, at: float = 1.0) -> dict:
@@ -74,7 +82,7 @@ def test_an_elastic_job_restarts_on_the_gpus_left_and_lets_go_of_the_failed_ones
         2, 4
     )
     assert set(smaller.gpu_names) == {0, 1, 3} and change.released == [claim_name(UUID(2), "")]
-    assert change.line == (
+    assert change.message == (
         "left out GPU 2 (nvidia-smi no longer lists it); its claim is released, and the restart continues on GPU "
         "0,1,3 (3 processes, was 4; --gpus auto:2-4)."
     )
@@ -93,7 +101,7 @@ def test_never_below_min_and_without_a_range_the_line_says_a_range_would_have_co
     )
     fixed = leave_out(plan(elastic=None), [], lambda: [gpu(0), gpu(1), gpu(3)])
     assert fixed is not None and fixed.plan is None and fixed.refusal is None
-    assert fixed.line == (
+    assert fixed.message == (
         "failed: GPU 2 (nvidia-smi no longer lists it). The restart runs on the same GPUs; --gpus auto:3-4 would "
         "have continued on GPU 0,1,3 without it."
     )

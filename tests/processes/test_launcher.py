@@ -1,12 +1,15 @@
 """Running a decided plan: the requeue after a pre-emption stop; what launch() returns and raises for a job run
-in this process. The spawned jobs are in tests/distributed and tests/faults.
+in this process, a function given by name included. The spawned jobs are in tests/distributed and tests/faults.
 `python -m pytest tests/processes/test_launcher.py`."""
 
 import pytest
 
 from ignite_mgpu.env import cluster
 from ignite_mgpu.errors import ConfigError, JobFailed
+from ignite_mgpu.gpus.claims import GpuClaims
 from ignite_mgpu.processes import launcher, notebook
+from ignite_mgpu.processes.attempt import Ended
+from ignite_mgpu.processes.job import Job
 from ignite_mgpu.processes.outcome import Outcome
 from ignite_mgpu.processes.plan import LaunchPlan
 
@@ -14,17 +17,16 @@ from ignite_mgpu.processes.plan import LaunchPlan
 def test_a_preempted_job_requeues_once_from_global_rank_0(monkeypatch, capsys):
     calls = []
     monkeypatch.setattr(cluster, "requeue", lambda script: calls.append(script) or "requeued SLURM job 7")
-    monkeypatch.setattr(launcher, "_run_here", lambda plan, fn, args, report: (Outcome(138), None))
-    plan = LaunchPlan(backend="gloo", nproc=1, external=True, preempt_signal=10)
+    monkeypatch.setattr(launcher, "_in_this_process", lambda plan, job, report: Ended(Outcome(138)))
+    plan, job = LaunchPlan(backend="gloo", nproc=1, external=True, preempt_signal=10), Job(print)
     monkeypatch.setenv("RANK", "1")
-    assert launcher.run_plan(plan, print) == 138 and not calls  # not rank 0
+    assert launcher.run_job(plan, job).outcome.code == 138 and not calls  # not rank 0
     monkeypatch.setenv("RANK", "0")
-    assert launcher.run_plan(plan, print) == 138 and calls == [False]  # the default job's wording
+    assert launcher.run_job(plan, job).outcome.code == 138 and calls == [False]  # the default job's wording
     assert "ignite-mgpu: requeued SLURM job 7" in capsys.readouterr().err
-    monkeypatch.setattr(
-        launcher, "_run_here", lambda plan, fn, args, report: (Outcome(143), None)
-    )  # SIGTERM: the user stopped it
-    assert launcher.run_plan(plan, print) == 143 and calls == [False]
+    # SIGTERM: the user stopped it
+    monkeypatch.setattr(launcher, "_in_this_process", lambda plan, job, report: Ended(Outcome(143)))
+    assert launcher.run_job(plan, job).outcome.code == 143 and calls == [False]
 
 
 def answer(local_rank, base):
@@ -60,12 +62,21 @@ def test_the_gpus_a_job_chose_are_the_workers_and_this_process_gets_its_own_back
 
     def plan_on_gpus(cfg):
         os.environ.update(CUDA_VISIBLE_DEVICES="2,3", CUDA_DEVICE_ORDER="PCI_BUS_ID")  # as make_plan exports them
-        return LaunchPlan(backend="nccl", nproc=2, gpus=[2, 3], device="cuda")
+        return LaunchPlan(backend="nccl", nproc=2, gpus=[2, 3], device="cuda"), GpuClaims()
 
     seen = []
     monkeypatch.setattr(launcher, "make_plan", plan_on_gpus)
     monkeypatch.setattr(
-        launcher, "run_job", lambda *a, **k: seen.append(os.environ["CUDA_VISIBLE_DEVICES"]) or (Outcome(0), 7)
+        launcher,
+        "run_job",
+        lambda *a, **k: seen.append(os.environ["CUDA_VISIBLE_DEVICES"]) or Ended(Outcome(0), value=7),
     )
     assert launcher.launch(answer, 1, gpus="2,3") == 7 and seen == ["2,3"]  # the workers start with them
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and "CUDA_DEVICE_ORDER" not in os.environ  # a notebook can go on
+
+
+def test_a_function_named_for_the_workers_must_name_an_importable_module():
+    for name in ("tests.processes.test_launcher", "no_such_module_here:run", "tests.processes.test_launcher:"):
+        with pytest.raises(ConfigError, match=r"is written 'package.module:function', and its module must be"):
+            launcher.launch(name)
+    assert launcher.launch("tests.processes.test_launcher:answer", 41) == {"local_rank": 0, "answer": 42}

@@ -18,20 +18,22 @@ from ignite_mgpu.cli.commands import main
 from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.errors import ConfigError, ScriptArgumentsError
 from ignite_mgpu.processes import launcher, script
+from ignite_mgpu.processes.attempt import Ended
 from ignite_mgpu.processes.attempt_files import failure_record
-from ignite_mgpu.processes.outcome import no_restart_reason, outcome
-from ignite_mgpu.processes.plan import Machine, decide, make_plan
+from ignite_mgpu.processes.machine import Machine
+from ignite_mgpu.processes.outcome import Outcome, no_restart_reason, outcome
+from ignite_mgpu.processes.plan import decide, make_plan
 
 
 @pytest.fixture
 def captured(monkeypatch):
     calls = []
 
-    def fake_run_plan(plan, fn, *args, **kwargs):
-        calls.append((plan, fn, args, kwargs))
-        return 0
+    def fake_run_job(plan, job, claims=None, restart=None, **kwargs):
+        calls.append((plan, job.fn, job.args, {"restart": restart, **kwargs}))
+        return Ended(Outcome(0))
 
-    monkeypatch.setattr(launcher, "run_plan", fake_run_plan)
+    monkeypatch.setattr(launcher, "run_job", fake_run_job)
     return calls
 
 

@@ -6,27 +6,30 @@ import signal
 
 import pytest
 
-from ignite_mgpu.processes import supervisor
+from ignite_mgpu.processes import next_start, supervisor
+from ignite_mgpu.processes.attempt import Ended
+from ignite_mgpu.processes.job import Job, Restart
 from ignite_mgpu.processes.outcome import Outcome
-from ignite_mgpu.processes.plan import LaunchPlan, Restart
+from ignite_mgpu.processes.plan import LaunchPlan
 from ignite_mgpu.processes.supervisor import Supervisor
 
 
 class Scripted(Supervisor):
-    """A supervisor whose attempts return scripted outcomes instead of starting processes."""
+    """A supervisor whose attempts end as scripted ((outcome, why no restart, iteration reached) each) instead of
+    starting processes."""
 
     def __init__(self, plan, outcomes, restart=None):
-        super().__init__(plan, print, ("first",), restart)
+        super().__init__(plan, Job(print, ("first",)), restart=restart)
         self.outcomes, self.started = list(outcomes), []
 
-    def _attempt(self, attempt, args, restarts):
-        self.started.append(args)
-        return self.outcomes.pop(0)
+    def _run_attempt(self, spec, index):
+        self.started.append(spec.job.args)
+        return Ended(*self.outcomes.pop(0))
 
 
 @pytest.fixture
 def no_backoff(monkeypatch):
-    monkeypatch.setattr(supervisor, "BACKOFF", 0.0)
+    monkeypatch.setattr(next_start, "BACKOFF", 0.0)
 
 
 def killed(rank=1):
@@ -97,7 +100,7 @@ def test_a_failure_a_restart_cannot_cure_ends_the_job(no_backoff, capsys):
 
 
 def test_a_stop_signal_during_the_backoff_cancels_the_restart(monkeypatch, capsys):
-    monkeypatch.setattr(supervisor, "BACKOFF", 30.0)
+    monkeypatch.setattr(next_start, "BACKOFF", 30.0)
     sup = Scripted(LaunchPlan("gloo", 2, max_restarts=1), [(killed(), None, 3)])
     monkeypatch.setattr(supervisor.time, "sleep", lambda s: setattr(sup, "signal_received", signal.SIGTERM))
     assert sup.run() == 143 and len(sup.started) == 1
@@ -128,10 +131,10 @@ def test_not_reporting_leaves_the_ending_to_the_caller(no_backoff, capsys):
 
 
 def test_one_ranks_death_restarts_at_once_and_a_second_failure_backs_off(monkeypatch, capsys):
-    monkeypatch.setattr(supervisor, "BACKOFF", 30.0)
+    monkeypatch.setattr(next_start, "BACKOFF", 30.0)
     waited = []
     monkeypatch.setattr(supervisor.time, "sleep", waited.append)
-    died = dataclasses.replace(killed(), died=True)  # what _attempt makes of one rank killed by a signal
+    died = dataclasses.replace(killed(), died=True)  # what an attempt makes of one rank killed by a signal
     once = Scripted(LaunchPlan("gloo", 2, max_restarts=2), [(died, None, 3), (Outcome(0), "ok", 9)])
     assert once.run() == 0 and len(once.started) == 2 and waited == []  # no backoff at all
     assert "restart 1 of 2 (dist.max_restarts) after rank 1 failed, at once (one rank died): running the job " in (
@@ -146,11 +149,11 @@ def test_one_ranks_death_restarts_at_once_and_a_second_failure_backs_off(monkeyp
 
 
 def test_the_fork_server_preloads_ignite_mgpus_own_job_but_never_a_users_module():
-    from ignite_mgpu.processes import forkserver, launcher
+    from ignite_mgpu.processes import forkserver
 
-    default = forkserver.preload_for(launcher.run_named, ("ignite_mgpu.train.default_job:training",))
+    default = forkserver.preload_for(Job("ignite_mgpu.train.default_job:training"))
     assert default[:2] == ["ignite_mgpu.processes.forkserver", "torch"]  # its signals ignored before the imports
     assert {"torch._dynamo", "ignite.distributed", "ignite_mgpu.train.default_job", "omegaconf", "psutil"} <= set(
         default
     )
-    assert forkserver.preload_for(killed, ()) == [forkserver.__name__, *forkserver.PRELOAD]  # a user's: not imported
+    assert forkserver.preload_for(Job(killed)) == [forkserver.__name__, *forkserver.PRELOAD]  # a user's: not imported

@@ -10,8 +10,7 @@ from torch import nn
 
 from ignite_mgpu import load_config
 from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.train import default_job
-from ignite_mgpu.train.optim import check_optim, create_optimizer
+from ignite_mgpu.train.optim import check_optim, create_optimizer, optim_options
 from tests.helpers import cpu_fsdp
 
 PKG = "tests.plugins_pkg.optim_factories"
@@ -21,7 +20,7 @@ def build(model, *overrides):
     """What the default job builds for these overrides, after the pre-flight's check (the job's own wiring)."""
     cfg = load_config(overrides=list(overrides))
     check_optim(cfg.optim)
-    return default_job._create_optimizer(cfg, model)
+    return create_optimizer(model, **optim_options(cfg.optim))
 
 
 def twins(seed=0):

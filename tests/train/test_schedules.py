@@ -14,7 +14,7 @@ from torch.optim import lr_scheduler as torch_schedules
 from ignite_mgpu import load_config
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.train import default_job
-from ignite_mgpu.train.optim import check_optim, create_lr_scheduler
+from ignite_mgpu.train.optim import check_optim, create_lr_scheduler, create_optimizer, optim_options
 from ignite_mgpu.train.step.trainer import create_trainer
 from tests.helpers import data, linear
 
@@ -92,7 +92,7 @@ def test_one_cycle_after_the_warm_up_with_accumulation_is_the_hand_computed_sequ
     overrides = ["optim.name=Adam", "optim.lr=0.01", "optim.scheduler=OneCycleLR", "optim.warmup_epochs=0.5"]
     cfg = load_config(overrides=[*overrides, "train.grad_accum_steps=3", "train.epochs=2"])
     model, loader = linear(), data(n=40, batch=4)
-    optimizer = default_job._create_optimizer(cfg, model)
+    optimizer = create_optimizer(model, **optim_options(cfg.optim))
     schedule = default_job._create_lr_scheduler(cfg, optimizer, len(loader))
     seen = []
     optimizer.register_step_pre_hook(

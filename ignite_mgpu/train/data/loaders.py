@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 from ignite_mgpu.config.schema import DataConfig
-from ignite_mgpu.cpus.binding import cpu_share
+from ignite_mgpu.cpus.affinity import cpu_share
 from ignite_mgpu.train.data.datasets import (
     GENERATED,
     build_datasets,
@@ -76,12 +76,15 @@ class UnpaddedDistributedSampler(DistributedSampler):
     """
 
     def __iter__(self) -> Iterator[int]:
-        # Sized.
-        return iter(range(self.rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]
+        return iter(range(self.rank, _length(self.dataset), self.num_replicas))
 
     def __len__(self) -> int:
-        # Sized.
-        return len(range(self.rank, len(self.dataset), self.num_replicas))  # type: ignore[arg-type]
+        return len(range(self.rank, _length(self.dataset), self.num_replicas))
+
+
+def _length(dataset: Any) -> int:
+    """A map-style dataset's length: a sampler's dataset has one, though torch's ``Dataset`` type does not say so."""
+    return len(dataset)
 
 
 def most_batches(loader: Any, epoch_length: int | None) -> int | None:
@@ -93,8 +96,7 @@ def most_batches(loader: Any, epoch_length: int | None) -> int | None:
         return None
     if loader.batch_size is None or epoch_length != len(loader):
         return None
-    # Sized.
-    first = len(range(0, len(sampler.dataset), sampler.num_replicas))  # type: ignore[arg-type]
+    first = len(range(0, _length(sampler.dataset), sampler.num_replicas))
     return first // loader.batch_size if loader.drop_last else -(-first // loader.batch_size)
 
 

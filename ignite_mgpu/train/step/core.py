@@ -48,7 +48,7 @@ class Step:
     grad_accum_steps: int  # iterations per optimizer step
     clip_grad_norm: float | None  # the bound on the gradients' global norm; None: no clipping
     lr_scheduler: LRScheduler | None  # stepped once per optimizer step taken
-    # The trainable parameters: clipped, and under micro_batch=auto set aside while an attempt may fail.
+    # The trainable parameters: clipped, and under micro_batch=auto set aside while a trial may fail.
     parameters: tuple[nn.Parameter, ...] = field(repr=False)
     # The strategy's gradient sync turned off (parallel.strategy.no_sync), entered on accumulation steps.
     no_sync: Callable[[], AbstractContextManager[None]]

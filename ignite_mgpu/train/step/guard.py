@@ -103,7 +103,7 @@ class TrainingGuard:
     gathered rows, so they agree. A checkpoint or a stop decided at an epoch's last iteration waits until every
     other handler of that epoch's end (validation, the epoch log) has run: a checkpoint of a finished epoch is
     resumed after that epoch, whose end would otherwise never run. Every iteration is noted for the supervisor
-    (``stop.note_progress``), which names the work a restart loses.
+    (``stop.note_iteration``), which names the work a restart loses.
     """
 
     MAX_INTERVAL = 1000  # iterations: bounds the losses kept between checks on very fast steps
@@ -165,7 +165,7 @@ class TrainingGuard:
     def _started(self, engine: Engine) -> None:  # every run(), also a second one on the same engine
         self._next, self._losses, self._stacked = 0, [], []
         self._saved_at, self._at_epoch_end = time.monotonic(), (False, 0)
-        stop.note_beat()  # the hang watch starts here: the time before the first iteration counts as its work
+        stop.note_activity()  # the hang watch starts here: the time before the first iteration counts as its work
         # Attached now, so it runs after every epoch-end handler attached before run()
         if not self._late:
             self._late = True
@@ -224,7 +224,7 @@ class TrainingGuard:
         if not self._timeout_set:
             self._shorten_timeout()
         iteration = state.iteration
-        stop.note_progress(iteration)  # one store into a shared page: how much a restart would lose
+        stop.note_iteration(iteration)  # one store into a shared page: how much a restart would lose
         if iteration >= self._next or (self.checkpoint_every_iters and self._sync_due(iteration, state.epoch_length)):
             self.check(engine)
 

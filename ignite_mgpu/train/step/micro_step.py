@@ -52,11 +52,11 @@ def takes_num_items(model: nn.Module) -> bool:
 
 def micro_batch_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
     """The Engine's process function: the batch in parts (``step.micro_batching``), and on a window's last iteration
-    the optimizer step. Under ``auto``, an attempt that ran out of memory is undone and retried."""
+    the optimizer step. Under ``auto``, a trial that ran out of memory is undone and retried."""
     sizing = step.micro_batching
     assert sizing is not None  # create_trainer runs this step only with a micro-batch size
     model, device, non_blocking, grad_accum_steps = step.model, step.device, step.non_blocking, step.grad_accum_steps
-    attempt = _Attempt(step, sizing, step.loss_fn is None and takes_num_items(model))
+    trial = _Trial(step, sizing, step.loss_fn is None and takes_num_items(model))
     # One size on every rank, also where the file was not seen.
     if sizing.auto and idist.get_world_size() > 1:
         whole = 2**31 - 1
@@ -72,14 +72,14 @@ def micro_batch_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
         if not inner.training:
             model.train()
         # Counted before the batch moves: on the device, int() would wait for the GPU at every iteration.
-        items = counted_items(batch) if attempt.pass_items else None
+        items = counted_items(batch) if trial.pass_items else None
         if move:
             batch = batches.to_device(batch, device, non_blocking)
         last, window = True, 1
         if grad_accum_steps > 1:
             last, window = accumulation_window(engine.state.iteration, engine.state.epoch_length, grad_accum_steps)
         n = batches.size(batch)
-        # The window's gradients so far are set aside, so that an attempt that fails is undone by dropping its own.
+        # The window's gradients so far are set aside, so that a trial that fails is undone by dropping its own.
         earlier = [p.grad for p in parameters] if keep_window else []
         if earlier:
             for p in parameters:
@@ -88,7 +88,7 @@ def micro_batch_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
         weight = shares.weight(engine.state.iteration) if shares.weights is not None else 1.0
         divisor = window / weight if weight else math.inf
         while True:
-            result = attempt(batch, n, sizing.current(n), last, divisor, earlier, items)
+            result = trial(batch, n, sizing.current(n), last, divisor, earlier, items)
             if isinstance(result, torch.Tensor):
                 break
             _undo(model, parameters)
@@ -101,8 +101,8 @@ def micro_batch_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
     return train_step
 
 
-class _Attempt:
-    """One attempt at a batch in parts of ``size``: its loss, or (auto) the smaller size every rank agreed on."""
+class _Trial:
+    """One trial of a batch in parts of ``size``: its loss, or (auto) the smaller size every rank agreed on."""
 
     def __init__(self, step: Step, sizing: MicroBatching, pass_items: bool) -> None:
         self.compute_loss, self.scaler, self.no_sync = step.compute_loss, step.scaler, step.no_sync
@@ -208,14 +208,14 @@ def _all_reduce_gradients(parameters: Sequence[nn.Parameter], world: int) -> Non
 
 
 def _undo(model: nn.Module, parameters: Sequence[nn.Parameter]) -> None:
-    """Free what a failed attempt held: its gradients, FSDP's gathered parameters, the CUDA cache."""
+    """Free what a failed trial held: its gradients, FSDP's gathered parameters, the CUDA cache."""
     for p in parameters:
         p.grad = None
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
     if torch.cuda.is_available():
-        gc.collect()  # the failed attempt's tensors that only reference cycles still hold, before the cache goes
+        gc.collect()  # the failed trial's tensors that only reference cycles still hold, before the cache goes
         torch.cuda.empty_cache()
 
 

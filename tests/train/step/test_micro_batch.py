@@ -207,10 +207,10 @@ def test_sync_batchnorm_takes_the_restart_path(monkeypatch):
     model = nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4), nn.Linear(4, 2))
     trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), device="cpu")
     sizing = MicroBatching("auto")
-    alone = micro_step._Attempt(trainer.step, sizing, False)
+    alone = micro_step._Trial(trainer.step, sizing, False)
     assert alone.in_place  # one process: no collective to leave unmatched
     monkeypatch.setattr("ignite.distributed.get_world_size", lambda: 2)
-    two = micro_step._Attempt(trainer.step, sizing, False)
+    two = micro_step._Trial(trainer.step, sizing, False)
     assert not two.in_place and not two.agree and two.group is None
 
 
@@ -252,7 +252,7 @@ def test_auto_agrees_before_the_synced_forward_and_restarts_after_an_oom_in_it(o
             raise real_cpu_oom()
         return step.compute_loss(batch)
 
-    attempt = micro_step._Attempt(dataclasses.replace(step, compute_loss=forward), sizing, False)
+    attempt = micro_step._Trial(dataclasses.replace(step, compute_loss=forward), sizing, False)
     batch = (torch.randn(4, 6), torch.randint(0, 3, (4,)))
     assert isinstance(attempt(batch, 4, 2, True, 1, [], None), torch.Tensor)
     assert events == ["forward", "agree", "forward"]

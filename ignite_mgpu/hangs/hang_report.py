@@ -11,7 +11,6 @@ Torch-free: the supervisor writes it.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
 import os
 import pickle
@@ -19,18 +18,14 @@ import re
 import shutil
 import sysconfig
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-from ignite_mgpu.errors import FAILED
-from ignite_mgpu.processes import stacks
-from ignite_mgpu.processes.outcome import Outcome
+from ignite_mgpu.hangs import stacks
 from ignite_mgpu.runs.folder import HANG_REPORT
 from ignite_mgpu.text import plural
-
-if TYPE_CHECKING:
-    from ignite_mgpu.processes.plan import LaunchPlan
 
 _FRAME = re.compile(r'\s*File "(.*)", line (\d+) in (.*)')
 _LOADER = re.compile(r"^-- data-loader worker, pid (\d+) --$", re.MULTILINE)  # stacks.dump's heading
@@ -259,39 +254,24 @@ class Hang:
     cause: str | None = None  # the hang watch's finding (None: found by a timeout, a stop not answered)
 
 
-def collect(folder: Path, plan: LaunchPlan, why: str, iterations: dict[int, int], cause: str | None = None) -> Hang:
+def collect(
+    folder: Path,
+    report_dir: Path,
+    why: str,
+    iterations: Mapping[int, int],
+    gpus: Mapping[int, int],
+    nccl: bool = False,
+    cause: str | None = None,
+) -> Hang:
     """Every rank's stacks now (a stopped rank is continued so that it answers: the job is killed next), the
-    Flight Recorder's dumps on nccl, and the report written to the run folder (the working directory for a job
-    without one). ``why``: the report's first line; ``cause``: the hang watch's finding, the job's cause."""
+    Flight Recorder's dumps on ``nccl``, and the report written to ``report_dir`` (the run folder). ``folder``: the
+    attempt's; ``iterations`` and ``gpus``: each global rank's last completed iteration and physical GPU, where
+    known; ``why``: the report's first line; ``cause``: the hang watch's finding, the job's cause."""
     ranks = stacks.ranks_in(folder)
-    if plan.backend == "nccl":
+    if nccl:
         ask_flight_recorder(folder, [r.rank for r in ranks])
     texts = stacks.dump(ranks, resume_stopped=True)
-    offset = plan.node_rank * plan.nproc
-    info = {r.rank: RankInfo(r.pid, _gpu(plan, r.rank - offset), iterations.get(r.rank)) for r in ranks}
+    info = {r.rank: RankInfo(r.pid, gpus.get(r.rank), iterations.get(r.rank)) for r in ranks}
     stuck, lines = summary(texts, info, flight_recorder(folder))
-    path = write_report(Path(plan.run_dir or "."), why, lines, texts, folder)
+    path = write_report(report_dir, why, lines, texts, folder)
     return Hang(stuck, lines, path, cause)
-
-
-def _gpu(plan: LaunchPlan, local_rank: int) -> int | None:
-    gpus = plan.gpus
-    return gpus[local_rank] if gpus is not None and plan.device == "cuda" and local_rank < len(gpus) else None
-
-
-def with_hang(result: Outcome, hang: Hang, stopped: bool) -> Outcome:
-    """The attempt's outcome with where every rank was: a hang found by the watch is the cause (unless the job
-    was asked to stop: its ending stays a stop); otherwise the lines follow the cause (a timeout, a stop)."""
-    where = "\n".join([f"Where each rank was (rank(s) {', '.join(map(str, hang.stuck))} stuck):", *hang.lines])
-    tail = f"{where}\nEvery rank's stacks: {hang.path}"
-    details = "\n".join(filter(None, [result.details, tail]))
-    if hang.cause is not None and not stopped:
-        return Outcome(
-            FAILED,
-            hang.cause,
-            "Look at what the stuck rank(s) wait for (data, I/O, a rank-dependent branch); --resume auto continues "
-            "from the last checkpoint; dist.hang_seconds sets the watch's shortest window (0: off).",
-            details,
-            failed=f"rank(s) {', '.join(map(str, hang.stuck))}",
-        )
-    return dataclasses.replace(result, details=details)

@@ -1,4 +1,4 @@
-"""Every rank's stacks on a signal (processes/stacks.py), against real processes: a child that registered its
+"""Every rank's stacks on a signal (hangs/stacks.py), against real processes: a child that registered its
 handler and sleeps in a known function, answered while running and while stopped; `ignite-mgpu stacks` on a
 folder or pid that holds no live job."""
 
@@ -15,13 +15,13 @@ import pytest
 from click.testing import CliRunner
 
 from ignite_mgpu.cli.commands import main
-from ignite_mgpu.processes import stacks
-from ignite_mgpu.processes.hang_report import where
+from ignite_mgpu.hangs import stacks
+from ignite_mgpu.hangs.hang_report import where
 
 REPO = Path(__file__).resolve().parents[2]
 CHILD = """
 import sys, time
-from ignite_mgpu.processes import stacks
+from ignite_mgpu.hangs import stacks
 
 def stuck_here():
     stacks.register(sys.argv[1], 3)

@@ -1,8 +1,8 @@
-"""The hang watch's rule (processes/heartbeat.py), on made-up statuses and times: no process is started."""
+"""The hang watch's rule (hangs/watch.py), on made-up statuses and times: no process is started."""
 
 from __future__ import annotations
 
-from ignite_mgpu.processes.heartbeat import HangWatch
+from ignite_mgpu.hangs.watch import HangWatch
 
 
 def feed(watch: HangWatch, rows: list[tuple[float, dict]]):

@@ -1,4 +1,4 @@
-"""A hang's report (processes/hang_report.py) from faulthandler's text: the stuck frame, the collective, the
+"""A hang's report (hangs/hang_report.py) from faulthandler's text: the stuck frame, the collective, the
 outcome's wording, the file, the NCCL Flight Recorder's dumps. No process is started."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import sysconfig
 from pathlib import Path
 
 from ignite_mgpu.errors import FAILED
-from ignite_mgpu.processes import hang_report
-from ignite_mgpu.processes.hang_report import Hang, RankInfo, is_library, summary, where, with_hang
-from ignite_mgpu.processes.heartbeat import Silence, hang_cause
-from ignite_mgpu.processes.outcome import Outcome
+from ignite_mgpu.hangs import hang_report
+from ignite_mgpu.hangs.hang_report import Hang, RankInfo, is_library, summary, where
+from ignite_mgpu.hangs.watch import Silence, hang_cause
+from ignite_mgpu.processes.outcome import Outcome, with_hang
 
 TORCH = os.path.dirname(importlib.util.find_spec("torch").origin)
 OURS = os.path.dirname(os.path.dirname(hang_report.__file__))

@@ -1,32 +1,27 @@
 """The hang watch: the supervisor reads each worker's status file (``env/stop.py``: the last completed iteration,
-written after every iteration by the guard, and the beats of an evaluation iteration, a save, the trainer's start)
-and judges the job hung when no rank has made progress for far longer than the slowest work seen so far.
+written after every iteration by the guard, and the other activity: an evaluation iteration, a save, the trainer's
+start) and judges the job hung when no rank has made progress for far longer than the slowest work seen so far.
 
-The rule: hung when no rank's progress moved for ``max(dist.hang_seconds, FACTOR x the slowest interval between
-two progress notes of any rank)``. The first interval, from the trainer's start to the first completed iteration
+The rule: hung when no rank's status moved for ``max(dist.hang_seconds, FACTOR x the slowest interval between
+two changes of any rank's status)``. The first interval, from the trainer's start to the first completed iteration
 (the data loader's start, a compilation: minutes for a large compiled model), counts as pace but is not judged: the
 job is judged once a rank completed an iteration. While any rank writes a checkpoint nobody is judged, and a save's
-length does not count as pace. A job whose workers never note progress (a script under ``ignite-mgpu run`` that
+length does not count as pace. A job whose workers never write a status (a script under ``ignite-mgpu run`` that
 uses no ignite-mgpu trainer) is never judged; ``dist.timeout`` still bounds every collective.
 
-``HangWatch`` is pure over what it is shown (statuses and times); ``HangChecks`` is the supervisor's side: the
-watch over one attempt's status files, and the hang's report (``hang_report.collect``) taken before the ranks are
-killed, whether the watch found the hang, a collective timed out or the ranks did not answer a stop. Torch-free.
+``HangWatch`` is pure over what it is shown (statuses and times); ``HangChecks`` is one attempt's side: the watch
+over the attempt's status files, and the hang's report (``hang_report.collect``) taken before the ranks are killed,
+whether the watch found the hang, a collective timed out or the ranks did not answer a stop. Torch-free.
 """
 
 from __future__ import annotations
 
-import signal
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from ignite_mgpu.env import stop
-from ignite_mgpu.processes import hang_report
-from ignite_mgpu.processes.outcome import Failure, Outcome, timed_out
-
-if TYPE_CHECKING:
-    from ignite_mgpu.processes.plan import LaunchPlan
+from ignite_mgpu.env.stop import Status, read_status
+from ignite_mgpu.hangs import hang_report
 
 FACTOR = 10.0  # how many times its slowest interval a job may stay silent
 
@@ -35,7 +30,7 @@ FACTOR = 10.0  # how many times its slowest interval a job may stay silent
 class _Pace:
     """One rank's progress as the watch saw it."""
 
-    seen: tuple[int, int] = (0, 0)  # (iteration, beats) at the last change
+    seen: tuple[int, int] = (0, 0)  # (iteration, activity) at the last change
     changed_at: float = 0.0
     slowest: float = 0.0  # the longest interval between two changes, saves left out
     armed: bool = False  # the trainer has started: intervals are measured
@@ -59,21 +54,21 @@ class HangWatch:
         self.floor, self.factor = floor, factor
         self.paces: dict[int, _Pace] = {}
 
-    def observe(self, statuses: dict[int, tuple[int, bool, int] | None], now: float) -> Silence | None:
-        """Take every rank's status (``stop.read_progress``; None: none yet) at time ``now`` (monotonic seconds);
-        a Silence when the job is judged hung."""
+    def observe(self, statuses: Mapping[int, Status | tuple[int, bool, int] | None], now: float) -> Silence | None:
+        """Take every rank's status (``stop.read_status``; None: none yet) at time ``now`` (monotonic seconds); a
+        Silence when the job is judged hung."""
         if self.floor <= 0:
             return None
         saving = False
         for rank, status in statuses.items():
             if status is None:
                 continue
-            iteration, saving_now, beats = status
+            iteration, saving_now, activity = status
             pace = self.paces.setdefault(rank, _Pace(changed_at=now))
-            if (iteration, beats) != pace.seen:
+            if (iteration, activity) != pace.seen:
                 if pace.armed and not pace.was_saving:
                     pace.slowest = max(pace.slowest, now - pace.changed_at)
-                pace.seen, pace.changed_at, pace.armed = (iteration, beats), now, True
+                pace.seen, pace.changed_at, pace.armed = (iteration, activity), now, True
             pace.was_saving = saving_now
             saving = saving or saving_now
         armed = [p for p in self.paces.values() if p.armed]
@@ -102,21 +97,35 @@ def hang_cause(silence: Silence) -> str:
 
 
 class HangChecks:
-    """One attempt's hangs, for the supervisor: ``hung`` (the watch, at every look), ``after_failure`` and
-    ``after_stop`` (before the living ranks are killed), then ``outcome``: where every rank was, in the report."""
+    """One attempt's hangs: ``hung`` (the watch, at every look), ``after_timeout`` and ``after_stop`` (before the
+    living ranks are killed); ``hang`` is then where every rank was, with its report's file.
 
-    def __init__(self, plan: LaunchPlan, folder: Path) -> None:
-        self.plan, self.folder = plan, folder
-        self.watch = HangWatch(plan.hang_seconds)
+    ``folder``: the attempt's (status and stacks files); ``ranks``: the global ranks of this node's workers;
+    ``report_dir``: where the report goes (the run folder); ``gpus``: each global rank's physical GPU, where known."""
+
+    def __init__(
+        self,
+        folder: Path,
+        ranks: range,
+        hang_seconds: float,
+        report_dir: str | None = None,
+        gpus: Mapping[int, int] | None = None,
+        nccl: bool = False,
+    ) -> None:
+        self.folder = folder
+        self.ranks = ranks
+        self.report_dir = Path(report_dir or ".")
+        self.gpus = dict(gpus or {})
+        self.nccl = nccl
+        self.watch = HangWatch(hang_seconds)
         self.hang: hang_report.Hang | None = None
         self.iterations: dict[int, int] = {}
 
-    def hung(self, nprocs: int, now: float) -> bool:
+    def hung(self, now: float) -> bool:
         """Whether the watch finds the job hung now (its report is then taken: kill the ranks)."""
         if self.hang is not None:
             return False
-        offset = self.plan.node_rank * self.plan.nproc
-        statuses = {rank: stop.read_progress(self.folder / f"status{rank}") for rank in range(offset, offset + nprocs)}
+        statuses = {rank: read_status(self.folder / f"status{rank}") for rank in self.ranks}
         silence = self.watch.observe(statuses, now)
         if silence is None:
             return False
@@ -124,23 +133,20 @@ class HangChecks:
         self._collect(hang_cause(silence), watched=True)
         return True
 
-    def after_failure(self, first_failure: tuple[int, int] | None, failures: list[Failure]) -> None:
+    def after_timeout(self) -> None:
         """A rank timed out in a collective (or NCCL's watchdog aborted it): the living ranks are stuck."""
-        aborted = first_failure is not None and first_failure[1] == -signal.SIGABRT
-        if aborted or any(timed_out(f) for f in failures):
-            self._collect("a rank timed out in a collective; the other ranks did not exit")
+        self._collect("a rank timed out in a collective; the other ranks did not exit")
 
-    def after_stop(self) -> None:
-        self._collect(f"the workers did not stop within {self.plan.stop_grace:.0f} s (dist.stop_grace)")
+    def after_stop(self, grace: float) -> None:
+        """The ranks did not stop within ``grace`` seconds of being asked."""
+        self._collect(f"the workers did not stop within {grace:.0f} s (dist.stop_grace)")
 
     def _collect(self, why: str, watched: bool = False) -> None:
         if self.hang is not None:
             return
         try:
-            self.hang = hang_report.collect(self.folder, self.plan, why, self.iterations, why if watched else None)
+            self.hang = hang_report.collect(
+                self.folder, self.report_dir, why, self.iterations, self.gpus, self.nccl, why if watched else None
+            )
         except OSError as err:  # the report is a help: the job still ends as it must
             print(f"ignite-mgpu: could not write the hang's report ({err}).", flush=True)
-
-    def outcome(self, result: Outcome, stopped: bool) -> Outcome:
-        """The attempt's outcome, with where every rank was when a report was taken."""
-        return result if self.hang is None else hang_report.with_hang(result, self.hang, stopped)
