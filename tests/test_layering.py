@@ -307,7 +307,9 @@ def crowded_classes(root: Path, most: int = MAX_CLASS_ATTRIBUTES) -> dict[str, i
                 if isinstance(sub, (ast.Assign, ast.AnnAssign, ast.AugAssign))
                 for top in (sub.targets if isinstance(sub, ast.Assign) else [sub.target])
                 for target in ast.walk(top)
-                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self"
+                if isinstance(target, ast.Attribute)
+                and isinstance(target.value, ast.Name)
+                and target.value.id == "self"
             }
             if len(assigned) > most:
                 found[f"{module_name(path, root)}.{node.name}"] = len(assigned)
