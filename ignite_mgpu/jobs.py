@@ -137,7 +137,7 @@ def is_leader(cfg: Config, environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def resolve_output_dir(cfg: Config, environ: Mapping[str, str] = os.environ, now: float | None = None) -> Config:
-    """``cfg`` with a folder of its own under runs/ for a run without ``output_dir`` (printed), so that the same
+    """``cfg`` with a folder of its own under runs/ for a run without ``output_dir``, so that the same
     command can run twice; ``--resume auto`` without one continues the newest there. A folder the user names is
     left as it is. The caller's ``cfg`` is never changed.
 
@@ -163,7 +163,6 @@ def resolve_output_dir(cfg: Config, environ: Mapping[str, str] = os.environ, now
         while chosen.exists():
             n += 1
             chosen = folder.RUNS / f"{stamp}-{n}"
-    print(said(f"ignite-mgpu: output_dir {chosen} (--output-dir chooses one)"), file=sys.stderr)
     return dataclasses.replace(cfg, output_dir=str(chosen))
 
 
@@ -197,6 +196,7 @@ def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[tuple[Co
         check_job(cfg)
     with checks.one():
         check_trackers(cfg.train)  # training's alone: evaluate logs to no tracker
+    chosen = cfg.output_dir is None
     cfg = resolve_output_dir(cfg)
     leader = is_leader(cfg)
     if leader:
@@ -208,7 +208,10 @@ def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[tuple[Co
         warn_double_warmup(cfg)
     try:
         with checked_plan(cfg) as (plan, claims):
-            # Every check passed: bad input never starts a process.
+            # Every check passed, the GPUs are the job's: said once it is sure to be made (not before a refusal).
+            if chosen:
+                print(said(f"ignite-mgpu: output_dir {cfg.output_dir} (--output-dir chooses one)"), file=sys.stderr)
+            # Bad input never starts a process.
             if preload is not None and in_workers(plan):
                 forkserver.start(preload, cluster.signal_number(cfg.dist.preempt_signal))
             if not leader:

@@ -15,6 +15,14 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 'es' if noun.endswith('s') else 's'}"
 
 
+def score(value: Any) -> str:
+    """A metric as the epoch line shows it: 4 decimals (0.1541), 4 significant digits where those would hide it
+    (1.235e-05, 1.235e+06); anything else as it is."""
+    if isinstance(value, float):
+        return f"{value:.4f}" if 1e-3 <= abs(value) < 1e5 or value == 0 else f"{value:.4g}"
+    return str(value)
+
+
 def size(n: float) -> str:
     """Bytes as people read them: 812 B, 39.9 KiB, 12.3 MiB, 1.50 GiB."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

@@ -392,6 +392,10 @@ def test_each_run_without_an_output_dir_gets_a_new_folder_and_resume_auto_contin
     resumed = invoke(["train", "--resume", "auto"], tmp_path)
     assert resumed.exit_code == 0, resumed.output
     assert captured[-1][2][1].output_dir == dirs[1] and len(captured) == 3
+    # A job refused once its processes are planned never names a folder it will not make.
+    refused = invoke(["train", "--nproc", "3", "data.batch_size=2"], tmp_path)
+    assert refused.exit_code == 2 and "each needs at least one sample" in refused.output
+    assert "output_dir" not in refused.output and len(captured) == 3
 
 
 def test_max_restarts_and_resume_auto_on_a_first_start(captured, tmp_path):

@@ -18,6 +18,7 @@ from ignite_mgpu.cli.options import (
     fail,
     gpus_value,
     preempt_signal,
+    rank_prefix_option,
     refuse_unknown_options,
     wait_and_share,
 )
@@ -182,6 +183,7 @@ def evaluate(args: tuple[str, ...], checkpoint_path: str, config_path: str | Non
     help="SLURM's warning before the time limit (sbatch --signal=B:USR1@90, passed on by the batch script): sent "
     "to every process, then the SLURM job is requeued; none: off [SIGUSR1].",
 )
+@rank_prefix_option(False)
 @wait_and_share(share_default=False)
 def run(script: str, script_args: tuple[str, ...], module: bool, **flags: Any) -> None:
     """Run your own training SCRIPT (or -m MODULE) in N processes, as torchrun starts them.

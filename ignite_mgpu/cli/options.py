@@ -29,6 +29,7 @@ FLAGS = {
     "max_restarts": "dist.max_restarts",
     "share": "dist.share",
     "wait": "dist.wait",
+    "rank_prefix": "dist.rank_prefix",
     "output_dir": "output_dir",
     "resume": "resume",
     "seed": "seed",
@@ -136,6 +137,17 @@ def _wait_alone_before_the_script(command: click.Command, args: list[str]) -> li
     return args
 
 
+def rank_prefix_option(default: bool | None) -> Callable[[Any], Any]:
+    """--rank-prefix, as ``train``, ``evaluate`` and ``run`` have it. ``default``: None where an unset flag must
+    leave the config's value alone."""
+    return click.option(
+        "--rank-prefix",
+        is_flag=True,
+        default=default,
+        help="Begin each line a process writes with its rank, [rank1]: (every line is relayed whole either way).",
+    )
+
+
 def dist_options(fn: Any) -> Any:
     """The process/GPU flags shared by ``train`` and ``evaluate``."""
     options = [
@@ -164,6 +176,7 @@ def dist_options(fn: Any) -> Any:
             type=click.Choice(CPU_BINDINGS),
             help="Bind each process to its CPUs: cores (its own share), numa (its GPU's node), auto [none].",
         ),
+        rank_prefix_option(None),
     ]
     fn = wait_and_share()(fn)
     for option in reversed(options):

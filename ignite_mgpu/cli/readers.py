@@ -57,8 +57,8 @@ def report(run_dirs: tuple[str, ...], out: str | None, as_json: bool) -> None:
     the peak memory of each GPU (dp) or process (ddp) in the last epoch with its max/min ratio, and where each
     run's wall time went (goodput: start-up, training, data wait, evaluation, checkpoints, restarts). Several
     RUN_DIRs are overlaid, each named by its folder, strategy and process count; a folder of runs (runs/) stands
-    for every run in it. Without matplotlib
-    (pip install "ignite-mgpu[plot]") only the table is printed. Reads files only: safe while a run is going.
+    for every run in it. Where matplotlib (a
+    dependency) cannot be imported, only the table is printed. Reads files only: safe while a run is going.
     """
     with errors_to_exit():
         from ignite_mgpu.runs.figure import write_image

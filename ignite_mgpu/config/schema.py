@@ -151,6 +151,7 @@ class DistConfig:
     share: bool = False  # run on GPUs that other jobs claim, and claim none (gpus/claims.py)
     wait: float | None = None  # seconds to wait until the GPUs are free (.inf: no limit); null: refuse at once
     min_free_memory: float = 0.9  # with wait: a GPU is free when this share of its memory is (and nobody has it)
+    rank_prefix: bool = False  # each line a process writes begins with its rank: [rank1]: (as torchrun --tee)
 
 
 @dataclass

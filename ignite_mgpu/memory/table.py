@@ -48,10 +48,15 @@ def format_plan(plan: MemoryPlan) -> str:
         of = f" (of {size(cap.host_ram)} available beside the processes)" if cap.host_ram else ""
         notes.append(f"  checkpoint.async_save: the background checkpoint's snapshot takes {size(plan.host_snapshot)} "
                      f"of pinned host RAM{of}, not GPU memory")  # fmt: skip
+    if cap.device == "cpu" and (planned := [r for r in plan.rows if not r.note.startswith("needs")]):
+        whole = planned[0]  # a CPU process holds PyTorch itself beside the step's tensors: what `top` shows
+        notes.append(f"  {whole.strategy}: each process holds about {size(cap.reserve + whole.peak)} in all: PyTorch "
+                     f"itself ({size(cap.reserve)}) and the step's peak ({size(whole.peak)})")  # fmt: skip
+    heap = " (the C library's heap holds up to that much more than the tensors)" if cap.device == "cpu" else ""
     footer = (
         "Per process (dp: GPU 0), one training step measured on fake tensors on the CPU: nothing allocated.\n"
-        f"The peak is within 15 % of a step measured on the CPU; a fit leaves {cap.margin * 100:.0f} % of it "
-        "free" + (" (glibc's heap on the CPU)." if cap.device == "cpu" else ".")
+        f"The peak is within 15 % of a step measured on the CPU; a fit keeps {cap.margin * 100:.0f} % of the peak "
+        f"free{heap}."
     )
     return "\n".join([head, where, "", *table, *(["", *notes] if notes else []), "", plan.advice, footer])
 

@@ -10,6 +10,7 @@
 - ``elastic``: an elastic job's GPUs changing: a failed GPU left out, GPUs lent to waiting jobs and taken back;
 - ``forkserver``: the one process per job that imports torch once and forks every worker;
 - ``worker``: inside a worker: what its attempt gives it, process group, signals, CPU binding, ``idist.Parallel``;
+- ``relay``: each worker's output relayed to the launcher's stdout and stderr a whole line at a time;
 - ``attempt_files``: what a worker leaves for the supervisor (failure, error, status files, rank 0's value);
 - ``outcome``: how a job ended (one exit code, one message) and whether a restart can cure it;
 - ``notebook``: where ``launch()`` is called from (a notebook's function is forked, a script's spawned);

@@ -35,8 +35,11 @@ from ignite_mgpu.processes.outcome import (
     timed_out,
     with_hang,
 )
+from ignite_mgpu.processes.relay import Relay
 from ignite_mgpu.processes.worker import WorkerSpec, worker_main
 
+# How long the workers' output is still relayed after they ended, for what their children write (relay.py).
+RELAY_AFTER = 1.0
 # After the first failure the other ranks get this long to exit by themselves (a peer that lost its connection
 # does at once; the failing rank's failure file is written by then); longer only while one of them writes a checkpoint.
 FAILURE_SETTLE = 1.0
@@ -92,6 +95,8 @@ class Attempt:
         """Start every worker, watch them until all ended, and say how; ``look(attempt, now)`` runs at every look
         while they run (an elastic job's look at the line of waiting jobs)."""
         refused = None
+        plan = self.spec.plan
+        self.relay = Relay(range(plan.first_rank, plan.first_rank + plan.nproc), plan.rank_prefix)
         try:
             self.starting = True
             refused = self._start_all()
@@ -109,6 +114,7 @@ class Attempt:
             self.kill()
             for p in self.procs:
                 p.join(5)
+            self.relay.close(RELAY_AFTER)
         if refused is not None:  # no restart: the machine would refuse it again
             return Ended(refused, refused.cause)
         return self._ended()
@@ -138,8 +144,12 @@ class Attempt:
             spec = dataclasses.replace(spec, parent=server, environ=dict(os.environ))
         else:
             spec = dataclasses.replace(spec, parent=os.getpid())
+        spec = dataclasses.replace(spec, output=self.relay.ends(local_rank))
         p = ctx.Process(target=worker_main, args=(local_rank, spec), name=f"ignite-mgpu-rank{local_rank}")
-        p.start()
+        try:
+            p.start()
+        finally:
+            self.relay.started(local_rank)
         return p
 
     def stop(self, received: int, sent: int) -> None:

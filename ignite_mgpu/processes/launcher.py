@@ -137,6 +137,7 @@ def launch(
     max_restarts: int = 0,
     share: bool = False,
     wait: float | None = None,
+    rank_prefix: bool = False,
 ) -> Any:
     """Run ``fn(local_rank, *args)`` in ``nproc`` processes per node inside ``ignite.distributed.Parallel``; returns
     what ``fn`` returned on global rank 0 (None where it returned nothing; pickled, tensors moved to the CPU). ``fn``
@@ -150,7 +151,9 @@ def launch(
     restart can cure (a crash, a killed rank, a collective timeout), every process is stopped and ``fn`` runs again
     from its start, up to that many times; the job must resume from its own checkpoints. The GPUs are claimed for
     the job's life (another job cannot take them); ``share=True`` runs beside other jobs' claims, ``wait`` waits up
-    to that many seconds (``math.inf``: no limit) until the GPUs are free. From a notebook (``fn`` defined in a
+    to that many seconds (``math.inf``: no limit) until the GPUs are free. The workers' output reaches this
+    process's stdout and stderr a whole line at a time; ``rank_prefix=True`` begins each line with the rank. From a
+    notebook (``fn`` defined in a
     cell) the workers are forked: call launch() before anything touches CUDA there.
 
     Raises:
@@ -178,6 +181,7 @@ def launch(
         max_restarts=max_restarts,
         share=share,
         wait=wait,
+        rank_prefix=rank_prefix,
     )
     validate(Config(dist=dist_cfg))
     return _run_and_end(dist_cfg, Job(fn, args))

@@ -63,6 +63,7 @@ class LaunchPlan:
     # in a fresh interpreter as python would run it; "fork": from a notebook (its function, a fresh process cannot
     # import).
     start_method: str = "spawn"
+    rank_prefix: bool = False  # each line a worker writes begins with its global rank (relay.py)
     # False: the job creates its own process group (ignite-mgpu run: a user's script)
     join_group: bool = True
     # TORCHELASTIC_RUN_ID of the workers (cluster.run_id): is_torchelastic_launched() is True, as under torchrun
@@ -203,6 +204,7 @@ def decide(
         preempt_signal=cluster.signal_number(cfg.preempt_signal),
         join_group=join_group,
         start_method="forkserver" if join_group else "spawn",
+        rank_prefix=cfg.rank_prefix,
     )
 
 

@@ -42,6 +42,7 @@ class WorkerSpec:
     parent: int | None = None  # the pid of the process that starts the worker: the supervisor, or the fork server
     # The supervisor's environment, for a worker forked by the fork server (whose own is of when it started)
     environ: Mapping[str, str] | None = None
+    output: tuple[Any, Any] | None = None  # this worker's stdout and stderr channels (relay.py; None: inherited)
 
 
 def run_in_group(plan: LaunchPlan, job: Job, rendezvous_file: str | None = None) -> Any:
@@ -235,9 +236,21 @@ def _set_up(spec: WorkerSpec, local_rank: int) -> None:
     clock.set_clock(spec.clock)
 
 
+def take_output(output: tuple[Any, Any] | None) -> None:
+    """Write stdout and stderr into the relay's channels (``Connection`` objects), this process's children too."""
+    if output is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, channel in zip((1, 2), output, strict=True):
+        os.dup2(channel.fileno(), fd)
+        channel.close()
+
+
 def worker_main(local_rank: int, spec: WorkerSpec) -> None:
     """The spawned (or forked) process's entry: set up the process, run the job, exit with its code (a failure
     file on failure; rank 0's return value in ``RESULT_FILE``)."""
+    take_output(spec.output)
     _set_up(spec, local_rank)
     rank = spec.plan.first_rank + local_rank
     code = 0

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-PLOT_EXTRA = 'pip install "ignite-mgpu[plot]"'
+REINSTALL = "pip install matplotlib"
 TITLES = {
     "loss": "Loss (train: solid, validation: dashed)",
     "accuracy": "Validation accuracy",
@@ -59,8 +59,8 @@ def write_image(runs: list[Run], out: str | None) -> tuple[Path | None, str]:
         figure = draw_report(runs)
     except ImportError as err:
         return None, (
-            f"no image drawn: matplotlib cannot be imported ({err}). `{PLOT_EXTRA}` (or `pip install matplotlib`) "
-            "adds it; the table has the same figures."
+            f"no image drawn: matplotlib, a dependency of ignite-mgpu, cannot be imported ({err}). `{REINSTALL}` "
+            "installs it again; the table has the same figures."
         )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -164,7 +164,7 @@ def _panels(fig: Figure, goodput: bool) -> dict[str, Axes]:
         ax.set_title(TITLES[key])
         if key in ylabels:
             ax.set(xlabel="epoch", ylabel=ylabels[key])
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # one epoch: one tick, "1"
             ax.grid(alpha=0.3)
     if goodput:
         axes["goodput"] = fig.add_subplot(grid[3, :])
@@ -189,7 +189,8 @@ def _goodput_bars(ax: Axes, runs: list[Run]) -> None:
     ax.set_xlabel("seconds (the command's start to the end of training)")
     ax.margins(x=0.15)  # room for the share
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize="small", ncols=len(PARTS))
+    # In rows of five: one row of every part is wider than the figure.
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize="small", ncols=min(len(PARTS), 5))
 
 
 def _entry(run: Run) -> str:

@@ -89,7 +89,20 @@ def format_goodput(runs: list[Run]) -> str:
         lines.append(
             "  " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _mostly_startup(runs))
+
+
+def _mostly_startup(runs: list[Run]) -> list[str]:
+    """A line for each run whose start-up took half its wall time or more: its goodput says how short it was."""
+    lines = []
+    for run in runs:
+        wall, startup = as_number(run.goodput.get("time_wall_s")), as_number(run.goodput.get(FIELDS["startup"]))
+        if math.isfinite(wall) and math.isfinite(startup) and wall > 0 and startup >= wall / 2:
+            lines.append(
+                f"  {run.name}: start-up took {startup:.1f} of its {wall:.1f} s. Start-up is paid once per run: a "
+                "run this short is mostly start-up, a longer one trains for most of its time."
+            )
+    return lines
 
 
 def _finite_or_none(value: Any) -> Any:

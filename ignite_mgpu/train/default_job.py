@@ -19,6 +19,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import DataLoader
 
+from ignite_mgpu import text
 from ignite_mgpu.checkpoint.files import clean_stale_temp_files, find_resumable, weights_only_resume
 from ignite_mgpu.checkpoint.load import load_checkpoint
 from ignite_mgpu.checkpoint.resume import resume, run_signature
@@ -259,4 +260,4 @@ def scoring(local_rank: int, cfg: Config, checkpoint_path: str, as_json: bool) -
     samples = len(val_loader.dataset)  # type: ignore[arg-type]  # a map-style dataset: torch's type has no len
     result = {"checkpoint": checkpoint_path, "samples": samples, **scores}
     if rank == 0:
-        print(json.dumps(result) if as_json else "  ".join(f"{k}: {v}" for k, v in result.items()))
+        print(json.dumps(result) if as_json else "  ".join(f"{k}: {text.score(v)}" for k, v in result.items()))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -121,6 +122,43 @@ def test_a_failing_rank_ends_the_job_with_its_error_shown_once(h: Harness) -> No
     line = next(n for n, text in enumerate(CRASH_ONCE.splitlines(), 1) if "raise ValueError" in text)
     assert r.stderr.count("Traceback") == 1 and f'crashonce.py", line {line}, in work' in r.stderr, r
     assert not list(h.root.glob("seen.*"))  # rank 0 never finished: it was stopped
+    h.assert_no_leftovers()
+
+
+# Both ranks print 1000 lines on stdout and 1000 on stderr at the same moments (unbuffered, as the harness runs every
+# job: `print` writes its text and its newline apart); then rank 1 leaves a line unfinished on each and is killed
+# as NCCL's watchdog kills a rank, without Python's clean-up.
+LINES = """
+import os, signal, sys
+
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+dist.barrier()
+for i in range(1000):
+    print(f"out {rank} {i} " + "x" * 60)
+    print(f"err {rank} {i} " + "y" * 60, file=sys.stderr)
+dist.barrier()
+if rank == 1:
+    print("out 1 cut", end="")
+    print("err 1 cut", end="", file=sys.stderr)
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.barrier()
+"""
+
+
+@pytest.mark.timeout(200)
+def test_every_line_of_every_rank_arrives_whole_on_its_own_stream(h: Harness) -> None:
+    (h.root / "lines.py").write_text(LINES)
+    r = h.run(["run", "--nproc", "2", "--rank-prefix", "lines.py"], 150)
+    assert r.rc == 1, str(r)
+    for stream, name, fill in ((r.stdout, "out", "x"), (r.stderr, "err", "y")):
+        mine = [line for line in stream.splitlines() if f"{name} " in line]
+        whole = [line for line in mine if re.fullmatch(rf"\[rank(\d)\]:{name} \1 \d+ {fill}{{60}}", line)]
+        assert len(whole) == 2000 and len(set(whole)) == 2000, stream[-3000:]  # written straight: ~1 in 20 merged
+        assert set(mine) - set(whole) == {f"[rank1]:{name} 1 cut"}, stream[-3000:]  # not lost, its own line
+    assert "ignite-mgpu: rank 1 terminated with signal SIGKILL" in r.stderr, r
     h.assert_no_leftovers()
 
 

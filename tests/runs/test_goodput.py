@@ -52,6 +52,14 @@ def test_the_table_has_a_goodput_row_per_run_and_json_the_totals(tmp_path):
     parsed = json.loads(to_json(found, None))["runs"]
     assert parsed[0]["goodput"]["time_restart_s"] == 2.133 and parsed[1]["goodput"] is None
     assert "goodput:" not in format_table(runs.read_runs([b]))  # nothing recorded: no block
+    # The restarted run's start-up was 39.7 of its 43.5 s: said in words below the rows; the old run has none.
+    (note,) = table[at + 4 :]
+    assert note == (
+        "  restarted: start-up took 39.7 of its 43.5 s. Start-up is paid once per run: a run this short is mostly "
+        "start-up, a longer one trains for most of its time."
+    )
+    longer = make_run(tmp_path / "longer", [timed(1, FIRST | {"train": 40.0})])
+    assert "start-up took" not in format_table(runs.read_runs([longer]))
 
 
 def test_the_figure_stacks_each_runs_parts_in_one_bar(tmp_path):
