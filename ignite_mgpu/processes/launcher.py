@@ -140,21 +140,17 @@ def launch(
     rank_prefix: bool = False,
 ) -> Any:
     """Run ``fn(local_rank, *args)`` in ``nproc`` processes per node inside ``ignite.distributed.Parallel``; returns
-    what ``fn`` returned on global rank 0 (None where it returned nothing; pickled, tensors moved to the CPU). ``fn``
-    may be named as "package.module:function": each worker imports it, this process never does.
+    what ``fn`` returned on global rank 0 (pickled, tensors on the CPU). ``fn`` may be a "package.module:function".
 
-    ``backend="auto"`` is nccl with CUDA, else gloo; ``nproc`` defaults to the selected GPUs, or 1 on the CPU.
-    Under torchrun / SLURM it spawns nothing and joins the group. On one node without ``master_port`` the
-    rendezvous is a private file store (no TCP port, so two jobs never collide). ``gpus`` takes physical ids
-    ("2,3"), "all", "none", "auto" or "auto:N". ``cpu_binding`` (auto, none, cores, numa) binds each process to its
-    CPUs and sets its intra-op threads (README: the --cpu-binding flag). ``max_restarts``: after a failure a
-    restart can cure (a crash, a killed rank, a collective timeout), every process is stopped and ``fn`` runs again
-    from its start, up to that many times; the job must resume from its own checkpoints. The GPUs are claimed for
-    the job's life (another job cannot take them); ``share=True`` runs beside other jobs' claims, ``wait`` waits up
-    to that many seconds (``math.inf``: no limit) until the GPUs are free. The workers' output reaches this
-    process's stdout and stderr a whole line at a time; ``rank_prefix=True`` begins each line with the rank. From a
-    notebook (``fn`` defined in a
-    cell) the workers are forked: call launch() before anything touches CUDA there.
+    ``backend="auto"``: nccl with CUDA, else gloo; ``nproc``: the selected GPUs, or 1 on the CPU. Under torchrun /
+    SLURM it spawns nothing and joins the group. On one node without ``master_port`` the rendezvous is a private
+    file store (no port, two jobs never collide). ``gpus``: physical ids ("2,3"), "all", "none", "auto", "auto:N".
+    ``cpu_binding`` (auto, none, cores, numa): each process's CPUs and intra-op threads. ``max_restarts``: after a
+    curable failure (a crash, a killed rank, a collective timeout) every process stops and ``fn`` runs again from
+    its start, up to that many times (resuming from its own checkpoints). The GPUs are claimed for the job's life;
+    ``share=True`` runs beside other jobs' claims, ``wait`` waits that many seconds (``math.inf``: no limit) for
+    them. The workers' lines reach stdout and stderr whole; ``rank_prefix`` begins each with its rank. From a
+    notebook (``fn`` defined in a cell) the workers are forked: call launch() before anything touches CUDA there.
 
     Raises:
         ConfigError: an impossible request (bad nproc, nccl without GPUs, busy master_port, GPUs claimed by another
