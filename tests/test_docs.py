@@ -1,6 +1,6 @@
-"""The documentation cannot rot: every shell and Python block in docs/ is included from a file the suite runs,
-marked as not runnable here (with the reason), or run here; every YAML block is a valid config; the generated
-reference covers every config key. `python -m pytest -q tests/test_docs.py`."""
+"""The documentation cannot rot: every shell and Python block in docs/ is a copy of a file the suite runs (kept
+equal to it), marked as not runnable here (with the reason), or run here; every YAML block is a valid config; the
+generated reference covers every config key. `python -m pytest -q tests/test_docs.py`."""
 
 from __future__ import annotations
 
@@ -25,16 +25,14 @@ from docs_reference import config_keys, exit_codes_page
 
 BLOCKS = all_blocks()
 TESTS_SOURCE = "\n".join(p.read_text() for p in (REPO / "tests").rglob("*.py"))
-RUN_HERE = [b for b in BLOCKS if b.lang in RUNNABLE and not b.included and not b.not_run_here and not b.name]
+RUN_HERE = [b for b in BLOCKS if b.lang in RUNNABLE and not b.source and not b.not_run_here and not b.name]
+COPIES = [b for b in BLOCKS if b.source]
 
 
 def test_every_code_block_is_run_or_says_why_not():
     named = [b.name for b in BLOCKS if b.name]
     assert len(named) == len(set(named)), f"a block name is used twice: {named}"
     for block in BLOCKS:
-        for path in block.included:
-            assert (REPO / path).is_file(), f"{block.id} includes {path}, which does not exist"
-            assert path.startswith(("examples/", "configs/")), f"{block.id}: include files the suite runs"
         if block.name:
             assert f'doc_block("{block.name}")' in TESTS_SOURCE, f"{block.id}: no test runs block {block.name}"
         assert not block.title.lower().startswith("not run"), f"{block.id}: a title speaks to the reader"
@@ -43,7 +41,39 @@ def test_every_code_block_is_run_or_says_why_not():
 
 def test_the_reader_finds_the_blocks():  # a reader that found nothing would make every check above pass
     assert len(BLOCKS) > 30 and len(RUN_HERE) >= 1 and sum(b.name != "" for b in BLOCKS) >= 7
-    assert sum(b.not_run_here for b in BLOCKS) >= 5 and sum(bool(b.included) for b in BLOCKS) >= 10
+    assert sum(b.not_run_here for b in BLOCKS) >= 5 and len(COPIES) >= 15
+
+
+def test_no_page_includes_a_file():
+    """A page holds its code: a reader of the repository (on a forge, in a clone) sees what the site shows, so no
+    include line (pymdownx.snippets' ``--8<--``) stands where the code should be."""
+    for page in sorted((REPO / "docs").rglob("*.md")):
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            assert not re.match(r"\s*;?-+8<-+", line), f"{page.relative_to(REPO)}:{number}: write the code out"
+
+
+@pytest.mark.parametrize("block", COPIES, ids=[b.id for b in COPIES])
+def test_a_copy_is_its_file(block):
+    """A block ``<!-- same as: PATH -->`` is that file of examples/ or configs/ (run by the suite), whole and
+    unchanged: the page, the clone and the site show the same code. Its title, when it is a path, names the file
+    (the path a tutorial's reader writes it to, relative to the example's folder)."""
+    import difflib
+
+    path = REPO / block.source
+    assert block.source.startswith(("examples/", "configs/")) and path.is_file(), f"{block.id}: {block.source}?"
+    if block.is_file:
+        assert block.source.endswith(f"/{block.title}") or block.source == block.title, (block.id, block.title)
+    expected = path.read_text()
+    diff = "\n".join(difflib.unified_diff(expected.splitlines(), block.text.splitlines(), block.source, block.id))
+    assert block.text == expected, f"{block.id} differs from {block.source}: make them equal\n{diff}"
+
+
+def test_a_tutorials_files_are_copies_of_an_example():
+    """What a tutorial has its reader write is an example the suite runs, under one folder of examples/ per page."""
+    for page in sorted((REPO / "docs" / "tutorials").glob("*.md")):
+        files = [b for b in BLOCKS if b.page == f"tutorials/{page.name}" and b.is_file]
+        assert len(files) >= 4 and all(b.source for b in files), [b.id for b in files if not b.source]
+        assert len({b.source.removesuffix(b.title) for b in files}) == 1, [b.source for b in files]
 
 
 @pytest.mark.distributed
@@ -61,13 +91,9 @@ YAML_BLOCKS = [b for b in BLOCKS if b.lang == "yaml"]
 def test_yaml_block_is_a_valid_config(block, tmp_path):
     from ignite_mgpu import load_config
 
-    if block.included:
-        (path,) = block.included
-        load_config(REPO / path)
-    else:
-        file = tmp_path / "block.yaml"
-        file.write_text(block.text)
-        load_config(file)
+    file = tmp_path / "block.yaml"
+    file.write_text(block.text)
+    load_config(file)
 
 
 def test_config_reference_lists_every_key_with_its_default():
