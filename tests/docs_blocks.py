@@ -34,6 +34,7 @@ class Block:
     text: str
     why_not_run: str = ""  # <!-- not run: REASON --> above it
     source: str = ""  # <!-- same as: PATH --> above it: the file of the repository it copies
+    indent: int = 0  # the fence's indentation: more than 0 in a list item
 
     @property
     def not_run_here(self) -> bool:
@@ -66,7 +67,9 @@ def blocks(page: Path) -> list[Block]:
         source = s["path"] if i and (s := _SAME_AS.match(lines[i - 1])) else ""
         end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```" and lines[j].startswith(indent))
         text = "\n".join(line[len(indent) :] for line in lines[i + 1 : end])
-        found.append(Block(str(page.relative_to(DOCS)), i + 1, lang, title, name, text + "\n", why, source))
+        found.append(
+            Block(str(page.relative_to(DOCS)), i + 1, lang, title, name, text + "\n", why, source, len(indent))
+        )
         i = end + 1
     return found
 

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from html import unescape
 from pathlib import Path
 
 import pytest
@@ -292,22 +293,62 @@ def test_the_api_reference_returns_and_raises_are_whole_items():
                 assert all(re.fullmatch(r"[A-Z]\w*(Error|Exit|Failed|Interrupt)", i.annotation) for i in section.value)
 
 
-def test_the_stylesheet_keeps_keys_whole_and_lets_long_code_lines_scroll():
+def stylesheet() -> dict[str, str]:
+    """docs/stylesheets/extra.css as {selector: body}."""
+    css = re.sub(r"/\*.*?\*/", "", (REPO / "docs" / "stylesheets" / "extra.css").read_text(), flags=re.S)
+    return {selector.strip(): body for selector, body in re.findall(r"([^{}]+)\{([^}]*)\}", css)}
+
+
+def site_config() -> dict:
     import yaml
 
-    config = yaml.load((REPO / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)  # tags of plugins: as text
+    return yaml.load((REPO / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)  # tags of plugins: as text
+
+
+# What one line of a code block holds in a 1400 px window (docs/stylesheets/extra.css says the same). Material's rem
+# is 20 px there (html at 125% below 1600 px); the window less a 17 px scrollbar is 1383 px, within the grid's 70rem;
+# one sidebar (toc.integrate) of 12.1rem and the content's margins of 1.2rem + 0.8rem leave the column. A code
+# block's text is 0.85 x 0.8rem, padded by 1.1764705882em on the left and 2.5em on the right; a character of the
+# widest usual monospace font (DejaVu Sans Mono; Roboto Mono is 0.6em) is 0.602em.
+REM, WINDOW, SCROLLBAR = 20, 1400, 17
+CODE_FONT = 0.85 * 0.8 * REM
+COLUMN = min(WINDOW - SCROLLBAR, 70 * REM) - 12.1 * REM - (1.2 + 0.8) * REM  # 1101 px
+CODE_PADDING = (1.1764705882 + 2.5) * CODE_FONT  # 50 px
+FITS = int((COLUMN - CODE_PADDING) // (0.602 * CODE_FONT))  # 128 characters
+# Prose is at most 36rem wide; a block in a list item is indented by the list's 0.625em and the item's 1.25em.
+FITS_IN_A_LIST = int((36 * REM - (0.625 + 1.25) * 0.8 * REM - CODE_PADDING) // (0.602 * CODE_FONT))  # 78
+WRAPS = {"text", "console"}  # output: wraps at the column's edge, each wrapped line hanging
+
+
+def test_the_stylesheet_makes_the_column_that_the_widths_assume():
+    """The rules that the widths above rest on, and those that keep keys whole, are in the stylesheet that the site
+    links; output blocks wrap with a hanging indent, one span per line."""
+    config, rules = site_config(), stylesheet()
     assert "stylesheets/extra.css" in config["extra_css"]
-    rules = {
-        selector.strip(): body
-        for selector, body in re.findall(
-            r"([^{}/]+)\{([^}]*)\}", (REPO / "docs" / "stylesheets" / "extra.css").read_text()
-        )
-    }
+    assert "toc.integrate" in config["theme"]["features"]
+    highlight = next(e["pymdownx.highlight"] for e in config["markdown_extensions"] if "pymdownx.highlight" in e)
+    assert highlight["line_spans"] == "__span" and highlight["pygments_lang_class"] == "true"
+    assert "max-width: 70rem" in rules[".md-grid"]
+    assert "max-width: 36rem" in rules[".md-typeset > :is(p, ul, ol, dl, blockquote)"]
     assert "word-break: normal" in rules[".md-typeset table:not([class]) code"]
     assert "white-space: nowrap" in rules[".md-typeset table:not([class]) td:first-child code"]
-    assert (
-        "overflow-x: auto" in rules[".md-typeset pre > code"] and "white-space: pre" in rules[".md-typeset pre > code"]
-    )
+    code = rules[".md-typeset pre > code"]
+    assert "overflow-x: auto" in code and "white-space: pre" in code and "padding-right: 2.5em" in code
+    kinds = ", ".join(f".language-{kind}" for kind in sorted(WRAPS))
+    assert "white-space: pre-wrap" in rules[f".md-typeset :is({kinds}) pre > code"]
+    line = rules[f'.md-typeset :is({kinds}) pre > code > span[id^="__span"]']
+    assert "display: block" in line and "padding-left: 4ch" in line and "text-indent: -4ch" in line
+
+
+def test_every_line_of_code_fits_the_column():
+    """Code is read as written: no line of a code block is wider than the column at 1400 px (it would scroll);
+    output (text, console) may be, since it wraps."""
+    assert FITS == 128 and FITS_IN_A_LIST == 78  # the arithmetic above, as extra.css states it
+    for block in BLOCKS:
+        fits = FITS_IN_A_LIST if block.indent else FITS
+        if block.lang not in WRAPS:
+            long = [line for line in block.text.splitlines() if len(line) > fits]
+            assert not long, f"{block.id}: {len(long[0])} characters; {fits} fit (or make it output: text)"
 
 
 @pytest.mark.slow
@@ -336,3 +377,17 @@ def test_the_built_reference_reads_as_a_page(tmp_path):
     assert fit.count('class="doc-section-item"') == 1  # Returns: one row, whole
     config = (site / "config" / "index.html").read_text()
     assert "stylesheets/extra.css" in config and "<td><code>output_dir</code></td>" in config
+
+    # Every page, generated ones too: a line wider than the column is output, which wraps, one span a line.
+    block = re.compile(
+        r'<div class="language-(\w+)[^"]*highlight">(?:<span class="filename">[^<]*</span>)?<pre>(.*?)</pre>', re.S
+    )
+    pages = sorted((tmp_path / "site").rglob("*.html"))
+    for page in pages:
+        html = page.read_text()
+        found = block.findall(html)
+        assert len(found) == html.count("<pre"), f"{page}: a code block that is not highlighted"
+        for kind, body in found:
+            lines = unescape(re.sub(r"<[^>]+>", "", body)).splitlines()
+            if any(len(line) > FITS for line in lines):
+                assert kind in WRAPS and 'id="__span-' in body, (page, kind, max(lines, key=len))
