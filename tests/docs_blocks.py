@@ -1,9 +1,10 @@
-"""The code blocks of the documentation (docs/**/*.md), read the way tests/test_docs.py checks them: a block is
-included from a file (``--8<-- "examples/..."``), marked by an HTML comment line ``<!-- not run: <reason> -->`` just
-above it (the reader sees the block's title, which speaks to them: "Needs NVIDIA GPUs"), named by a comment line
-``<!-- block: NAME -->`` just above it (a test runs it by that name, with its own assertions), or run as it is by
-tests/test_docs.py. A tutorial's files are the blocks whose title is a relative path (``my_project/data.py``):
-``write_files`` writes them into an empty folder, as the reader does."""
+"""The code blocks of the documentation (docs/**/*.md), read the way tests/test_docs.py checks them: a block is a
+copy of a file the suite runs, named by a comment line ``<!-- same as: examples/... -->`` just above it (the page
+shows the code itself, so that a reader of the repository sees it too; the test keeps the two equal), marked by a
+comment line ``<!-- not run: <reason> -->`` just above it (the reader sees the block's title, which speaks to them:
+"Needs NVIDIA GPUs"), named by a comment line ``<!-- block: NAME -->`` just above it (a test runs it by that name,
+with its own assertions), or run as it is by tests/test_docs.py. A tutorial's files are the blocks whose title is a
+relative path (``my_project/data.py``): ``write_files`` writes them into an empty folder, as the reader does."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ RUNNABLE = {"bash", "sh", "shell", "console", "python", "py"}
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<info>[^`]*)$")
 _NAME = re.compile(r"^ *<!-- block: (?P<name>[\w-]+) -->$")
 _NOT_RUN = re.compile(r"^ *<!-- not run: (?P<why>.*\S.*) -->$")
+_SAME_AS = re.compile(r"^ *<!-- same as: (?P<path>\S+) -->$")
 _FILE_TITLE = re.compile(r"^[\w.-]+(?:/[\w.-]+)*\.\w+$")  # a relative path: my_project/data.py, config.yaml
 _TITLE = re.compile(r'title="(?P<title>[^"]*)"')
 
@@ -31,10 +33,8 @@ class Block:
     name: str
     text: str
     why_not_run: str = ""  # <!-- not run: REASON --> above it
-
-    @property
-    def included(self) -> list[str]:
-        return re.findall(r'^--8<-- "([^"]+)"$', self.text, flags=re.M)
+    source: str = ""  # <!-- same as: PATH --> above it: the file of the repository it copies
+    indent: int = 0  # the fence's indentation: more than 0 in a list item
 
     @property
     def not_run_here(self) -> bool:
@@ -44,13 +44,6 @@ class Block:
     def is_file(self) -> bool:
         """A file the reader writes: its title is the path, relative to their folder."""
         return bool(_FILE_TITLE.match(self.title))
-
-    def content(self) -> str:
-        """The text as the page shows it: an included file (``--8<-- "examples/..."``) in full."""
-        if self.included:
-            (path,) = self.included
-            return (DOCS.parent / path).read_text()
-        return self.text
 
     @property
     def id(self) -> str:
@@ -71,9 +64,12 @@ def blocks(page: Path) -> list[Block]:
         title = t["title"] if (t := _TITLE.search(info)) else ""
         name = n["name"] if i and (n := _NAME.match(lines[i - 1])) else ""
         why = w["why"] if i and (w := _NOT_RUN.match(lines[i - 1])) else ""
+        source = s["path"] if i and (s := _SAME_AS.match(lines[i - 1])) else ""
         end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```" and lines[j].startswith(indent))
         text = "\n".join(line[len(indent) :] for line in lines[i + 1 : end])
-        found.append(Block(str(page.relative_to(DOCS)), i + 1, lang, title, name, text + "\n", why))
+        found.append(
+            Block(str(page.relative_to(DOCS)), i + 1, lang, title, name, text + "\n", why, source, len(indent))
+        )
         i = end + 1
     return found
 
@@ -96,7 +92,7 @@ def write_files(page: str, folder: Path) -> list[Path]:
         if block.is_file:
             path = folder / block.title
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(block.content())
+            path.write_text(block.text)
             written.append(path)
     return written
 

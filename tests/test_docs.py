@@ -1,6 +1,6 @@
-"""The documentation cannot rot: every shell and Python block in docs/ is included from a file the suite runs,
-marked as not runnable here (with the reason), or run here; every YAML block is a valid config; the generated
-reference covers every config key. `python -m pytest -q tests/test_docs.py`."""
+"""The documentation cannot rot: every shell and Python block in docs/ is a copy of a file the suite runs (kept
+equal to it), marked as not runnable here (with the reason), or run here; every YAML block is a valid config; the
+generated reference covers every config key. `python -m pytest -q tests/test_docs.py`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from html import unescape
 from pathlib import Path
 
 import pytest
@@ -25,16 +26,14 @@ from docs_reference import config_keys, exit_codes_page
 
 BLOCKS = all_blocks()
 TESTS_SOURCE = "\n".join(p.read_text() for p in (REPO / "tests").rglob("*.py"))
-RUN_HERE = [b for b in BLOCKS if b.lang in RUNNABLE and not b.included and not b.not_run_here and not b.name]
+RUN_HERE = [b for b in BLOCKS if b.lang in RUNNABLE and not b.source and not b.not_run_here and not b.name]
+COPIES = [b for b in BLOCKS if b.source]
 
 
 def test_every_code_block_is_run_or_says_why_not():
     named = [b.name for b in BLOCKS if b.name]
     assert len(named) == len(set(named)), f"a block name is used twice: {named}"
     for block in BLOCKS:
-        for path in block.included:
-            assert (REPO / path).is_file(), f"{block.id} includes {path}, which does not exist"
-            assert path.startswith(("examples/", "configs/")), f"{block.id}: include files the suite runs"
         if block.name:
             assert f'doc_block("{block.name}")' in TESTS_SOURCE, f"{block.id}: no test runs block {block.name}"
         assert not block.title.lower().startswith("not run"), f"{block.id}: a title speaks to the reader"
@@ -43,7 +42,39 @@ def test_every_code_block_is_run_or_says_why_not():
 
 def test_the_reader_finds_the_blocks():  # a reader that found nothing would make every check above pass
     assert len(BLOCKS) > 30 and len(RUN_HERE) >= 1 and sum(b.name != "" for b in BLOCKS) >= 7
-    assert sum(b.not_run_here for b in BLOCKS) >= 5 and sum(bool(b.included) for b in BLOCKS) >= 10
+    assert sum(b.not_run_here for b in BLOCKS) >= 5 and len(COPIES) >= 15
+
+
+def test_no_page_includes_a_file():
+    """A page holds its code: a reader of the repository (on a forge, in a clone) sees what the site shows, so no
+    include line (pymdownx.snippets' ``--8<--``) stands where the code should be."""
+    for page in sorted((REPO / "docs").rglob("*.md")):
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            assert not re.match(r"\s*;?-+8<-+", line), f"{page.relative_to(REPO)}:{number}: write the code out"
+
+
+@pytest.mark.parametrize("block", COPIES, ids=[b.id for b in COPIES])
+def test_a_copy_is_its_file(block):
+    """A block ``<!-- same as: PATH -->`` is that file of examples/ or configs/ (run by the suite), whole and
+    unchanged: the page, the clone and the site show the same code. Its title, when it is a path, names the file
+    (the path a tutorial's reader writes it to, relative to the example's folder)."""
+    import difflib
+
+    path = REPO / block.source
+    assert block.source.startswith(("examples/", "configs/")) and path.is_file(), f"{block.id}: {block.source}?"
+    if block.is_file:
+        assert block.source.endswith(f"/{block.title}") or block.source == block.title, (block.id, block.title)
+    expected = path.read_text()
+    diff = "\n".join(difflib.unified_diff(expected.splitlines(), block.text.splitlines(), block.source, block.id))
+    assert block.text == expected, f"{block.id} differs from {block.source}: make them equal\n{diff}"
+
+
+def test_a_tutorials_files_are_copies_of_an_example():
+    """What a tutorial has its reader write is an example the suite runs, under one folder of examples/ per page."""
+    for page in sorted((REPO / "docs" / "tutorials").glob("*.md")):
+        files = [b for b in BLOCKS if b.page == f"tutorials/{page.name}" and b.is_file]
+        assert len(files) >= 4 and all(b.source for b in files), [b.id for b in files if not b.source]
+        assert len({b.source.removesuffix(b.title) for b in files}) == 1, [b.source for b in files]
 
 
 @pytest.mark.distributed
@@ -61,13 +92,9 @@ YAML_BLOCKS = [b for b in BLOCKS if b.lang == "yaml"]
 def test_yaml_block_is_a_valid_config(block, tmp_path):
     from ignite_mgpu import load_config
 
-    if block.included:
-        (path,) = block.included
-        load_config(REPO / path)
-    else:
-        file = tmp_path / "block.yaml"
-        file.write_text(block.text)
-        load_config(file)
+    file = tmp_path / "block.yaml"
+    file.write_text(block.text)
+    load_config(file)
 
 
 def test_config_reference_lists_every_key_with_its_default():
@@ -266,35 +293,80 @@ def test_the_api_reference_returns_and_raises_are_whole_items():
                 assert all(re.fullmatch(r"[A-Z]\w*(Error|Exit|Failed|Interrupt)", i.annotation) for i in section.value)
 
 
-def test_the_stylesheet_keeps_keys_whole_and_lets_long_code_lines_scroll():
+def stylesheet() -> dict[str, str]:
+    """docs/stylesheets/extra.css as {selector: body}."""
+    css = re.sub(r"/\*.*?\*/", "", (REPO / "docs" / "stylesheets" / "extra.css").read_text(), flags=re.S)
+    return {selector.strip(): body for selector, body in re.findall(r"([^{}]+)\{([^}]*)\}", css)}
+
+
+def site_config() -> dict:
     import yaml
 
-    config = yaml.load((REPO / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)  # tags of plugins: as text
+    return yaml.load((REPO / "mkdocs.yml").read_text(), Loader=yaml.BaseLoader)  # tags of plugins: as text
+
+
+# What one line of a code block holds in a 1400 px window (docs/stylesheets/extra.css says the same). Material's rem
+# is 20 px there (html at 125% below 1600 px); the window less a 17 px scrollbar is 1383 px, within the grid's 70rem;
+# one sidebar (toc.integrate) of 12.1rem and the content's margins of 1.2rem + 0.8rem leave the column. A code
+# block's text is 0.85 x 0.8rem, padded by 1.1764705882em on the left and 2.5em on the right; a character of the
+# widest usual monospace font (DejaVu Sans Mono; Roboto Mono is 0.6em) is 0.602em.
+REM, WINDOW, SCROLLBAR = 20, 1400, 17
+CODE_FONT = 0.85 * 0.8 * REM
+COLUMN = min(WINDOW - SCROLLBAR, 70 * REM) - 12.1 * REM - (1.2 + 0.8) * REM  # 1101 px
+CODE_PADDING = (1.1764705882 + 2.5) * CODE_FONT  # 50 px
+FITS = int((COLUMN - CODE_PADDING) // (0.602 * CODE_FONT))  # 128 characters
+# Prose is at most 36rem wide; a block in a list item is indented by the list's 0.625em and the item's 1.25em.
+FITS_IN_A_LIST = int((36 * REM - (0.625 + 1.25) * 0.8 * REM - CODE_PADDING) // (0.602 * CODE_FONT))  # 78
+WRAPS = {"text", "console"}  # output: wraps at the column's edge, each wrapped line hanging
+
+
+def test_the_stylesheet_makes_the_column_that_the_widths_assume():
+    """The rules that the widths above rest on, and those that keep keys whole, are in the stylesheet that the site
+    links; output blocks wrap with a hanging indent, one span per line."""
+    config, rules = site_config(), stylesheet()
     assert "stylesheets/extra.css" in config["extra_css"]
-    rules = {
-        selector.strip(): body
-        for selector, body in re.findall(
-            r"([^{}/]+)\{([^}]*)\}", (REPO / "docs" / "stylesheets" / "extra.css").read_text()
-        )
-    }
+    assert "toc.integrate" in config["theme"]["features"]
+    highlight = next(e["pymdownx.highlight"] for e in config["markdown_extensions"] if "pymdownx.highlight" in e)
+    assert highlight["line_spans"] == "__span" and highlight["pygments_lang_class"] == "true"
+    assert "max-width: 70rem" in rules[".md-grid"]
+    assert "max-width: 36rem" in rules[".md-typeset > :is(p, ul, ol, dl, blockquote)"]
     assert "word-break: normal" in rules[".md-typeset table:not([class]) code"]
     assert "white-space: nowrap" in rules[".md-typeset table:not([class]) td:first-child code"]
-    assert (
-        "overflow-x: auto" in rules[".md-typeset pre > code"] and "white-space: pre" in rules[".md-typeset pre > code"]
-    )
+    code = rules[".md-typeset pre > code"]
+    assert "overflow-x: auto" in code and "white-space: pre" in code and "padding-right: 2.5em" in code
+    kinds = ", ".join(f".language-{kind}" for kind in sorted(WRAPS))
+    assert "white-space: pre-wrap" in rules[f".md-typeset :is({kinds}) pre > code"]
+    line = rules[f'.md-typeset :is({kinds}) pre > code > span[id^="__span"]']
+    assert "display: block" in line and "padding-left: 4ch" in line and "text-indent: -4ch" in line
+
+
+def test_every_line_of_code_fits_the_column():
+    """Code is read as written: no line of a code block is wider than the column at 1400 px (it would scroll);
+    output (text, console) may be, since it wraps."""
+    assert FITS == 128 and FITS_IN_A_LIST == 78  # the arithmetic above, as extra.css states it
+    for block in BLOCKS:
+        fits = FITS_IN_A_LIST if block.indent else FITS
+        if block.lang not in WRAPS:
+            long = [line for line in block.text.splitlines() if len(line) > fits]
+            assert not long, f"{block.id}: {len(long[0])} characters; {fits} fit (or make it output: text)"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_the_built_reference_reads_as_a_page(tmp_path):
-    """mkdocs build, then the generated HTML: examples in code blocks, summaries whole, fit's Returns one row,
-    config keys in code cells of the key column, the stylesheet linked."""
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(REPO)}
+    """The site built as CONTRIBUTING says (properdocs, strict), quietly: nothing but its INFO lines, no notice to
+    scroll past. Then the generated HTML: examples in code blocks, summaries whole, fit's Returns one row, config
+    keys in code cells of the key column, the stylesheet linked."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for variable in ("NO_MKDOCS_2_WARNING", "DISABLE_MKDOCS_2_WARNING"):  # quiet without them
+        env.pop(variable, None)
+    command = ["properdocs", "build", "--strict", "-f", "mkdocs.yml", "--site-dir", str(tmp_path / "site")]
     built = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=170,
-    )  # fmt: skip
+        [sys.executable, "-m", *command], cwd=REPO, env=env, capture_output=True, text=True, timeout=170
+    )
     assert built.returncode == 0, built.stderr[-3000:]
+    said = [line for line in (built.stdout + built.stderr).splitlines() if line.strip()]
+    assert said and all(line.startswith("INFO ") for line in said), said
     site = tmp_path / "site" / "reference"
     cli = (site / "cli" / "index.html").read_text()
     assert re.search(r"<pre>.*<code>ignite-mgpu config  +# every key", cli.replace("\n", " ")), "examples not in code"
@@ -305,3 +377,17 @@ def test_the_built_reference_reads_as_a_page(tmp_path):
     assert fit.count('class="doc-section-item"') == 1  # Returns: one row, whole
     config = (site / "config" / "index.html").read_text()
     assert "stylesheets/extra.css" in config and "<td><code>output_dir</code></td>" in config
+
+    # Every page, generated ones too: a line wider than the column is output, which wraps, one span a line.
+    block = re.compile(
+        r'<div class="language-(\w+)[^"]*highlight">(?:<span class="filename">[^<]*</span>)?<pre>(.*?)</pre>', re.S
+    )
+    pages = sorted((tmp_path / "site").rglob("*.html"))
+    for page in pages:
+        html = page.read_text()
+        found = block.findall(html)
+        assert len(found) == html.count("<pre"), f"{page}: a code block that is not highlighted"
+        for kind, body in found:
+            lines = unescape(re.sub(r"<[^>]+>", "", body)).splitlines()
+            if any(len(line) > FITS for line in lines):
+                assert kind in WRAPS and 'id="__span-' in body, (page, kind, max(lines, key=len))

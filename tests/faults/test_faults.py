@@ -1,10 +1,10 @@
-"""Fault injection against the real CLI: the failure scenarios S1-S30 (reliability-scenarios.md).
+"""Fault injection against the real CLI: the failure scenarios S1-S30 (tests/faults/SCENARIOS.md).
 
 Every test runs ``python -m ignite_mgpu train`` in a subprocess (its own session, a hard timeout, its own
 ``tmp_path``) with the test-only model ``faultmod:make`` (tests/faults/faultmod.py), which raises, hangs, kills
 itself, returns NaN or slows down at a chosen rank and iteration. The harness (tests/faults/harness.py) records
 each job's process tree and, on request, its LISTEN sockets; after the job every recorded process must be gone.
-Scenario ids (S1...) refer to the scenarios file. Run: `python -m pytest tests/faults -q`.
+Scenario ids (S1...) refer to SCENARIOS.md beside this file. Run: `python -m pytest tests/faults -q`.
 """
 
 from __future__ import annotations
