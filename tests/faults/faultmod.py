@@ -18,6 +18,8 @@ needs no hooks. Environment variables, read in every worker:
       failed raises (the GPU itself stays listed).
     - ``nan``: return NaN logits (a poisoned batch).
     - ``slow``: from that iteration on, sleep ``arg`` seconds (default 0.2) in every training forward.
+    - ``hold``: wait in forward until ``PIDS_DIR/release`` exists (at most ``arg`` seconds, default 120): a job
+      that is still running for as long as the test needs it, and no longer.
     - ``init``: ``RuntimeError("init boom")`` in the model constructor (``iteration`` is ignored).
     - ``slowsave``: from that iteration on, ``state_dict()`` sleeps ``arg`` seconds (default 3): a checkpoint
       that takes long to write, as a large model's does.
@@ -103,6 +105,12 @@ def _lose_my_gpu() -> None:
     tmp.replace(table)
 
 
+def _hold(seconds: float) -> None:
+    release, deadline = Path(os.environ["PIDS_DIR"], "release"), time.monotonic() + seconds
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 class FaultyLinear(nn.Module):
     """A linear classifier over flattened ``3 x image_size x image_size`` images, with injected faults."""
 
@@ -147,6 +155,8 @@ class FaultyLinear(nn.Module):
                 raise RuntimeError("CUDA error: unspecified launch failure")
             if kind == "sleep":
                 time.sleep(3600)
+            if kind == "hold":
+                _hold(120.0 if arg is None else arg)
             if kind == "losegpu":
                 _lose_my_gpu()
             if kind in ("kill", "losegpu"):

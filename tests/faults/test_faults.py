@@ -534,7 +534,7 @@ def test_s8_s9_two_jobs_without_port_share_the_host_on_loopback_only(h: Harness)
 def test_s30_second_launch_on_a_locked_output_dir_fails_fast(h: Harness) -> None:
     out = h.root / "out"
     args = [*BASE, "--output-dir", str(out), "train.epochs=2"]
-    first = h.start(args, fault="slow:*:1:0.5", tag="a")  # >= 10 s of training
+    first = h.start(args, fault="hold:*:3", tag="a")  # its ranks wait in iteration 3 until released below
     wait_until(lambda: (out / "checkpoint_2.pt").exists(), first, 90, "the first job's checkpoint")
     seconds = [h.start(args, tag="b"), h.start([*args, "--resume", "auto"], tag="c")]
     results = [j.wait(timeout=15, what="the second launch") for j in seconds]
@@ -543,6 +543,7 @@ def test_s30_second_launch_on_a_locked_output_dir_fails_fast(h: Harness) -> None
         assert r.rc == 2, str(r)
         assert f"locked by pid {first.pid}" in r.stderr, str(r)
     assert not any(j.recorded_pids() for j in seconds), "the second launch spawned ranks"
+    (first.pids_dir / "release").write_text("")
     r = first.wait(timeout=120)
     assert r.rc == 0, r  # the first job is unharmed
     assert "finished" in r.stderr
