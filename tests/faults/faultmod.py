@@ -21,8 +21,8 @@ needs no hooks. Environment variables, read in every worker:
     - ``hold``: wait in forward until ``PIDS_DIR/release`` exists (at most ``arg`` seconds, default 120): a job
       that is still running for as long as the test needs it, and no longer.
     - ``init``: ``RuntimeError("init boom")`` in the model constructor (``iteration`` is ignored).
-    - ``slowsave``: from that iteration on, ``state_dict()`` sleeps ``arg`` seconds (default 3): a checkpoint
-      that takes long to write, as a large model's does.
+    - ``slowsave``: from that iteration on, ``state_dict()`` writes ``PIDS_DIR/saving{RANK}`` and sleeps ``arg``
+      seconds (default 3): a checkpoint that takes long to write, as a large model's does.
     - ``slowwrite``: from that iteration on, ``torch.save`` writes half of the file, flushes it, writes
       ``PIDS_DIR/halfwritten{RANK}``, sleeps ``arg`` seconds (default 60) and then writes the rest: a writer that
       can be killed mid-file.
@@ -169,6 +169,7 @@ class FaultyLinear(nn.Module):
     def state_dict(self, *args, **kwargs):  # nn.Module's signature
         for kind, _, iteration, arg in self.faults:
             if kind == "slowsave" and self.calls >= iteration:
+                _write(f"saving{_rank()}", "")  # the test may signal the job now
                 time.sleep(3.0 if arg is None else arg)
         return super().state_dict(*args, **kwargs)
 
