@@ -89,12 +89,12 @@ def undeclared_modules() -> set[str]:
     }
 
 
-def declared_only(folder: Path) -> dict[str, str]:
-    """The environment variables that give a child only the declared dependencies (with the checkout first on
-    PYTHONPATH)."""
+def declared_only(folder: Path, package: Path = REPO) -> dict[str, str]:
+    """The environment variables that give a child only the declared dependencies, with ``package`` (the folder
+    that holds ``ignite_mgpu``: the checkout, or ``docs_blocks.installed_only``'s) on PYTHONPATH."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(_SITECUSTOMIZE)
-    return {"PYTHONPATH": f"{folder}{os.pathsep}{REPO}", UNDECLARED: ",".join(sorted(undeclared_modules()))}
+    return {"PYTHONPATH": f"{folder}{os.pathsep}{package}", UNDECLARED: ",".join(sorted(undeclared_modules()))}
 
 
 def in_terminal(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, str]:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.docs_blocks import doc_block, installed_only, run_block, write_files
+from tests.terminal import declared_only, in_terminal
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -59,13 +62,18 @@ def test_first_project_from_an_empty_folder(tmp_path, package):
     assert [line.split(":")[0] for line in closing] == ["finished", "best model", "next"] * 2, closing
     assert f"the run is in {runs[0].relative_to(project)}/" in closing[0]
     assert all(f"{run.name} (ddp, 2 processes, CPU): runs/{run.name}" in result.stdout for run in runs)  # the table
-    if importlib.util.find_spec("matplotlib"):
-        assert (project / "report.png").is_file()  # several runs: one figure, in the current folder
+    assert (project / "report.png").is_file()  # several runs: one figure, in the current folder
 
-    # Named, then continued from its checkpoint: one more epoch.
-    resumed = run_block(doc_block("first-project-resume"), project, timeout=300, pythonpath=package)
-    assert [row["epoch"] for row in metrics(project / "runs" / "waves")] == [1, 2, 3], resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr
+    # Named, then continued from its checkpoint: one more epoch. In a terminal (the progress bar), as after the
+    # README's install: only the declared dependencies can be imported.
+    env = {**os.environ, **declared_only(tmp_path / "declared", package)}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    code, shown = in_terminal(
+        ["bash", "-euo", "pipefail", "-c", doc_block("first-project-resume").text], project, env, 300
+    )
+    assert code == 0, shown[-3000:]
+    assert [row["epoch"] for row in metrics(project / "runs" / "waves")] == [1, 2, 3], shown[-3000:]
+    assert "resumed from" in shown and "%|" in shown
 
 
 @pytest.mark.timeout(420)
