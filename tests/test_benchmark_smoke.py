@@ -309,10 +309,10 @@ def test_checkpoint_stall_quick_run_prints_both_formats(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
 def test_resize_benchmark_prints_both_restarts_lending_and_their_ratios():
-    """bench_resize.py --repeat 1: a plain restart on 4, a change of size to 3 and a lending to 2, on the stand-in
-    nvidia-smi."""
+    """bench_resize.py --quick (one job per row, two at a time): a plain restart on 4, a change of size to 3 and a
+    lending to 2, on the stand-in nvidia-smi."""
     script = BENCHMARKS / "restart" / "bench_resize.py"
-    proc = run_in_session([sys.executable, str(script), "--repeat", "1"], 190)
+    proc = run_in_session([sys.executable, str(script), "--quick"], 190)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     for after in ("[4]", "[3]", "[2]"):
         assert f"processes after: {after}" in proc.stdout, proc.stdout
