@@ -13,9 +13,11 @@ from ignite_mgpu.gpus.claims import claim_name
 from ignite_mgpu.gpus.inventory import GpuInfo
 
 # What CUDA, NCCL and the driver say when the device itself failed, not the program on it (NVIDIA's Xid catalogue:
-# 79 "fallen off the bus", 48/94/95 ECC errors, 13/31/43 launch failures that a bad device also gives).
+# 79 "fallen off the bus", 48/94/95 ECC errors, 13/31/43 launch failures that a bad device also gives; CUDA's
+# cudaErrorUnknown).
 DEVICE_ERROR = re.compile(
-    r"fallen off the bus|GPU is lost|\bXid\b|unspecified launch failure|uncorrectable ECC|ECC error",
+    r"fallen off the bus|GPU is lost|\bXid\b|unspecified launch failure|uncorrectable ECC|ECC error|"
+    r"CUDA error: unknown error",  # what NCCL's watchdog reports of a GPU that fell off the bus (Xid 79)
     re.IGNORECASE,
 )
 # What nvidia-smi writes in the fields of a GPU that it still lists but cannot read.

@@ -15,6 +15,10 @@ _GPU_ARGV = ["nvidia-smi", _QUERY_GPUS + ",mig.mode.current,uuid", "--format=csv
 # Drivers older than MIG know no mig.mode field and refuse the query: asked again without it.
 _GPU_ARGV_NO_MIG = ["nvidia-smi", _QUERY_GPUS + ",uuid", "--format=csv,noheader,nounits"]
 _APPS_ARGV = ["nvidia-smi", "--query-compute-apps=gpu_bus_id,pid", "--format=csv,noheader"]
+# nvidia-smi's exit code when a GPU "has fallen off the bus or has otherwise become inaccessible" (its manual page):
+# it still prints the rows of the GPUs that answer, and "Unable to determine the device handle for GPU<bus>: GPU is
+# lost.  Reboot the system to recover this GPU" for the lost one, which the snapshot leaves out.
+GPU_LOST_EXIT = 15
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,11 @@ def _bus(bus_id: str) -> str:
 
 
 def _run_nvidia_smi(argv: list[str]) -> str:
-    return subprocess.run(argv, capture_output=True, text=True, check=True, timeout=15).stdout
+    """nvidia-smi's answer; its rows also when a GPU is lost (``GPU_LOST_EXIT``): the others are still there."""
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=15)
+    if done.returncode not in (0, GPU_LOST_EXIT):
+        raise subprocess.CalledProcessError(done.returncode, argv, done.stdout, done.stderr)
+    return done.stdout
 
 
 def _query_nvml() -> list[GpuInfo] | None:
@@ -69,16 +77,19 @@ def _query_nvml() -> list[GpuInfo] | None:
         gpus = []
         for i in range(pynvml.nvmlDeviceGetCount()):
             # NVML enumerates in PCI bus order, like nvidia-smi.
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                bus = _bus(text(pynvml.nvmlDeviceGetPciInfo(handle).busId))
+                name = text(pynvml.nvmlDeviceGetName(handle))
+            except pynvml.NVMLError:  # this device only (NVML_ERROR_GPU_IS_LOST): the others still answer
+                continue
             util = optional(lambda h: pynvml.nvmlDeviceGetUtilizationRates(h).gpu, handle)
             try:
                 running = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
                 n_proc, pids = len(running), tuple(p.pid for p in running if isinstance(getattr(p, "pid", None), int))
             except pynvml.NVMLError:
                 n_proc, pids = -1, ()
-            bus = _bus(text(pynvml.nvmlDeviceGetPciInfo(handle).busId))
-            name = text(pynvml.nvmlDeviceGetName(handle))
             # (current, pending)
             mig = mig_mode is not None and optional(lambda h: mig_mode(h)[0], handle) == 1
             try:

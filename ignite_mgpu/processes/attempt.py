@@ -29,6 +29,7 @@ from ignite_mgpu.processes.outcome import (
     Failure,
     Outcome,
     cut_short_while_saving,
+    last_words_failure,
     no_restart_reason,
     outcome,
     refused_start,
@@ -244,6 +245,17 @@ class Attempt:
         self.kill()
         self.failure_deadline = NEVER
 
+    def _with_last_words(self, failures: list[Failure], exit_codes: list[int | None]) -> list[Failure]:
+        """A rank killed by a signal without a failure file of its own (an abort in C++: NCCL's watchdog) is known
+        by the last lines it wrote to stderr, where they name an error (relay.py kept them)."""
+        recorded = {f["rank"] for f in failures}
+        for local_rank, code in enumerate(exit_codes):
+            rank = self.spec.plan.first_rank + local_rank
+            if code is not None and code < 0 and rank not in recorded:
+                said = last_words_failure(rank, *self.relay.last_words(local_rank), code)
+                failures += [said] if said is not None else []
+        return failures
+
     def _ended(self) -> Ended:
         """How the attempt ended, from the workers' exit codes and the files they left."""
         plan, folder = self.spec.plan, self.folder
@@ -252,7 +264,7 @@ class Attempt:
         if self.resizing and exit_codes and set(exit_codes) == {STOPPED} and not self.stopping:
             return Ended(Outcome(STOPPED), None, reached, failed_at=time.time(), resized=True)
         failed_ranks = [plan.first_rank + i for i, code in enumerate(exit_codes) if code]
-        failures = with_error_files(read_failures(folder), folder, failed_ranks)
+        failures = self._with_last_words(with_error_files(read_failures(folder), folder, failed_ranks), exit_codes)
         args = (failures, exit_codes, self.first_failure, self.stopping)
         result = outcome(*args, plan.first_rank, plan.timeout)
         result = cut_short_while_saving(result, self.cut_short and any(s.saving for s in read_statuses(folder)))

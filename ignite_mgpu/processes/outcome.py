@@ -8,15 +8,47 @@ import os
 import re
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from ignite_mgpu.errors import DIVERGED, FAILED, SUCCESS, USAGE, signal_exit_code
+from ignite_mgpu.gpus.health import device_error
 from ignite_mgpu.hangs.hang_report import Hang
 from ignite_mgpu.processes.notebook import NO_MAIN_GUARD, no_main_guard
 
 # A worker's failure file (attempt_files.failure_record): rank, time, type, message, traceback, code.
 Failure = dict[str, Any]
+
+
+# The lines that name the error of a rank that died in C++, where no Python code wrote its failure file: NCCL's
+# watchdog aborting the process after a CUDA error or a timeout, an exception escaping a C++ thread.
+_LAST_WORDS = re.compile(
+    r"CUDA error: .+|NCCL error.*|Watchdog caught collective operation timeout.*|what\(\):\s*\S.*|"
+    r"terminate called after throwing .+",
+    re.IGNORECASE,
+)
+
+
+def last_words_failure(rank: int, lines: list[str], at: float | None, code: int) -> Failure | None:
+    """A failure record for a rank killed by signal ``-code`` that wrote no failure file, from the last ``lines`` it
+    wrote to stderr (``at``: when it closed it), where they name an error; None where they name none (a rank killed
+    by the OOM killer says nothing). The message is the CUDA error where there is one (NCCL's watchdog names it)."""
+    named = [found[0] for line in lines if (found := _LAST_WORDS.search(line))]
+    if not named:
+        return None
+    message = next((m for m in named if m.lower().startswith("cuda error")), named[-1])
+    waited = "collective operation timeout" in message.lower()  # a peer never arrived: timed_out() tells
+    return {
+        "rank": rank,
+        "time": at if at is not None else time.time(),
+        "type": signal.Signals(-code).name + (" (watchdog timeout)" if waited else ""),
+        "message": message,
+        "traceback": "\n".join(lines),
+        "code": FAILED,
+        "user_error": False,
+        "last_words": True,  # from its output, not a failure file of its own
+    }
 
 
 @dataclass
@@ -84,7 +116,10 @@ def outcome(
     diverged = [f for f in failures if f["code"] == DIVERGED]
     if diverged:
         return Outcome(DIVERGED, f"training diverged: {diverged[0]['message']}")
-    if first_failure and first_failure[1] == -signal.SIGABRT and not failures:
+    said = [f for f in failures if f.get("last_words") and not timed_out(f)]
+    if said:
+        return _died_saying(said)
+    if first_failure and first_failure[1] == -signal.SIGABRT and all(f.get("last_words") for f in failures):
         return _watchdog_abort(exit_codes, rank_offset, timeout)
     # Killed (OOM killer, kill -9): no failure file of its own.
     if first_failure and first_failure[1] < 0:
@@ -105,6 +140,20 @@ def _watchdog_abort(exit_codes: list[int | None], rank_offset: int, timeout: flo
         "Find what they were doing (data loader, I/O, a rank-dependent branch); --resume auto continues from "
         "the last checkpoint.",
         failed=f"rank(s) {_ranks(silent)}",
+    )
+
+
+def _died_saying(said: list[Failure]) -> Outcome:
+    """Ranks killed in C++ after writing an error: the cause is a failed device where one names it (under NCCL the
+    healthy ranks abort in the same second, their watchdogs reporting the lost peer), else the first to die."""
+    first = min(said, key=lambda f: (device_error(f["message"]) is None, f["time"]))
+    return Outcome(
+        FAILED,
+        f"rank {first['rank']} died ({first['type']}, no Python clean-up) after writing: {first['message']}",
+        "Its last lines are below; --resume auto continues from the last checkpoint.",
+        first["traceback"],
+        failed=f"rank {first['rank']}",
+        rank=first["rank"],
     )
 
 

@@ -19,12 +19,15 @@ import os
 import selectors
 import termios
 import threading
+import time
 import tty
+from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 _ENDS = (b"\n", b"\r")
 _READ = 1 << 16
+TAIL_LINES = 40  # the lines of each rank's stderr kept for its report: a C++ abort leaves no failure file
 
 
 @dataclass
@@ -34,6 +37,8 @@ class _Channel:
     read: int  # this process's end
     write: Connection | None  # the worker's end, closed here once the worker has it
     pending: bytearray = field(default_factory=bytearray)  # a line not ended yet
+    tail: deque[bytes] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))  # its last lines
+    closed_at: float | None = None  # time.time() when its worker's side closed: the worker's end, near enough
 
 
 def _open(out: int) -> tuple[int, int]:
@@ -83,6 +88,13 @@ class Relay:
                 channel.write.close()
                 channel.write = None
 
+    def last_words(self, local_rank: int) -> tuple[list[str], float | None]:
+        """The last lines that worker ``local_rank`` wrote to stderr (all of them once the relay closed), and when
+        its side of the channel closed (None: still open)."""
+        err = self.channels[local_rank][1]
+        lines = [*err.tail, *([bytes(err.pending)] if err.pending else [])]
+        return [line.decode(errors="replace").rstrip("\r\n") for line in lines], err.closed_at
+
     def close(self, wait: float) -> None:
         """Relay what the workers wrote, for up to ``wait`` seconds after they ended (a data-loader worker of a dead
         rank may still hold its channel); then write what is left, lines not ended included, and close."""
@@ -121,6 +133,8 @@ class Relay:
             whole = bytes(channel.pending[: last + 1])
             del channel.pending[: last + 1]
             self._write(channel, whole)
+            if channel.out == 2:
+                channel.tail.extend(whole.splitlines(keepends=True)[-TAIL_LINES:])
 
     def _end(self, channel: _Channel) -> None:
         """The channel closed: what it holds, a line not ended with its newline, and no more reading."""
@@ -128,8 +142,10 @@ class Relay:
             while data := os.read(channel.read, _READ):
                 channel.pending += data
         if channel.pending:
-            self._write(channel, bytes(channel.pending) + (b"" if channel.pending.endswith(_ENDS) else b"\n"))
+            rest = bytes(channel.pending) + (b"" if channel.pending.endswith(_ENDS) else b"\n")
             channel.pending.clear()
+            self._take(channel, rest)
+        channel.closed_at = channel.closed_at or time.time()
         with contextlib.suppress(KeyError, ValueError):
             self.selector.unregister(channel.read)
         os.close(channel.read)

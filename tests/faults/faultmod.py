@@ -11,9 +11,11 @@ needs no hooks. Environment variables, read in every worker:
     - ``raise``: ``RuntimeError("boom")`` in forward.
     - ``sleep``: sleep for an hour (a hung rank).
     - ``kill``: ``SIGKILL`` this process.
-    - ``losegpu``: the stand-in nvidia-smi (tests/fake_gpus) stops listing this rank's GPU (its line leaves
-      ``$FAKE_NVIDIA_SMI_DIR/gpus.csv``; the GPU is ``CUDA_VISIBLE_DEVICES``'s entry ``LOCAL_RANK``), then
-      ``SIGKILL`` this process: a GPU that fell off the bus.
+    - ``losegpu``: this rank's GPU falls off the bus, as the tools report it: the stand-in nvidia-smi
+      (tests/fake_gpus) reports it lost (its bus id is added to ``$FAKE_NVIDIA_SMI_DIR/lost.csv``: nvidia-smi then
+      prints the other rows, "Unable to determine the device handle for GPU...: GPU is lost" and exits 15; the GPU
+      is ``CUDA_VISIBLE_DEVICES``'s entry ``LOCAL_RANK``); then the rank writes what NCCL's watchdog writes of it
+      and aborts (SIGABRT, no Python clean-up, no failure file), as the watchdog does.
     - ``deverror``: ``RuntimeError("CUDA error: unspecified launch failure")`` in forward, what a rank whose GPU
       failed raises (the GPU itself stays listed).
     - ``nan``: return NaN logits (a poisoned batch).
@@ -95,14 +97,31 @@ def _write(name: str, text: str) -> None:
         tmp.replace(Path(pids_dir, name))  # readers never see a half-written file
 
 
+# What NCCL's watchdog writes before it aborts a rank whose GPU fell off the bus (PyTorch 2.x, ProcessGroupNCCL).
+WATCHDOG = (
+    "[rank{rank}]:[E1204 10:41:07.512000000 ProcessGroupNCCL.cpp:1895] [PG ID 0 PG GUID 0(default_pg) Rank {rank}] "
+    "Process group watchdog thread terminated with exception: CUDA error: unknown error\n"
+    "CUDA kernel errors might be asynchronously reported at some other API call, so the stacktrace below might be "
+    "incorrect.\nFor debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+    "terminate called after throwing an instance of 'c10::DistBackendError'\n"
+    "  what():  [PG ID 0 PG GUID 0(default_pg) Rank {rank}] Process group watchdog thread terminated with exception: "
+    "CUDA error: unknown error\n"
+)
+
+
 def _lose_my_gpu() -> None:
-    """This rank's GPU leaves the stand-in's table (written whole, then renamed: nvidia-smi never reads half)."""
+    """This rank's GPU is reported lost by the stand-in (lost.csv written whole, then renamed: nvidia-smi never
+    reads half); the rank writes the watchdog's lines and aborts."""
     mine = os.environ["CUDA_VISIBLE_DEVICES"].split(",")[int(os.environ.get("LOCAL_RANK", "0"))]
-    table = Path(os.environ["FAKE_NVIDIA_SMI_DIR"], "gpus.csv")
-    kept = [line for line in table.read_text().splitlines() if line.split(",")[0].strip() != mine]
-    tmp = table.with_name(".gpus.csv.tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept))
-    tmp.replace(table)
+    folder = Path(os.environ["FAKE_NVIDIA_SMI_DIR"])
+    rows = [line.split(",") for line in (folder / "gpus.csv").read_text().splitlines()]
+    (bus,) = [row[1].strip() for row in rows if row[0].strip() == mine]
+    lost = folder / "lost.csv"
+    tmp = folder / ".lost.csv.tmp"
+    tmp.write_text((lost.read_text() if lost.exists() else "") + f"{bus}\n")
+    tmp.replace(lost)
+    os.write(2, WATCHDOG.format(rank=_rank()).encode())
+    os.abort()
 
 
 def _hold(seconds: float) -> None:
@@ -159,7 +178,7 @@ class FaultyLinear(nn.Module):
                 _hold(120.0 if arg is None else arg)
             if kind == "losegpu":
                 _lose_my_gpu()
-            if kind in ("kill", "losegpu"):
+            if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind == "nan":
                 poison = True

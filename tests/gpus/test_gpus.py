@@ -5,6 +5,7 @@ Run: python -m pytest tests/gpus/test_gpus.py -q   (no GPU and no torch import n
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -14,10 +15,12 @@ from pathlib import Path
 import pytest
 
 from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.gpus import inventory
 from ignite_mgpu.gpus.devices import cuda_index_map, format_devices
 from ignite_mgpu.gpus.inventory import GpuInfo, query_gpus, query_numa_affinity
 from ignite_mgpu.gpus.selection import GpuPlan, check_cuda_not_initialized, parse_gpus, plan_gpus
 
+REAL_NVIDIA_SMI = inventory._run_nvidia_smi  # as imported, before the hermetic fixture hides nvidia-smi
 # 4x A100 box: GPU 0 runs 2 jobs (70 GiB used), GPU 1 one job, GPUs 2 and 3 idle.
 A100_GPUS = """\
 0, 00000000:07:00.0, NVIDIA A100-SXM4-80GB, 71680, 81920, 97
@@ -122,6 +125,47 @@ def test_query_uses_nvml_when_available(monkeypatch):
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     assert query_gpus() == [GpuInfo(0, "00000000:01:00.0", "NVIDIA GeForce RTX 4090", 512, 24564, -1, 1)]
+
+
+def test_a_lost_gpu_leaves_the_others_in_the_snapshot(monkeypatch, tmp_path):
+    """As the tools report a GPU that fell off the bus: NVML raises NVML_ERROR_GPU_IS_LOST for that device alone;
+    nvidia-smi prints the other rows, a line for the lost one, and exits 15. Neither empties the snapshot."""
+
+    class NVMLError(Exception):
+        pass
+
+    def handle(i):
+        if i == 1:
+            raise NVMLError("GPU is lost")
+        return f"h{i}"
+
+    fake = types.SimpleNamespace(
+        NVMLError=NVMLError,
+        nvmlInit=lambda: None,
+        nvmlShutdown=lambda: None,
+        nvmlDeviceGetCount=lambda: 3,
+        nvmlDeviceGetHandleByIndex=handle,
+        nvmlDeviceGetName=lambda h: "NVIDIA A100-SXM4-80GB",
+        nvmlDeviceGetPciInfo=lambda h: types.SimpleNamespace(busId=f"0000:0{h[1]}:00.0"),
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=0, total=81920 * 2**20),
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=0),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [],
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert [(g.index, g.pci_bus_id) for g in query_gpus()] == [(0, "00000000:00:00.0"), (2, "00000000:02:00.0")]
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML: nvidia-smi, the real program's way
+    rows = "\n".join(line for line in A100_GPUS.splitlines() if not line.startswith("1,"))
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\ncase \"$*\" in *--query-gpu=*) cat <<'EOF'\n"
+        f"{rows}\nUnable to determine the device handle for GPU0000:0F:00.0: GPU is lost.  Reboot the system to "
+        "recover this GPU\nEOF\n;; *) ;; esac\nexit 15\n"
+    )
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(inventory, "_run_nvidia_smi", REAL_NVIDIA_SMI)  # the real call, of the stand-in above
+    assert [g.index for g in query_gpus()] == [0, 2, 3]
 
 
 def test_query_falls_back_when_nvml_cannot_start(monkeypatch):

@@ -7,7 +7,8 @@ import signal
 import pytest
 
 from ignite_mgpu.processes.attempt_files import failure_record
-from ignite_mgpu.processes.outcome import no_restart_reason, outcome
+from ignite_mgpu.processes.outcome import last_words_failure, no_restart_reason, outcome
+from tests.faults.faultmod import WATCHDOG
 
 
 def summarize(*args, **kwargs):
@@ -112,6 +113,27 @@ def test_an_nccl_watchdog_abort_names_the_ranks_that_never_arrived():
     assert code == 1
     assert message.startswith("rank(s) 0, 2 aborted (SIGABRT), which is how NCCL's watchdog ends a process whose ")
     assert "dist.timeout (60 s); rank(s) 1 never arrived (stuck or hung)" in message
+
+
+def test_ranks_that_died_in_cpp_are_known_by_their_last_lines_and_the_failed_device_is_blamed():
+    """On NCCL a rank whose GPU fell off the bus aborts after the watchdog's lines, without a failure file; the
+    healthy ranks' watchdogs abort them in the same second, one of them sooner, reporting the lost peer."""
+    abort = -signal.SIGABRT
+    lost = last_words_failure(2, ["loss 0.41", *WATCHDOG.format(rank=2).splitlines()], 100.4, abort)
+    peer = ["[rank0]: NCCL error: remote process exited or there was a network error, NCCL version 2.21.5"]
+    healthy = last_words_failure(0, peer, 100.1, abort)
+    assert lost is not None and lost["message"] == "CUDA error: unknown error" and lost["type"] == "SIGABRT"
+    assert healthy is not None and healthy["message"].startswith("NCCL error: remote process exited")
+    assert last_words_failure(1, ["epoch 1 | train_loss 0.41"], 100.0, -signal.SIGKILL) is None  # the OOM killer
+    result = outcome([healthy, lost], [abort, -signal.SIGKILL, abort, 0], (0, abort))
+    assert result.rank == 2 and result.failed == "rank 2" and "Process group watchdog" in result.details
+    assert result.cause == "rank 2 died (SIGABRT, no Python clean-up) after writing: CUDA error: unknown error"
+    assert no_restart_reason([healthy, lost], [abort, -signal.SIGKILL, abort, 0], (0, abort)) is None
+    # The watchdog's own timeout is not a cause: the ranks that never arrived are, as without the lines.
+    timeout = ["[rank0]:[E] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, OpType=ALLREDUCE)"]
+    waited = last_words_failure(0, timeout, 100.0, abort)
+    assert waited is not None
+    assert outcome([waited], [abort, -signal.SIGKILL], (0, abort)).cause.startswith("rank(s) 0 aborted (SIGABRT)")
 
 
 # ----------------------------------------------------------------------------------------------- restarts
