@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ignite_mgpu.env import launcher_dir
 from ignite_mgpu.env.clock import JobClock, first_attempt
 from ignite_mgpu.errors import SUCCESS, ConfigError, signal_exit_code
 from ignite_mgpu.gpus.claims import GpuClaims
@@ -82,12 +81,14 @@ class Supervisor:
 
     def run(self) -> int:
         """Run the job to its end; returns its exit code (errors.EXIT_CODES)."""
-        # 0700: private to this user; named by this pid for `ignite-mgpu stacks PID` (hangs/stacks.py)
-        folder = tempfile.mkdtemp(prefix=f"ignite-mgpu-{os.getpid()}-")
+        # The folders that killed launchers of this user left behind go first.
+        launcher_dir.remove_dead()
+        # 0700, named by this pid and held open: `ignite-mgpu stacks PID` trusts only such a folder (hangs/stacks.py)
+        folder, held = launcher_dir.make()
         handled = [*_STOP_SIGNALS, *([self.plan.preempt_signal] if self.plan.preempt_signal else [])]
         old = {s: signal.signal(s, self._on_signal) for s in handled}
         try:
-            self.ended, self.note = self._attempts(Path(folder))
+            self.ended, self.note = self._attempts(folder)
         except KeyboardInterrupt:  # a second signal during the backoff
             stopped = Outcome(signal_exit_code(self.signal_received or signal.SIGINT), "stopped before a restart.")
             self.ended, self.note = Ended(stopped), ""
@@ -98,7 +99,7 @@ class Supervisor:
                 forkserver.stop()
             for s, h in old.items():
                 signal.signal(s, h)
-            shutil.rmtree(folder, ignore_errors=True)
+            launcher_dir.remove(folder, held)
         if self.report:
             _print(self.outcome.message())
             _print(self.note)
