@@ -208,6 +208,21 @@ def cut_short_while_saving(result: Outcome, saving: bool) -> Outcome:
     )
 
 
+def cut_short_before_stop(result: Outcome, why: str) -> Outcome:
+    """A stop of the default job cut short (``why``: a second signal, the grace ran out) before any rank stopped by
+    itself and none was writing a checkpoint: the stop's checkpoint was skipped, which the last line says, with the
+    way on."""
+    if not is_stop(result.code):
+        return result
+    head = re.sub(r" at iteration \d+.*", "", result.cause.rstrip(".")) or "stopped"
+    skipped = "before the ranks stopped by themselves: the stop's checkpoint was not written"
+    return dataclasses.replace(
+        result,
+        cause=f"{head}, at once ({why}), {skipped}.",
+        advice="--resume auto continues from the last complete checkpoint.",
+    )
+
+
 def stop_message(signum: int, join_group: bool, grace: float, starting: bool) -> str:
     """The line saying how a job stops on the signal ``signum`` (received first): the default job's ranks stop at
     the next check (a pre-emption also writes a checkpoint and requeues); a script is sent the signal itself, as

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ignite_mgpu.env import launcher_dir
+from ignite_mgpu.env import launcher_dir, stop
 from ignite_mgpu.env.clock import JobClock, first_attempt
 from ignite_mgpu.errors import SUCCESS, ConfigError, signal_exit_code
 from ignite_mgpu.gpus.claims import GpuClaims
@@ -64,6 +64,7 @@ class Supervisor:
         self.ended = Ended(Outcome(SUCCESS))
         self.note = ""
         self.signal_received = 0
+        self.signal_at = 0.0  # time.monotonic() when it came
         self.attempt: Attempt | None = None  # the attempt that runs now, or ran last
         held = claims if claims is not None else GpuClaims()
         lends = elastic.lends(plan, held, restart is not None)
@@ -163,12 +164,15 @@ class Supervisor:
         return info.args
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        attempt = self.attempt
-        if self.signal_received:  # second signal: no more waiting
-            if attempt is not None:
-                attempt.kill(cut_short=True)
+        attempt, now = self.attempt, time.monotonic()
+        if self.signal_received:
+            # GNU timeout sends its signal to this process, then to its process group: one request, received twice.
+            if stop.same_request(self.signal_received, self.signal_at, signum, now):
+                return
+            if attempt is not None:  # a second request: no more waiting
+                attempt.kill(cut_short="a second signal")
             raise KeyboardInterrupt
-        self.signal_received = signum
+        self.signal_received, self.signal_at = signum, now
         starting = attempt is not None and attempt.starting
         # While starting, the attempt kills what it started: no worker of it has begun.
         _print(stop_message(signum, self.plan.join_group, self.plan.stop_grace, starting))

@@ -2,10 +2,13 @@
 tests/faults. `python -m pytest tests/processes/test_supervisor.py`."""
 
 import dataclasses
+import os
 import signal
+import time
 
 import pytest
 
+from ignite_mgpu.env import stop
 from ignite_mgpu.processes import next_start, supervisor
 from ignite_mgpu.processes.attempt import Ended
 from ignite_mgpu.processes.job import Job, Restart
@@ -157,3 +160,58 @@ def test_the_fork_server_preloads_ignite_mgpus_own_job_but_never_a_users_module(
         default
     )
     assert forkserver.preload_for(Job(killed)) == [forkserver.__name__, *forkserver.PRELOAD]  # a user's: not imported
+
+
+class Stopped:
+    """An attempt as the supervisor's signal handler sees it: what it was told."""
+
+    starting = False
+
+    def __init__(self):
+        self.stops, self.kills = [], []
+
+    def stop(self, received, sent):
+        self.stops.append((received, sent))
+
+    def kill(self, cut_short=""):
+        self.kills.append(cut_short)
+
+
+def test_timeouts_sigterm_to_the_launcher_and_then_its_group_is_one_stop_request(monkeypatch, capsys):
+    """GNU timeout sends SIGTERM to its child, then to the child's process group: the launcher gets it twice
+    within microseconds. That is one request (the stop's checkpoint is written); the same signal a second later, or
+    another one, is a second request: stop at once."""
+    sup = Supervisor(LaunchPlan("gloo", 2), Job(print))
+    sup.attempt = attempt = Stopped()
+    old = signal.signal(signal.SIGTERM, sup._on_signal)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # as timeout does: the child, then its group
+        assert attempt.stops == [(signal.SIGTERM, signal.SIGTERM)] and attempt.kills == []
+        later = time.monotonic() + stop.SAME_REQUEST_WITHIN
+        monkeypatch.setattr(supervisor.time, "monotonic", lambda: later)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert attempt.kills == ["a second signal"]
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert capsys.readouterr().err.count("SIGTERM received") == 1
+
+
+def test_a_one_process_jobs_ctrl_c_repeated_at_once_is_one_request(monkeypatch):
+    """The same in a job that runs in this process: SIGINT twice within the window asks once; a later one stops
+    at once (KeyboardInterrupt)."""
+    from ignite_mgpu.processes.worker import in_process_signals
+
+    stop.reset()
+    try:
+        with in_process_signals():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop.stop_requested() == signal.SIGINT
+            later = time.monotonic() + stop.SAME_REQUEST_WITHIN
+            monkeypatch.setattr(stop.time, "monotonic", lambda: later)
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.reset()
