@@ -27,7 +27,6 @@ from ignite_mgpu.preflight import (
     check_model_options,
     check_no_foreign_checkpoints,
     check_output_dir,
-    check_trackers,
     warn_double_warmup,
     warn_restarts_without_checkpoints,
 )
@@ -191,6 +190,8 @@ def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[tuple[Co
     Raises:
         ConfigError, CheckpointError: before anything was started or created.
     """
+    from ignite_mgpu.train.tracking.packages import check_trackers  # torch-free, as the launcher stays
+
     # What the config names, then where the run goes: every mistake at once, in that order.
     checks = Checks()
     with checks.one():

@@ -1,7 +1,8 @@
 """Checks before anything starts, shared by ``ignite-mgpu train`` and ``ignite_mgpu.fit``: the model, optimizer,
-schedule and loss with their arguments, optional packages, the output folder (writable, not locked, no other run's
-checkpoints, a usable resume target), the dataset sizes for the launch plan; then one job per output folder, held by
-a lock while the job runs.
+schedule and loss with their arguments (the trackers' packages: ``train/tracking/packages.py``), the output folder
+(writable, not locked, no other run's checkpoints, a usable resume target of the same run), the dataset sizes for
+the launch plan and for every size of an elastic job; then one job per output folder, held by a lock while the job
+runs.
 
 Everything raises ConfigError / CheckpointError (one paragraph each) before a worker is spawned. ignite is never
 imported here: the launching process stays light.
@@ -22,8 +23,6 @@ from ignite_mgpu.config.schema import (
     OPTIMIZERS,
     SCHEDULES,
     Config,
-    TrainConfig,
-    trackers_of,
 )
 from ignite_mgpu.env import cluster
 from ignite_mgpu.errors import Checks, ConfigError, CorruptCheckpointError
@@ -109,45 +108,6 @@ def _check_factories(cfg: Config) -> None:
         from ignite_mgpu.train.models import check_factories
 
         check_factories(m, cfg.train.loss, cfg.train.loss_args, o)
-
-
-def check_trackers(t: TrainConfig) -> None:
-    """Every tracker of ``train.loggers`` (and ``train.tensorboard``) has its packages, and its
-    ``train.logger_args`` entry only keys it takes; without importing any of them, except wandb to read
-    ``wandb.init``'s keywords when ``logger_args.wandb`` names some."""
-    import importlib.util
-
-    from ignite_mgpu.train.tracking.packages import MLFLOW_DATABASES, TRACKER_ARGS, TRACKER_PACKAGES
-
-    for name in trackers_of(t):
-        modules, extra, packages = TRACKER_PACKAGES.get(name, ((), "", ""))
-        args = t.logger_args.get(name, {})
-        uri = args.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite"
-        if name == "mlflow" and uri.split(":")[0].split("+")[0] in MLFLOW_DATABASES:
-            modules, packages = (*modules, "sqlalchemy", "alembic"), f"{packages}, sqlalchemy and alembic"
-        missing = [m for m in modules if importlib.util.find_spec(m) is None]
-        if missing:
-            alias = name == "tensorboard" and name not in t.loggers
-            key, drop = ("train.tensorboard=true", "set it to false") if alias else ("train.loggers", "drop it")
-            raise ConfigError(
-                f"{key} asks for the {name} tracker, which needs {', '.join(missing)}, not installed here: "
-                f"pip install 'ignite-mgpu[{extra}]' (that is, {packages}), or {drop}."
-            )
-    for name, args in t.logger_args.items():
-        allowed = TRACKER_ARGS.get(name)
-        # wandb.init's keywords.
-        if allowed is None and args and importlib.util.find_spec("wandb") is not None:
-            import inspect
-
-            import wandb
-
-            allowed = tuple(inspect.signature(wandb.init).parameters)
-        unknown = [key for key in args if allowed is not None and key not in allowed]
-        if unknown:
-            raise ConfigError(
-                f"train.logger_args.{name}.{unknown[0]} is not an argument of the {name} tracker; it takes "
-                f"{', '.join(allowed or ()) or 'none'}. Fix the key, or drop it."
-            )
 
 
 def check_metric_factories(cfg: Config) -> None:

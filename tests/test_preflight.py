@@ -17,6 +17,7 @@ from ignite_mgpu.processes.job import Job
 from ignite_mgpu.processes.outcome import Outcome
 from ignite_mgpu.processes.worker import WorkerSpec
 from ignite_mgpu.runs import folder, lock
+from ignite_mgpu.train.tracking.packages import check_trackers
 
 
 @pytest.fixture
@@ -231,21 +232,21 @@ def test_a_tracker_without_its_package_is_exit_2_before_anything_starts(launched
     with pytest.raises(
         ConfigError, match=r"train.tensorboard=true asks for the tensorboard tracker.*or set it to false"
     ):
-        preflight.check_trackers(config(tmp_path, "train.tensorboard=true").train)
+        check_trackers(config(tmp_path, "train.tensorboard=true").train)
 
 
 def test_tracker_arguments_are_checked_before_anything_starts(tmp_path):
-    preflight.check_trackers(config(tmp_path, "train.logger_args.mlflow.experiment=x").train)
+    check_trackers(config(tmp_path, "train.logger_args.mlflow.experiment=x").train)
     with pytest.raises(ConfigError, match=r"train.logger_args.mlflow.experimnet is not an argument of the mlflow"):
-        preflight.check_trackers(config(tmp_path, "train.logger_args.mlflow.experimnet=x").train)
+        check_trackers(config(tmp_path, "train.logger_args.mlflow.experimnet=x").train)
     with pytest.raises(
         ConfigError, match=r"train.logger_args.csv.path is not an argument of the csv tracker; it takes none"
     ):
-        preflight.check_trackers(config(tmp_path, "train.logger_args.csv.path=x").train)
+        check_trackers(config(tmp_path, "train.logger_args.csv.path=x").train)
     pytest.importorskip("wandb", reason="the wandb extra is not installed")
-    preflight.check_trackers(config(tmp_path, "train.logger_args.wandb.project=p").train)  # wandb.init's keywords
+    check_trackers(config(tmp_path, "train.logger_args.wandb.project=p").train)  # wandb.init's keywords
     with pytest.raises(ConfigError, match=r"train.logger_args.wandb.projcet is not an argument of the wandb tracker"):
-        preflight.check_trackers(config(tmp_path, "train.logger_args.wandb.projcet=p").train)
+        check_trackers(config(tmp_path, "train.logger_args.wandb.projcet=p").train)
 
 
 CHECKS_IN_A_FRESH_PROCESS = """
@@ -256,8 +257,10 @@ from ignite_mgpu.processes import machine
 
 machine.GPU_DRIVER_FILES = ()  # this machine as one without a GPU driver, whatever the machine running the test has
 cfg = load_config(overrides=sys.argv[1:])
+from ignite_mgpu.train.tracking.packages import check_trackers
+
 preflight.check_job(cfg)
-preflight.check_trackers(cfg.train)
+check_trackers(cfg.train)
 cfg = jobs.resolve_output_dir(cfg)
 preflight.check_output_dir(cfg)
 with jobs.checked_plan(cfg):
