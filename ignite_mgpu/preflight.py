@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from ignite_mgpu.config.checks import BUILTIN_LOSSES, check_sizes
 from ignite_mgpu.config.schema import (
@@ -171,19 +172,19 @@ def check_fsdp_blocks(cfg: Config) -> None:
     check_blocks(model, cfg.model.fsdp_blocks or [], cfg.model.name)
 
 
-def check_datasets(cfg: Config, world_size: int) -> None:
+def check_datasets(cfg: Config, world_size: int, up_to: int | None = None) -> tuple[int, str]:
     """Empty splits, a global batch that does not split over ``world_size``, too few samples per process, and a
     dataset whose batches the loss cannot use. A dataset factory runs here once, so that its mistakes are reported
-    once, before any worker starts."""
+    once, before any worker starts. ``up_to``: an elastic job's MAX processes; returned: the most processes, from
+    ``world_size`` up to it, that the sizes allow (every count in between too), and why one more would not ("")."""
     # Sizes known from the config: only the workers generate the data.
     if cfg.data.name in GENERATED:
-        check_sizes(range(cfg.data.train_size), range(cfg.data.val_size), cfg.data.batch_size, world_size)
-        return
+        return _most_processes(range(cfg.data.train_size), range(cfg.data.val_size), cfg, world_size, up_to)
     from ignite_mgpu.train.data import batches
     from ignite_mgpu.train.data.datasets import build_datasets, first_batch
 
     splits = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
-    check_sizes(splits.train, splits.val, cfg.data.batch_size, world_size)
+    most = _most_processes(splits.train, splits.val, cfg, world_size, up_to)
     first = first_batch(splits.train, splits.collate_fn)
     batches.check(first, cfg.train.loss)
     if cfg.train.loss == "model" and "perplexity" in (cfg.eval.metrics or ()):
@@ -195,6 +196,18 @@ def check_datasets(cfg: Config, world_size: int) -> None:
                 f"counted in its labels, but {err} Add the labels to the dataset's items (-100 where nothing is "
                 "predicted), or drop perplexity."
             ) from None
+    return most
+
+
+def _most_processes(train: Any, val: Any, cfg: Config, world_size: int, up_to: int | None) -> tuple[int, str]:
+    """``check_sizes`` on ``world_size`` processes (raises), then on one more at a time up to ``up_to``."""
+    check_sizes(train, val, cfg.data.batch_size, world_size)
+    for more in range(world_size + 1, (up_to or world_size) + 1):
+        try:
+            check_sizes(train, val, cfg.data.batch_size, more)
+        except ConfigError as err:
+            return more - 1, str(err)
+    return max(world_size, up_to or world_size), ""
 
 
 def check_output_dir(cfg: Config) -> None:

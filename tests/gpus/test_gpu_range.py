@@ -148,3 +148,23 @@ def test_the_memory_plan_of_a_range_is_made_for_its_min():
 
     cap = capacity(load_config(None, ["dist.gpus=auto:2-4"]), {}, FOUR_IDLE)
     assert cap.where == "GPU 0,1 (--gpus auto:2-4 planned at its MIN, 2 processes)" and len(cap.free) == 2
+
+
+def test_a_range_is_cut_to_the_most_processes_its_batch_and_data_split_over():
+    """What a start checks, every change of size must pass: auto:2-4 with a global batch of 3 runs on 2 or 3 GPUs and
+    never takes a fourth (it died of data.batch_size=3 over 4 processes when it took GPUs back); said once."""
+    from ignite_mgpu.jobs import range_within_the_data
+
+    cut, said = range_within_the_data(load_config(None, ["dist.gpus=auto:2-4", "data.batch_size=3"]))
+    assert cut.gpus == "auto:2-3" and gpu_range(cut.gpus) == GpuRange(2, 3)
+    assert said == (
+        "--gpus auto:2-4 takes at most 3 GPUs (auto:2-3), now and when more free up: data.batch_size=3 is the global "
+        "batch, split over 4 processes: each needs at least one sample of it; use data.batch_size=4 or more, or run "
+        "fewer processes.",
+    )
+    few = load_config(None, ["dist.gpus=auto:1-8", "data.val_size=5", "data.batch_size=64"])
+    assert range_within_the_data(few)[0].gpus == "auto:1-5"  # every process scores a share of the validation set
+    whole = load_config(None, ["dist.gpus=auto:2-4", "data.batch_size=64"])
+    assert range_within_the_data(whole) == (whole.dist, ())
+    with pytest.raises(ConfigError, match=r"^data.batch_size=1 is the global batch, split over 2 processes"):
+        range_within_the_data(load_config(None, ["dist.gpus=auto:2-4", "data.batch_size=1"]))  # as a start on MIN

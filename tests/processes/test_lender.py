@@ -111,3 +111,16 @@ def test_a_lender_at_max_with_nobody_waiting_asks_nothing_of_nvidia_smi(elastic_
     job = dataclasses.replace(job, gpu_range=GpuRange(1, 2))
     monkeypatch.setattr(elastic.inventory, "query_gpus", lambda: pytest.fail("nvidia-smi asked"))
     assert Lender(held, "1-2").look(job, 0.0) is None
+
+
+def test_a_lender_takes_back_no_more_than_the_range_cut_to_the_data_allows(elastic_job, monkeypatch):
+    """auto:2-4 with a batch of 3 is planned as auto:2-3 (jobs.range_within_the_data): with GPU 2 and 3 free, the job
+    on 2 takes one of them, not both (it died of the batch split over 4)."""
+    job, held, _ = elastic_job
+    job = dataclasses.replace(job, gpu_range=GpuRange(2, 3))
+    monkeypatch.setattr(elastic, "LOOK_EVERY", 0.0)
+    lender = Lender(held, "2-3")
+    assert lender.look(job, 0.0) is None  # seen free once
+    taking = lender.look(job, 0.0)
+    assert taking is not None and taking.change.take == (G[2],) and sorted(taking.names) == [0, 1, 2]
+    lender.cancel(taking)
