@@ -6,7 +6,8 @@ test_any_process_count.py), its changes recorded in metrics.jsonl and the goodpu
   the rank is killed, or the rank raises a CUDA device error); the job restarts on the other 3 from the newest
   checkpoint, lets go of the failed GPU's claim and says so in one line.
 - Lending (processes/elastic.py): a real job waiting in line for 2 GPUs gets GPU 2,3 from the running job, which goes
-  on with 2 processes, `devices` showing what it lent; when the waiter ends, the job takes them back.
+  on with 2 processes, `devices` showing what it lent; when the waiter ends, the job takes them back. Each epoch's
+  train_loss is the uninterrupted run's, though both epochs ran on 4 and on 2 processes.
 `python -m pytest tests/distributed/test_elastic.py`."""
 
 from __future__ import annotations
@@ -211,6 +212,9 @@ def test_a_job_on_a_range_lends_two_gpus_to_a_waiting_job_and_takes_them_back(fa
     lines = metrics(out)
     assert [(r["epoch"], r["processes"], r["restarts"]) for r in lines] == [(1, 2, 0), (2, 4, 0)], lines
     assert all(r["time_resize_s"] > 0 and r["time_restart_s"] == 0 for r in lines), lines
+    # Each epoch ran on 4 and on 2 processes: its train_loss is still the mean over its samples.
+    want = [r["train_loss"] for r in metrics(reference)]
+    assert [r["train_loss"] for r in lines] == pytest.approx(want, abs=1e-4), (lines, want)
     assert_the_same_run(out, reference)
 
 
