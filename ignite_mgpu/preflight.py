@@ -212,8 +212,9 @@ def _most_processes(train: Any, val: Any, cfg: Config, world_size: int, up_to: i
 
 def check_output_dir(cfg: Config) -> None:
     """Never mix two runs' checkpoints, never write where another job writes; ``--resume`` must name something
-    resumable."""
+    resumable, of this run (its settings and global batch: ``check_resume_target``)."""
     from ignite_mgpu.checkpoint.files import is_complete, is_safetensors
+    from ignite_mgpu.checkpoint.same_run import check_resume_target
 
     out = run_dir(cfg.output_dir)
     owner = lock_owner(out)
@@ -248,6 +249,7 @@ def check_output_dir(cfg: Config) -> None:
                 f"--resume {path.resolve()}: the file is corrupt or truncated (not a complete {what}). Use an "
                 "earlier checkpoint, or --resume auto to pick the newest complete one."
             )
+    check_resume_target(cfg)
 
 
 def check_no_foreign_checkpoints(cfg: Config) -> None:

@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader
 
 from ignite_mgpu.checkpoint.files import clean_stale_temp_files, find_resumable, weights_only_resume
 from ignite_mgpu.checkpoint.load import load_checkpoint
-from ignite_mgpu.checkpoint.resume import resume, run_signature
+from ignite_mgpu.checkpoint.resume import resume
+from ignite_mgpu.checkpoint.same_run import run_signature
 from ignite_mgpu.checkpoint.save import RunInfo, adopt_existing, writes_awaited
 from ignite_mgpu.checkpoint.state import checkpoint_objects
 from ignite_mgpu.config.loading import dump_config
