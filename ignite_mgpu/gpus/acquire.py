@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.errors import ConfigError, WaitInterrupted, WaitTimedOut
-from ignite_mgpu.gpus import claims, inventory, waiting
+from ignite_mgpu.gpus import claims, holders, inventory, waiting
 from ignite_mgpu.gpus.claims import GpuClaims
 from ignite_mgpu.gpus.ranges import gpu_range
 from ignite_mgpu.gpus.selection import GpuPlan, GpusTaken, parse_gpus, plan_gpus, used_ids
@@ -66,7 +66,7 @@ def _range(cfg: DistConfig) -> str:
 
 def _claimed(snapshot: list[inventory.GpuInfo], dir_fd: int) -> dict[int, str]:
     """Physical id -> "is claimed by alice (pid 4242, `...`, since ...)" for the GPUs that other jobs claim."""
-    found = claims.holders(dir_fd, _names(snapshot, None))
+    found = holders.holders(dir_fd, _names(snapshot, None))
     return {
         g.index: f"is claimed by {who.describe()}"
         for g in snapshot
@@ -80,7 +80,7 @@ def busy(snapshot: list[inventory.GpuInfo], min_free: float) -> dict[int, str]:
     for g in snapshot:
         why = []
         if g.n_processes > 0:
-            whose = ", ".join(f"pid {p} of {claims.process_user(p) or '?'}" for p in g.pids[:4])
+            whose = ", ".join(f"pid {p} of {holders.process_user(p) or '?'}" for p in g.pids[:4])
             processes = plural(g.n_processes, "process")
             why.append(f"runs {processes} ({whose})" if whose else f"runs {processes}")
         free, total = g.memory_total_mb - g.memory_used_mb, g.memory_total_mb
@@ -168,7 +168,7 @@ def _look(
     environ: Mapping[str, str],
     dir_fd: int,
     ticket: waiting.Ticket,
-) -> tuple[GpuPlan | None, dict[int, str], list[claims.Holder]]:
+) -> tuple[GpuPlan | None, dict[int, str], list[holders.Holder]]:
     """One look while waiting: the plan if its GPUs are free now and no earlier waiter comes first (else None),
     why each GPU that is not free is not, and the earlier waiters."""
     unavailable = {**busy(snapshot, cfg.min_free_memory), **_claimed(snapshot, dir_fd)}

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from ignite_mgpu.cpus.binding import BindingPlan, plan_for_job
-from ignite_mgpu.gpus import claims, waiting
+from ignite_mgpu.gpus import claims, holders, waiting
 from ignite_mgpu.gpus.claims import GpuClaims
 from ignite_mgpu.gpus.ranges import GpuRange
 from ignite_mgpu.processes import elastic
@@ -99,11 +99,11 @@ def test_a_lender_lends_to_a_waiter_at_once_and_takes_free_gpus_seen_twice_never
     try:
         lending = lender.look(job, 0.0)
         assert lending is not None and lending.change.lend == (G[3],) and lending.names == {0: G[0], 1: G[1]}
-        assert claims.holders(fd, [G[0]])[G[0]].lent == (G[3],)  # what devices shows, and other lenders count
+        assert holders.holders(fd, [G[0]])[G[0]].lent == (G[3],)  # what devices shows, and other lenders count
     finally:
         ticket.close()
     lender.cancel(lending)  # the change did not happen: nothing is lent
-    assert claims.holders(fd, [G[0]])[G[0]].lent == ()
+    assert holders.holders(fd, [G[0]])[G[0]].lent == ()
 
 
 def test_a_lender_at_max_with_nobody_waiting_asks_nothing_of_nvidia_smi(elastic_job, monkeypatch):
