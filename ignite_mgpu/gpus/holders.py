@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ignite_mgpu.gpus import shared_dir
+from ignite_mgpu.gpus.ranges import written_range
 from ignite_mgpu.gpus.shared_dir import printable, user_name
 
 _NO_HOLDER = "it wrote no readable holder file"
@@ -81,8 +82,7 @@ def _holder_from(data: dict | None, owner: int) -> Holder:
     if not isinstance(since, (int, float)) or isinstance(since, bool) or not 0 < since < 1e11:
         since = None
     text = printable(command) if isinstance(command, str) else ""
-    elastic = data.get("range")
-    elastic = elastic if isinstance(elastic, str) and re.fullmatch(r"\d{1,4}-\d{1,4}", elastic) else ""
+    elastic = written_range(data.get("range"))  # the --gpus grammar's own check
     lent = data.get("lent")
     lent_names = tuple(lent) if elastic and isinstance(lent, list) and claim_names(lent) else ()
     when = None if since is None else float(since)

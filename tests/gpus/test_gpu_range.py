@@ -16,7 +16,7 @@ from ignite_mgpu.cli.commands import main
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.gpus import acquire
+from ignite_mgpu.gpus import acquire, claims
 from ignite_mgpu.gpus.devices import format_devices, who_has
 from ignite_mgpu.gpus.inventory import GpuInfo, query_gpus
 from ignite_mgpu.gpus.ranges import GpuRange, gpu_range
@@ -59,6 +59,8 @@ def test_a_range_parses_as_auto_with_its_bounds(spec, low, high):
         ("auto:-4", "it is not one of the accepted forms"),
         ("auto:2-4-6", "it is not one of the accepted forms"),
         ("auto:2..4", "it is not one of the accepted forms"),
+        ("auto:2-99999", r"auto:MIN-MAX takes MAX up to 9999, got 99999 \(auto:2-9999: every free GPU from 2\)"),
+        ("auto:1-" + "9" * 5000, r"auto:MIN-MAX takes MAX up to 9999, got 999999999999\.\.\. \(auto:1-9999"),
     ],
 )
 def test_a_bad_range_is_one_paragraph_naming_the_rule_and_the_forms(spec, reason):
@@ -168,3 +170,28 @@ def test_a_range_is_cut_to_the_most_processes_its_batch_and_data_split_over():
     assert range_within_the_data(whole) == (whole.dist, ())
     with pytest.raises(ConfigError, match=r"^data.batch_size=1 is the global batch, split over 2 processes"):
         range_within_the_data(load_config(None, ["dist.gpus=auto:2-4", "data.batch_size=1"]))  # as a start on MIN
+
+
+def test_every_range_the_grammar_takes_is_shown_as_elastic_and_no_other(fake_gpus):  # noqa: F811
+    """auto:2-99999 was taken, and its holder file's "2-99999" was not read as a range (the readers allowed 4
+    digits): the job was not shown as elastic. One grammar for both: every range the parser takes is read back."""
+    from ignite_mgpu.gpus.ranges import MAX_GPUS, written_range
+
+    assert gpu_range(f"auto:2-{MAX_GPUS}") == GpuRange(2, MAX_GPUS)
+    assert [written_range(v) for v in (f"2-{MAX_GPUS}", "2-99999", "4-2", "0-1", " 2-4", 24, "２-４")] == [
+        f"2-{MAX_GPUS}",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+    ]
+    fd = claims.open_dir(claims.claims_dir(), create=True)
+    try:
+        held = claims.claim(fd, [UUID(2)], f"2-{MAX_GPUS}")  # as a job on auto:2-9999 writes it
+    finally:
+        os.close(fd)
+    assert held is not None
+    with held:
+        assert claimed()[UUID(2)].gpu_range == f"2-{MAX_GPUS}"
