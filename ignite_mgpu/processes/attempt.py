@@ -34,6 +34,7 @@ from ignite_mgpu.processes.outcome import (
     no_restart_reason,
     outcome,
     refused_start,
+    server_died,
     timed_out,
     with_hang,
 )
@@ -44,6 +45,7 @@ from ignite_mgpu.processes.worker import WorkerSpec, worker_main
 FAILURE_SETTLE = 1.0
 STOPPED = signal_exit_code(signal.SIGTERM)  # a worker's code after a stop on SIGTERM (its checkpoint written)
 NEVER = float("inf")
+UNKNOWN = 255  # a worker's exit code when its fork server died before it could say it
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,9 @@ class Attempt:
         failures = with_error_files(read_failures(folder), folder, failed_ranks)
         args = (failures, exit_codes, self.first_failure, self.stopping)
         result = outcome(*args, plan.first_rank, plan.timeout)
+        # Every worker's code unknown (255): the fork server may have died, and them with it (its end is seen soon).
+        if plan.start_method == forkserver.METHOD and not self.stopping and set(exit_codes) == {UNKNOWN}:
+            result = server_died(result, forkserver.how_it_ended(wait=1.0))
         if self.cut_short:  # killed before every rank stopped by itself: what the stop's checkpoint became
             saving = any(s.saving for s in read_statuses(folder))
             result = cut_short_while_saving(result, saving)
