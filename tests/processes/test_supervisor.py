@@ -74,6 +74,20 @@ def test_each_restart_is_logged_once_with_its_cause_checkpoint_and_loss(no_backo
     )
 
 
+def test_a_restart_after_an_attempt_that_noted_no_iteration_counts_from_its_checkpoint(no_backoff, capsys):
+    """The second attempt resumed at iteration 4 and failed before its ranks noted one: "0 iteration(s) lost (every
+    rank had completed iteration 4)", not "... completed iteration 0" while resuming at 4."""
+    sup = Scripted(
+        LaunchPlan("gloo", 2, max_restarts=2),
+        [(killed(), None, 6), (killed(), None, 0), (Outcome(0), "ok", 9)],
+        lambda k: Restart(("again", k), "/out/checkpoint_4.pt", 4),
+    )
+    assert sup.run() == 0
+    err = capsys.readouterr().err
+    assert "at iteration 4; 2 iteration(s) lost (every rank had completed iteration 6)." in err
+    assert "at iteration 4; 0 iteration(s) lost (every rank had completed iteration 4)." in err, err
+
+
 def test_restarts_run_out_with_the_last_failure_reported_once(no_backoff, capsys):
     sup = Scripted(LaunchPlan("gloo", 2, max_restarts=1), [(killed(), None, 3), (killed(), None, 3)])
     assert sup.run() == 1
