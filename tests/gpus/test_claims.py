@@ -307,10 +307,10 @@ def test_ctrl_c_while_waiting_ends_with_130_and_one_paragraph_and_gives_up_the_p
 @pytest.mark.timeout(120)
 def test_the_real_command_interrupted_while_waiting_exits_130_without_a_traceback(fake_gpus, jobs, tmp_path):
     """Ctrl-C in a terminal: SIGINT to the whole foreground group (the command and its fork server), at once and
-    after the fork server's imports."""
+    after the fork server's imports; SIGTERM (`kill`, a scheduler), which ended the command without a word."""
     holder = jobs("--gpus", "2", "--hold")
     assert holder.line()["gpus"] == [2]
-    for settle in (0.0, 8.0):
+    for sent, settle in ((signal.SIGINT, 0.0), (signal.SIGINT, 8.0), (signal.SIGTERM, 0.0)):
         proc = subprocess.Popen(
             [
                 sys.executable,
@@ -337,15 +337,16 @@ def test_the_real_command_interrupted_while_waiting_exits_130_without_a_tracebac
             assert time.monotonic() < end and proc.poll() is None, "".join(stderr)[-3000:]
             time.sleep(0.02)
         time.sleep(settle)
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, sent)
         code = proc.wait(30)
         reader.join(10)
         text = "".join(stderr)
-        assert code == 130, text[-3000:]
+        assert code == 128 + sent, text[-3000:]
         assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+        name = "Ctrl-C" if sent == signal.SIGINT else "SIGTERM"
         assert re.search(
-            r"^ignite-mgpu: error: Ctrl-C after [\d.]+ s of waiting for 1 free GPU \(--gpus 2\): "
-            r"nothing was started",
+            rf"^ignite-mgpu: error: {name} after [\d.]+ s of waiting for 1 free GPU \(--gpus 2\): "
+            r"nothing was started, no GPU is claimed, and this job's place in line is given up\.$",
             text,
             re.M,
         ), text[-3000:]
