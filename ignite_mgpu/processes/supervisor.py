@@ -92,6 +92,7 @@ class Supervisor:
             self.ended, self.note = self._attempts(folder)
         except KeyboardInterrupt:  # a second signal during the backoff
             stopped = Outcome(signal_exit_code(self.signal_received or signal.SIGINT), "stopped before a restart.")
+            stopped.advice = self._resume_hint()
             self.ended, self.note = Ended(stopped), ""
         finally:
             if self.attempt is not None:
@@ -128,12 +129,17 @@ class Supervisor:
             if self.signal_received and next_start.restarts > restarts:  # stopped during the restart's backoff
                 name = signal.Signals(self.signal_received).name
                 stopped = Outcome(signal_exit_code(self.signal_received), f"stopped by {name} before a restart.")
+                stopped.advice = self._resume_hint()
                 return Ended(stopped), ""
             clock = JobClock(clock.started, ended.failed_at, ended.reached, next_start.resized_from)
             plan = next_start.plan
             job = job.again(args)
             restarts = next_start.restarts
         raise AssertionError("unreachable")
+
+    def _resume_hint(self) -> str:
+        """The way on after a stop between attempts, for a job that resumes its checkpoints (a restart hook)."""
+        return "--resume auto continues from the last complete checkpoint." if self.restart is not None else ""
 
     def _run_attempt(self, spec: WorkerSpec, index: int) -> Ended:
         """One attempt, with its private rendezvous on one node (a fresh file store every time; a script's

@@ -122,6 +122,12 @@ def test_a_stop_signal_during_the_backoff_cancels_the_restart(monkeypatch, capsy
     monkeypatch.setattr(supervisor.time, "sleep", lambda s: setattr(sup, "signal_received", signal.SIGTERM))
     assert sup.run() == 143 and len(sup.started) == 1
     assert capsys.readouterr().err.endswith("ignite-mgpu: stopped by SIGTERM before a restart.\n")
+    resumes = Scripted(LaunchPlan("gloo", 2, max_restarts=1), [(killed(), None, 3)], lambda k: Restart((k,)))
+    monkeypatch.setattr(supervisor.time, "sleep", lambda s: setattr(resumes, "signal_received", signal.SIGTERM))
+    assert resumes.run() == 143  # a job that resumes its checkpoints is told how to go on
+    assert capsys.readouterr().err.endswith(
+        "ignite-mgpu: stopped by SIGTERM before a restart. --resume auto continues from the last complete checkpoint.\n"
+    )
 
 
 def test_rank_0s_return_value_travels_pickled_with_tensors_on_the_cpu(tmp_path):
