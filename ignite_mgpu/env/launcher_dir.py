@@ -1,30 +1,39 @@
 """The launcher's private folder, ``<tmp>/ignite-mgpu-<pid>-<random>``: the supervisor makes it private (0700) and
-holds it open for the job's life; its workers' attempt folders, rendezvous files and stacks files live in it.
-Anyone can create a folder of that name in a shared temporary folder, so ``ignite-mgpu stacks PID`` trusts one only
-when it is this user's, private, and held open by process PID (``why_untrusted``); the folders that killed
-launchers left behind (SIGKILL runs no clean-up) are removed by this user's next launcher (``remove_dead``).
+holds it open, with an flock, for the job's life; its workers' attempt folders, rendezvous files and stacks files
+live in it. Anyone can create a folder of that name in a shared temporary folder, so ``ignite-mgpu stacks PID``
+trusts one only when it is this user's, private, and held open by process PID (``why_untrusted``); the folders that
+killed launchers left behind (SIGKILL runs no clean-up) are removed by this user's next launcher (``remove_dead``).
 Torch-free."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import pwd
 import re
 import shutil
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 PREFIX = "ignite-mgpu-"
 _NAME = re.compile(rf"{PREFIX}(\d+)-[A-Za-z0-9_]+")
 _MAX_FDS = 4096  # a launcher holds few files: a process with more is not looked at further
+# A folder this young is never removed: its launcher may not hold its flock yet.
+_YOUNG = 60.0
 
 
 def make() -> tuple[Path, int]:
     """A new private folder named by this process, and an fd holding it open (close it with ``remove``)."""
     folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")  # 0700
-    return Path(folder), os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    # Released by the kernel however this process ends; a launcher whose pid this namespace cannot see (another
+    # container sharing the temporary folder) holds it too.
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return Path(folder), fd
 
 
 def remove(folder: Path, fd: int) -> None:
@@ -84,7 +93,8 @@ def why_untrusted(folder: Path, pid: int) -> str | None:
 
 def remove_dead(tmp: str | None = None) -> list[Path]:
     """Remove this user's private folders of launchers that are gone (killed before they could remove them): only
-    real folders, this user's, private, whose pid runs no process of this user. Returns those removed."""
+    real folders, this user's, private, older than a minute, whose pid runs no process of this user and whose flock
+    nobody holds. Returns those removed."""
     removed = []
     base = Path(tmp or tempfile.gettempdir())
     with contextlib.suppress(OSError), os.scandir(base) as entries:
@@ -94,9 +104,24 @@ def remove_dead(tmp: str | None = None) -> list[Path]:
                 continue
             with contextlib.suppress(OSError):
                 st = entry.stat(follow_symlinks=False)
-                mine = stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
-                # A live process of this user may be its launcher, even if it does not hold the folder open yet.
-                if mine and not stat.S_IMODE(st.st_mode) & 0o077 and _owner(int(match[1])) != os.geteuid():
-                    shutil.rmtree(entry.path)
-                    removed.append(Path(entry.path))
+                mine = stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not stat.S_IMODE(st.st_mode) & 0o077
+                # A live process of this user may be its launcher, even before it holds the folder's flock.
+                if mine and time.time() - st.st_mtime > _YOUNG and _owner(int(match[1])) != os.geteuid():
+                    if _remove_unlocked(Path(entry.path)):
+                        removed.append(Path(entry.path))
     return removed
+
+
+def _remove_unlocked(folder: Path) -> bool:
+    """Remove ``folder`` unless a live launcher holds its flock (one of another PID namespace too)."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    try:
+        shutil.rmtree(folder)
+    finally:
+        os.close(fd)
+    return True

@@ -5,6 +5,7 @@ and on a launcher's folder naming a process that is not its worker."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
@@ -213,15 +214,23 @@ def test_only_the_launchers_own_workers_are_asked_for_their_stacks(child, tmp_pa
 
 def test_the_folders_of_dead_launchers_are_removed_and_no_other(tmp_path):
     """A launcher killed by SIGKILL leaves its folder; the next one of this user removes it, and nothing else that
-    matches the name: a live pid's, a folder that is not private, a symlink, another user's."""
+    matches the name: a live pid's, one whose flock a launcher holds (of another container, whose pid this one cannot
+    see), one made less than a minute ago, one that is not private, a symlink, another user's."""
     gone = subprocess.Popen(["true"])
     gone.wait()
     alive = subprocess.Popen(["sleep", "30"])
+    hour_ago = time.time() - 3600
     try:
         dead = tmp_path / f"ignite-mgpu-{gone.pid}-abc"
         (dead / "attempt0").mkdir(parents=True)
         dead.chmod(0o700)
-        kept = [tmp_path / f"ignite-mgpu-{alive.pid}-x", tmp_path / f"ignite-mgpu-{gone.pid}-open"]
+        names = [
+            "ignite-mgpu-{alive}-x",
+            "ignite-mgpu-{gone}-open",
+            "ignite-mgpu-{gone}-locked",
+            "ignite-mgpu-{gone}-new",
+        ]
+        kept = [tmp_path / name.format(alive=alive.pid, gone=gone.pid) for name in names]
         for path in kept:
             path.mkdir(mode=0o700)
         kept[1].chmod(0o755)
@@ -232,7 +241,14 @@ def test_the_folders_of_dead_launchers_are_removed_and_no_other(tmp_path):
             theirs.mkdir(mode=0o700)
             os.chown(theirs, 65534, 65534)
             kept.append(theirs)
-        assert launcher_dir.remove_dead(str(tmp_path)) == [dead]
+        for path in [dead, *kept[:3], *kept[4:]]:
+            os.utime(path, (hour_ago, hour_ago), follow_symlinks=False)
+        held = os.open(kept[2], os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(held, fcntl.LOCK_EX)  # as a live launcher holds its own
+        try:
+            assert launcher_dir.remove_dead(str(tmp_path)) == [dead]
+        finally:
+            os.close(held)
         assert not dead.exists() and all(os.path.lexists(path) for path in kept)
     finally:
         alive.kill()
