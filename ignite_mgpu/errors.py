@@ -51,10 +51,14 @@ class WaitTimedOut(ConfigError):
 
 
 class WaitInterrupted(ConfigError):
-    """Ctrl-C while ``--wait`` waited for GPUs: nothing started and nothing is claimed; one paragraph, exit 130 as
-    for any Ctrl-C (not click's "Aborted!" and 1)."""
+    """Ctrl-C (or SIGTERM: ``signum``) while ``--wait`` waited for GPUs: nothing started and nothing is claimed; one
+    paragraph, exit 130 (143) as for any Ctrl-C (SIGTERM), not click's "Aborted!" and 1, nor a silent end."""
 
     exit_code = signal_exit_code(signal.SIGINT)
+
+    def __init__(self, message: str, signum: int = signal.SIGINT) -> None:
+        super().__init__(message)
+        self.exit_code = signal_exit_code(signum)
 
 
 class CheckpointError(RuntimeError):

@@ -17,17 +17,17 @@ from typing import Any
 from ignite_mgpu import text
 from ignite_mgpu.config.checks import validate
 from ignite_mgpu.config.loading import dotted_keys
-from ignite_mgpu.config.schema import Config
+from ignite_mgpu.config.schema import Config, DistConfig
 from ignite_mgpu.env import cluster
 from ignite_mgpu.errors import NOTHING_FITS, SUCCESS, CheckpointError, Checks, ConfigError
 from ignite_mgpu.gpus.claims import GpuClaims
+from ignite_mgpu.gpus.ranges import gpu_range
 from ignite_mgpu.preflight import (
     check_datasets,
     check_job,
     check_model_options,
     check_no_foreign_checkpoints,
     check_output_dir,
-    check_trackers,
     warn_double_warmup,
     warn_restarts_without_checkpoints,
 )
@@ -171,11 +171,28 @@ def checked_plan(cfg: Config) -> Iterator[tuple[LaunchPlan, GpuClaims]]:
     """The launch plan and the GPU claims it made, held while the caller runs the job, and the checks that need the
     plan: the model options its device allows, the datasets over its processes. ``train`` and ``evaluate`` both
     run them, after ``check_job``; a failed check lets the GPUs go at once."""
-    plan, claims = make_plan(cfg.dist)
+    dist, messages = range_within_the_data(cfg)
+    plan, claims = make_plan(dist)
     with claims:
         check_model_options(cfg, plan)
         check_datasets(cfg, plan.world_size)
-        yield plan, claims
+        yield dataclasses.replace(plan, messages=(*messages, *plan.messages)), claims
+
+
+def range_within_the_data(cfg: Config) -> tuple[DistConfig, tuple[str, ...]]:
+    """An elastic job's ``dist`` with its range cut to the most processes that the data splits over (the checks of
+    a start, for every size it could take: ``check_datasets``), and the line that says so; else ``cfg.dist``. A job
+    on ``auto:2-4`` whose batch of 3 cannot be split over 4 runs on 2 or 3 GPUs and never takes a fourth."""
+    elastic = gpu_range(cfg.dist.gpus)
+    if elastic is None or cfg.dist.strategy == "dp" or cfg.dist.nnodes > 1:  # dp: one process, whatever the GPUs
+        return cfg.dist, ()
+    most, why = check_datasets(cfg, elastic.low, elastic.high)
+    if most == elastic.high:
+        return cfg.dist, ()
+    said = (
+        f"--gpus auto:{elastic} takes at most {most} GPUs (auto:{elastic.low}-{most}), now and when more free up: {why}"
+    )
+    return dataclasses.replace(cfg.dist, gpus=f"auto:{elastic.low}-{most}"), (said,)
 
 
 @contextlib.contextmanager
@@ -190,6 +207,8 @@ def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[tuple[Co
     Raises:
         ConfigError, CheckpointError: before anything was started or created.
     """
+    from ignite_mgpu.train.tracking.packages import check_trackers  # torch-free, as the launcher stays
+
     # What the config names, then where the run goes: every mistake at once, in that order.
     checks = Checks()
     with checks.one():

@@ -1,7 +1,8 @@
 """Checks before anything starts, shared by ``ignite-mgpu train`` and ``ignite_mgpu.fit``: the model, optimizer,
-schedule and loss with their arguments, optional packages, the output folder (writable, not locked, no other run's
-checkpoints, a usable resume target), the dataset sizes for the launch plan; then one job per output folder, held by
-a lock while the job runs.
+schedule and loss with their arguments (the trackers' packages: ``train/tracking/packages.py``), the output folder
+(writable, not locked, no other run's checkpoints, a usable resume target of the same run), the dataset sizes for
+the launch plan and for every size of an elastic job; then one job per output folder, held by a lock while the job
+runs.
 
 Everything raises ConfigError / CheckpointError (one paragraph each) before a worker is spawned. ignite is never
 imported here: the launching process stays light.
@@ -13,6 +14,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from ignite_mgpu.config.checks import BUILTIN_LOSSES, check_sizes
 from ignite_mgpu.config.schema import (
@@ -22,8 +24,6 @@ from ignite_mgpu.config.schema import (
     OPTIMIZERS,
     SCHEDULES,
     Config,
-    TrainConfig,
-    trackers_of,
 )
 from ignite_mgpu.env import cluster
 from ignite_mgpu.errors import Checks, ConfigError, CorruptCheckpointError
@@ -111,45 +111,6 @@ def _check_factories(cfg: Config) -> None:
         check_factories(m, cfg.train.loss, cfg.train.loss_args, o)
 
 
-def check_trackers(t: TrainConfig) -> None:
-    """Every tracker of ``train.loggers`` (and ``train.tensorboard``) has its packages, and its
-    ``train.logger_args`` entry only keys it takes; without importing any of them, except wandb to read
-    ``wandb.init``'s keywords when ``logger_args.wandb`` names some."""
-    import importlib.util
-
-    from ignite_mgpu.train.tracking.packages import MLFLOW_DATABASES, TRACKER_ARGS, TRACKER_PACKAGES
-
-    for name in trackers_of(t):
-        modules, extra, packages = TRACKER_PACKAGES.get(name, ((), "", ""))
-        args = t.logger_args.get(name, {})
-        uri = args.get("tracking_uri") or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite"
-        if name == "mlflow" and uri.split(":")[0].split("+")[0] in MLFLOW_DATABASES:
-            modules, packages = (*modules, "sqlalchemy", "alembic"), f"{packages}, sqlalchemy and alembic"
-        missing = [m for m in modules if importlib.util.find_spec(m) is None]
-        if missing:
-            alias = name == "tensorboard" and name not in t.loggers
-            key, drop = ("train.tensorboard=true", "set it to false") if alias else ("train.loggers", "drop it")
-            raise ConfigError(
-                f"{key} asks for the {name} tracker, which needs {', '.join(missing)}, not installed here: "
-                f"pip install 'ignite-mgpu[{extra}]' (that is, {packages}), or {drop}."
-            )
-    for name, args in t.logger_args.items():
-        allowed = TRACKER_ARGS.get(name)
-        # wandb.init's keywords.
-        if allowed is None and args and importlib.util.find_spec("wandb") is not None:
-            import inspect
-
-            import wandb
-
-            allowed = tuple(inspect.signature(wandb.init).parameters)
-        unknown = [key for key in args if allowed is not None and key not in allowed]
-        if unknown:
-            raise ConfigError(
-                f"train.logger_args.{name}.{unknown[0]} is not an argument of the {name} tracker; it takes "
-                f"{', '.join(allowed or ()) or 'none'}. Fix the key, or drop it."
-            )
-
-
 def check_metric_factories(cfg: Config) -> None:
     """Every ``package.module:factory`` of ``eval.metrics`` imports, and takes its ``eval.metric_args`` (and the
     ``device`` the workers add when it takes one); the workers call it."""
@@ -211,19 +172,19 @@ def check_fsdp_blocks(cfg: Config) -> None:
     check_blocks(model, cfg.model.fsdp_blocks or [], cfg.model.name)
 
 
-def check_datasets(cfg: Config, world_size: int) -> None:
+def check_datasets(cfg: Config, world_size: int, up_to: int | None = None) -> tuple[int, str]:
     """Empty splits, a global batch that does not split over ``world_size``, too few samples per process, and a
     dataset whose batches the loss cannot use. A dataset factory runs here once, so that its mistakes are reported
-    once, before any worker starts."""
+    once, before any worker starts. ``up_to``: an elastic job's MAX processes; returned: the most processes, from
+    ``world_size`` up to it, that the sizes allow (every count in between too), and why one more would not ("")."""
     # Sizes known from the config: only the workers generate the data.
     if cfg.data.name in GENERATED:
-        check_sizes(range(cfg.data.train_size), range(cfg.data.val_size), cfg.data.batch_size, world_size)
-        return
+        return _most_processes(range(cfg.data.train_size), range(cfg.data.val_size), cfg, world_size, up_to)
     from ignite_mgpu.train.data import batches
     from ignite_mgpu.train.data.datasets import build_datasets, first_batch
 
     splits = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
-    check_sizes(splits.train, splits.val, cfg.data.batch_size, world_size)
+    most = _most_processes(splits.train, splits.val, cfg, world_size, up_to)
     first = first_batch(splits.train, splits.collate_fn)
     batches.check(first, cfg.train.loss)
     if cfg.train.loss == "model" and "perplexity" in (cfg.eval.metrics or ()):
@@ -235,12 +196,25 @@ def check_datasets(cfg: Config, world_size: int) -> None:
                 f"counted in its labels, but {err} Add the labels to the dataset's items (-100 where nothing is "
                 "predicted), or drop perplexity."
             ) from None
+    return most
+
+
+def _most_processes(train: Any, val: Any, cfg: Config, world_size: int, up_to: int | None) -> tuple[int, str]:
+    """``check_sizes`` on ``world_size`` processes (raises), then on one more at a time up to ``up_to``."""
+    check_sizes(train, val, cfg.data.batch_size, world_size)
+    for more in range(world_size + 1, (up_to or world_size) + 1):
+        try:
+            check_sizes(train, val, cfg.data.batch_size, more)
+        except ConfigError as err:
+            return more - 1, str(err)
+    return max(world_size, up_to or world_size), ""
 
 
 def check_output_dir(cfg: Config) -> None:
     """Never mix two runs' checkpoints, never write where another job writes; ``--resume`` must name something
-    resumable."""
+    resumable, of this run (its settings and global batch: ``check_resume_target``)."""
     from ignite_mgpu.checkpoint.files import is_complete, is_safetensors
+    from ignite_mgpu.checkpoint.same_run import check_resume_target
 
     out = run_dir(cfg.output_dir)
     owner = lock_owner(out)
@@ -275,6 +249,7 @@ def check_output_dir(cfg: Config) -> None:
                 f"--resume {path.resolve()}: the file is corrupt or truncated (not a complete {what}). Use an "
                 "earlier checkpoint, or --resume auto to pick the newest complete one."
             )
+    check_resume_target(cfg)
 
 
 def check_no_foreign_checkpoints(cfg: Config) -> None:

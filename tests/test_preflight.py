@@ -2,6 +2,7 @@
 target or dataset size is refused with exit code 2 before anything starts, and the folder is locked while the job
 runs. The launcher is replaced; the real jobs are in tests/distributed. `python -m pytest tests/test_preflight.py`."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from ignite_mgpu.processes.job import Job
 from ignite_mgpu.processes.outcome import Outcome
 from ignite_mgpu.processes.worker import WorkerSpec
 from ignite_mgpu.runs import folder, lock
+from ignite_mgpu.train.tracking.packages import check_trackers
 
 
 @pytest.fixture
@@ -81,6 +83,40 @@ def test_fit_refuses_another_runs_checkpoints_and_a_corrupt_resume_file(launched
     assert fit(config(tmp_path, f"resume={tmp_path / 'half.pt'}")) == 1  # the data failed, not the command
     assert "corrupt or truncated" in capsys.readouterr().err
     assert not launched and (out / "checkpoint_10.pt").exists()
+
+
+def written_with(tmp_path, *overrides, world_size=2):
+    """A run folder with one checkpoint of a run of ``overrides``, its ``run`` entry as training writes it."""
+    from ignite_mgpu.checkpoint.same_run import run_signature
+
+    cfg = config(tmp_path, *overrides)
+    run = {"world_size": world_size, "global_batch": cfg.data.batch_size, "config": run_signature(cfg)}
+    (tmp_path / "out").mkdir(exist_ok=True)
+    torch.save({"model": {"w": torch.zeros(2)}, "run": run}, tmp_path / "out" / "checkpoint_15.pt")
+
+
+def test_a_resume_of_a_run_with_other_settings_is_refused_before_any_worker_starts(launched, tmp_path, capsys):
+    """--resume auto data.batch_size=32 on a run written with 64: exit 2 before anything starts (the workers found
+    it, rank 1 failed with CheckpointError, exit 1); with allow_config_change a new global batch is refused too,
+    saying why: the checkpoint counts its epoch in batches of 64 (epoch 2 trained 480 of 960 samples)."""
+    written_with(tmp_path, "data.batch_size=64")
+    assert fit(config(tmp_path, "resume=auto", "data.batch_size=32")) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint_15.pt belongs to a run with other settings (data.batch_size: 64 -> 32)" in err, err
+    assert not launched
+    allowed = config(tmp_path, "resume=auto", "data.batch_size=32", "checkpoint.allow_config_change=true")
+    assert fit(allowed) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"checkpoint_15.pt was trained with data.batch_size=64, and this run asks for 32: checkpoint\."
+                     r"allow_config_change=true lets other settings change, not the global batch\. .* Resume with "
+                     r"data.batch_size=64 \(train.micro_batch splits it", err), err  # fmt: skip
+    assert not launched
+    assert fit(config(tmp_path, "resume=auto", "data.batch_size=64", "optim.lr=0.1")) == 2  # another setting
+    assert "(optim.lr: 0.05 -> 0.1)" in capsys.readouterr().err and not launched
+    allowed = config(
+        tmp_path, "resume=auto", "data.batch_size=64", "optim.lr=0.1", "checkpoint.allow_config_change=true"
+    )
+    assert fit(allowed) == 0 and len(launched) == 1  # allowed: the workers resume it
 
 
 def test_every_mistake_is_shown_at_once_what_the_config_names_before_the_output_folder(launched, tmp_path, capsys):
@@ -231,21 +267,21 @@ def test_a_tracker_without_its_package_is_exit_2_before_anything_starts(launched
     with pytest.raises(
         ConfigError, match=r"train.tensorboard=true asks for the tensorboard tracker.*or set it to false"
     ):
-        preflight.check_trackers(config(tmp_path, "train.tensorboard=true").train)
+        check_trackers(config(tmp_path, "train.tensorboard=true").train)
 
 
 def test_tracker_arguments_are_checked_before_anything_starts(tmp_path):
-    preflight.check_trackers(config(tmp_path, "train.logger_args.mlflow.experiment=x").train)
+    check_trackers(config(tmp_path, "train.logger_args.mlflow.experiment=x").train)
     with pytest.raises(ConfigError, match=r"train.logger_args.mlflow.experimnet is not an argument of the mlflow"):
-        preflight.check_trackers(config(tmp_path, "train.logger_args.mlflow.experimnet=x").train)
+        check_trackers(config(tmp_path, "train.logger_args.mlflow.experimnet=x").train)
     with pytest.raises(
         ConfigError, match=r"train.logger_args.csv.path is not an argument of the csv tracker; it takes none"
     ):
-        preflight.check_trackers(config(tmp_path, "train.logger_args.csv.path=x").train)
+        check_trackers(config(tmp_path, "train.logger_args.csv.path=x").train)
     pytest.importorskip("wandb", reason="the wandb extra is not installed")
-    preflight.check_trackers(config(tmp_path, "train.logger_args.wandb.project=p").train)  # wandb.init's keywords
+    check_trackers(config(tmp_path, "train.logger_args.wandb.project=p").train)  # wandb.init's keywords
     with pytest.raises(ConfigError, match=r"train.logger_args.wandb.projcet is not an argument of the wandb tracker"):
-        preflight.check_trackers(config(tmp_path, "train.logger_args.wandb.projcet=p").train)
+        check_trackers(config(tmp_path, "train.logger_args.wandb.projcet=p").train)
 
 
 CHECKS_IN_A_FRESH_PROCESS = """
@@ -256,8 +292,10 @@ from ignite_mgpu.processes import machine
 
 machine.GPU_DRIVER_FILES = ()  # this machine as one without a GPU driver, whatever the machine running the test has
 cfg = load_config(overrides=sys.argv[1:])
+from ignite_mgpu.train.tracking.packages import check_trackers
+
 preflight.check_job(cfg)
-preflight.check_trackers(cfg.train)
+check_trackers(cfg.train)
 cfg = jobs.resolve_output_dir(cfg)
 preflight.check_output_dir(cfg)
 with jobs.checked_plan(cfg):

@@ -193,8 +193,9 @@ def _numpy_rng_globals() -> Iterator[None]:
 # ------------------------------------------------------------------------------------------ reading
 
 
-def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, Any]:
-    """``torch.load(..., weights_only=True)`` with errors that say what is wrong. Never runs pickled code."""
+def read_checkpoint(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """``torch.load(..., weights_only=True)`` with errors that say what is wrong. Never runs pickled code.
+    ``mmap``: the tensors mapped from the file, not read (for a look at its other entries)."""
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(sharded_folder_message(path))
@@ -207,7 +208,7 @@ def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> dict[str, An
 
     try:
         with opened_regular(path) as name, _numpy_rng_globals():
-            obj = torch.load(name, map_location=map_location, weights_only=True)
+            obj = torch.load(name, map_location=map_location, weights_only=True, mmap=mmap)
     except NotRegular as err:  # swapped for something else since the check above
         raise CheckpointError(f"checkpoint {err}; pass the path of a .pt or .safetensors file.") from None
     except Exception as err:

@@ -1,76 +1,22 @@
-"""Resuming a run: which settings define it (the run signature saved in every checkpoint), and restoring every
-object from a checkpoint after checking that it belongs to the same run."""
+"""Resuming a run: restoring every object from a checkpoint after checking that it belongs to the same run
+(``same_run.py``: the run signature saved in every checkpoint, the checkpoint to resume)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import ignite.distributed as idist
 
-from ignite_mgpu.checkpoint.files import find_resumable, is_safetensors, weights_only_resume
+from ignite_mgpu.checkpoint.files import is_safetensors
 from ignite_mgpu.checkpoint.load import load_checkpoint
+from ignite_mgpu.checkpoint.same_run import resume_target, same_run_check
 from ignite_mgpu.checkpoint.sharded import load_sharded
 from ignite_mgpu.config.schema import Config
-from ignite_mgpu.env.cluster import outer_restarts
-from ignite_mgpu.errors import CheckpointError
 from ignite_mgpu.runs.folder import run_dir
 
 logger = logging.getLogger("ignite_mgpu")
-
-# Keys that may change between an interrupted run and its resumption without making it another run.
-RESUMABLE_CHANGES = (
-    "resume",
-    "output_dir",
-    "train.epochs",
-    "train.micro_batch",  # the parts of a batch: the same gradient
-    "train.progress_bar",
-    "train.tensorboard",
-    "train.loggers",
-    "train.log_every",
-    "train.logger_args",
-    "train.check_every",
-    "train.keep_cpu_memory",
-    "data.num_workers",
-    "data.download",
-    "data.root",
-    "model.fsdp_",  # how the model is sharded, not what it computes
-    "dist.",
-    "checkpoint.",
-    "eval.",  # what validation reports, not what is trained
-)
-
-
-def run_signature(cfg: Config) -> dict[str, str]:
-    """The config keys that define a run, flattened ("optim.lr" -> "0.05"); compared on resume."""
-    from omegaconf import OmegaConf
-
-    def flat(node: Any, prefix: str = "") -> dict[str, str]:
-        # An empty one stays a key ("{}"): a key added there is then a change.
-        if isinstance(node, dict) and node:
-            return {k: v for key, sub in node.items() for k, v in flat(sub, f"{prefix}{key}.").items()}
-        return {prefix[:-1]: str(node)}
-
-    everything = flat(OmegaConf.to_container(OmegaConf.structured(cfg)))
-    signature = {k: v for k, v in everything.items() if not k.startswith(RESUMABLE_CHANGES)}
-    # The schedule's own state holds the run's length.
-    if cfg.optim.scheduler not in ("cosine", "constant"):
-        signature["train.epochs"] = everything["train.epochs"]
-    return signature
-
-
-def resume_target(cfg: Config) -> Path | None:
-    """What ``cfg.resume`` restores: for "auto" the newest complete checkpoint (None: none yet); for a .safetensors
-    file its weights, unless torchrun or SLURM started the job again after it wrote checkpoints of its own, which
-    it then continues (the same command line serves the first start and the requeued ones)."""
-    if cfg.resume == "auto":
-        return find_resumable(run_dir(cfg.output_dir))
-    path = Path(str(cfg.resume))
-    if weights_only_resume(cfg.resume) and outer_restarts():
-        return find_resumable(run_dir(cfg.output_dir)) or path
-    return path
 
 
 def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
@@ -90,7 +36,7 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
                 "--resume auto: no complete checkpoint in %s yet: starting a new run", run_dir(cfg.output_dir).resolve()
             )
         return True
-    same_run = _same_run_check(cfg, path)
+    same_run = same_run_check(cfg, path)
     if path.is_dir():  # checkpoint.format=sharded: resharded for this process count as it is read
         load_sharded(path, to_save, check=same_run)
     else:
@@ -122,29 +68,6 @@ def resume(cfg: Config, to_save: dict[str, Any], world_size: int) -> bool:
         )
         return False
     return True
-
-
-def _same_run_check(cfg: Config, path: Path) -> Callable[[dict[str, Any]], None]:
-    """The check that runs on a checkpoint before anything of it is loaded: it belongs to a run with these settings
-    (``run_signature``), unless ``checkpoint.allow_config_change``."""
-    now = run_signature(cfg)
-
-    def same_run(checkpoint: dict[str, Any]) -> None:
-        saved = checkpoint.get("run", {}).get("config", {})
-        changed = [f"{k}: {v} -> {now.get(k, 'absent')}" for k, v in saved.items() if v != now.get(k, "absent")]
-        if changed and not cfg.checkpoint.allow_config_change:
-            why = (
-                f" (optim.scheduler={cfg.optim.scheduler} was built for the run's length, which its saved state keeps)"
-                if any(c.startswith("train.epochs:") for c in changed)
-                else ""
-            )
-            raise CheckpointError(
-                f"{path} belongs to a run with other settings ({'; '.join(changed[:5])}"
-                f"{'; ...' if len(changed) > 5 else ''}){why}. Resume with the same settings, use a new --output-dir, "
-                "or pass checkpoint.allow_config_change=true to resume anyway."
-            )
-
-    return same_run
 
 
 def continue_from_weights(path: Path, to_save: dict[str, Any]) -> None:

@@ -13,11 +13,17 @@ import mmap
 import os
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 _signal = 0
+_signal_at = 0.0  # time.monotonic() of the first stop request
+# Seconds within which a repeat of the first stop signal is the same request, not a second one that stops at once:
+# GNU timeout sends its signal to its child and then to the child's process group (the child gets it twice, within
+# microseconds); a person who reads the first line and presses Ctrl-C again takes longer.
+SAME_REQUEST_WITHIN = 1.0
 _collective_timeout: float | None = None
 _map: mmap.mmap | None = None  # the worker's status file, mapped
 # _map as the three fields of a Status: [iteration, saving 0/1, activity]
@@ -38,8 +44,20 @@ class Status(NamedTuple):
 def request_stop(signum: int) -> None:
     """Ask every trainer in this process to stop at its next guard check (safe to call from a signal handler).
     The first request wins: a later signal does not rename the stop."""
-    global _signal
-    _signal = _signal or signum
+    global _signal, _signal_at
+    if not _signal:
+        _signal, _signal_at = signum, time.monotonic()
+
+
+def same_request(first: int, first_at: float, signum: int, now: float) -> bool:
+    """Whether ``signum`` received at ``now`` repeats the stop request ``first`` (received at ``first_at``, 0: none
+    yet): the same signal within SAME_REQUEST_WITHIN seconds, as GNU timeout sends it twice."""
+    return bool(first) and signum == first and now - first_at < SAME_REQUEST_WITHIN
+
+
+def repeats_request(signum: int) -> bool:
+    """Whether ``signum``, received now, repeats this process's first stop request (``same_request``)."""
+    return same_request(_signal, _signal_at, signum, time.monotonic())
 
 
 def stop_requested() -> int:

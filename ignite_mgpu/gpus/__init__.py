@@ -3,7 +3,8 @@
 - ``inventory``: GPU discovery (NVML, nvidia-smi) and each GPU's NUMA node, as a snapshot;
 - ``ranges``: ``--gpus auto:MIN-MAX``, an elastic job's range, and how many GPUs it takes from a snapshot;
 - ``selection``: the ``--gpus`` grammar and the physical ids a job uses, pure over the snapshot;
-- ``claims``: GPU claims on a shared machine (flocks in one machine-wide folder) and who holds each;
+- ``claims``: GPU claims on a shared machine (flocks in one machine-wide folder), taken and let go;
+- ``holders``: who holds each claim, read from the folder without trusting it;
 - ``waiting``: the line of jobs waiting for GPUs (``--wait``), a ticket each;
 - ``lending``: what an elastic job lends to the waiting line, or takes back when nobody waits (pure);
 - ``health``: which of a job's GPUs failed (gone, reported lost, named by a rank's device error);

@@ -7,14 +7,18 @@ Free, for ``--wait``: no other job claims the GPU, no compute process runs on it
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.errors import ConfigError, WaitInterrupted, WaitTimedOut
-from ignite_mgpu.gpus import claims, inventory, waiting
+from ignite_mgpu.gpus import claims, holders, inventory, waiting
 from ignite_mgpu.gpus.claims import GpuClaims
 from ignite_mgpu.gpus.ranges import gpu_range
 from ignite_mgpu.gpus.selection import GpuPlan, GpusTaken, parse_gpus, plan_gpus, used_ids
@@ -36,7 +40,7 @@ def acquire(cfg: DistConfig, environ: Mapping[str, str], claim: bool = True) -> 
     Raises:
         GpusTaken: without ``dist.wait``, a GPU asked for is claimed by another job (auto: too few are left).
         WaitTimedOut: ``dist.wait`` ran out.
-        WaitInterrupted: Ctrl-C (SIGINT) while waiting; the place in line is given up.
+        WaitInterrupted: Ctrl-C (SIGINT) or SIGTERM while waiting; the place in line is given up.
         ConfigError: whatever ``plan_gpus`` refuses; a claims folder that cannot be used.
     """
     snapshot = inventory.query_gpus()
@@ -66,7 +70,7 @@ def _range(cfg: DistConfig) -> str:
 
 def _claimed(snapshot: list[inventory.GpuInfo], dir_fd: int) -> dict[int, str]:
     """Physical id -> "is claimed by alice (pid 4242, `...`, since ...)" for the GPUs that other jobs claim."""
-    found = claims.holders(dir_fd, _names(snapshot, None))
+    found = holders.holders(dir_fd, _names(snapshot, None))
     return {
         g.index: f"is claimed by {who.describe()}"
         for g in snapshot
@@ -80,7 +84,7 @@ def busy(snapshot: list[inventory.GpuInfo], min_free: float) -> dict[int, str]:
     for g in snapshot:
         why = []
         if g.n_processes > 0:
-            whose = ", ".join(f"pid {p} of {claims.process_user(p) or '?'}" for p in g.pids[:4])
+            whose = ", ".join(f"pid {p} of {holders.process_user(p) or '?'}" for p in g.pids[:4])
             processes = plural(g.n_processes, "process")
             why.append(f"runs {processes} ({whose})" if whose else f"runs {processes}")
         free, total = g.memory_total_mb - g.memory_used_mb, g.memory_total_mb
@@ -127,39 +131,64 @@ def _wait_and_claim(
     )
     held: GpuClaims | None = None
     try:
-        while True:
-            plan, unavailable, ahead = _look(cfg, snapshot, environ, dir_fd, ticket)
-            ids = [] if plan is None else used_ids(cfg.gpus, plan, snapshot, environ)
-            held = None if plan is None else claims.claim(dir_fd, _names(snapshot, ids), _range(cfg))
-            if plan is not None and held is not None:  # None: another job claimed them a moment ago
-                if waited:
-                    _say(f"waited {_duration(time.monotonic() - start)}; claimed GPU {format_ids(ids)}.")
-                return plan, held
-            now = time.monotonic()
-            reasons = _reasons(unavailable, None if auto else wanted)
-            if ahead:
-                reasons += f"; in line before it: {', '.join(who.describe() for who in ahead)}"
-            if now >= deadline:
-                raise WaitTimedOut(
-                    f"--wait {cfg.wait:g}: {what} did not find {free_gpus} within {_duration(cfg.wait or 0)}: "
-                    f"{reasons}. Nothing was started. Wait longer (--wait alone waits without a limit), ask for "
-                    "other GPUs, or run beside the other jobs on purpose with --share."
-                )
-            if now >= next_status:
-                left = "no time limit" if deadline == float("inf") else f"{_duration(deadline - now)} left"
-                _say(f"waiting for {free_gpus} ({what}; {left}): {reasons}.")
-                next_status = now + STATUS_EVERY
-            time.sleep(max(0.0, min(POLL, deadline - now, next_status - now)))
-            snapshot, waited = inventory.query_gpus(), True
-    except KeyboardInterrupt:
-        if held is not None:  # claimed a moment before the Ctrl-C: let them go, as the message says
+        with _sigterm_raises():
+            while True:
+                plan, unavailable, ahead = _look(cfg, snapshot, environ, dir_fd, ticket)
+                ids = [] if plan is None else used_ids(cfg.gpus, plan, snapshot, environ)
+                held = None if plan is None else claims.claim(dir_fd, _names(snapshot, ids), _range(cfg))
+                if plan is not None and held is not None:  # None: another job claimed them a moment ago
+                    if waited:
+                        _say(f"waited {_duration(time.monotonic() - start)}; claimed GPU {format_ids(ids)}.")
+                    return plan, held
+                now = time.monotonic()
+                reasons = _reasons(unavailable, None if auto else wanted)
+                if ahead:
+                    reasons += f"; in line before it: {', '.join(who.describe() for who in ahead)}"
+                if now >= deadline:
+                    raise WaitTimedOut(
+                        f"--wait {cfg.wait:g}: {what} did not find {free_gpus} within {_duration(cfg.wait or 0)}: "
+                        f"{reasons}. Nothing was started. Wait longer (--wait alone waits without a limit), ask for "
+                        "other GPUs, or run beside the other jobs on purpose with --share."
+                    )
+                if now >= next_status:
+                    left = "no time limit" if deadline == float("inf") else f"{_duration(deadline - now)} left"
+                    _say(f"waiting for {free_gpus} ({what}; {left}): {reasons}.")
+                    next_status = now + STATUS_EVERY
+                time.sleep(max(0.0, min(POLL, deadline - now, next_status - now)))
+                snapshot, waited = inventory.query_gpus(), True
+    except (KeyboardInterrupt, _Terminated) as stopped:
+        if held is not None:  # claimed a moment before the signal: let them go, as the message says
             held.close()
+        terminated = isinstance(stopped, _Terminated)
         raise WaitInterrupted(
-            f"Ctrl-C after {_duration(time.monotonic() - start)} of waiting for {free_gpus} ({what}): nothing was "
-            "started, no GPU is claimed, and this job's place in line is given up."
+            f"{'SIGTERM' if terminated else 'Ctrl-C'} after {_duration(time.monotonic() - start)} of waiting for "
+            f"{free_gpus} ({what}): nothing was started, no GPU is claimed, and this job's place in line is given up.",
+            signal.SIGTERM if terminated else signal.SIGINT,
         ) from None
     finally:
         ticket.close()
+
+
+class _Terminated(Exception):
+    """SIGTERM while waiting in line."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises ``_Terminated`` while the job waits in line, as Ctrl-C raises KeyboardInterrupt: its default
+    action would end the command without a word. Only in the main thread, where a handler can be set."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    old = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _look(
@@ -168,7 +197,7 @@ def _look(
     environ: Mapping[str, str],
     dir_fd: int,
     ticket: waiting.Ticket,
-) -> tuple[GpuPlan | None, dict[int, str], list[claims.Holder]]:
+) -> tuple[GpuPlan | None, dict[int, str], list[holders.Holder]]:
     """One look while waiting: the plan if its GPUs are free now and no earlier waiter comes first (else None),
     why each GPU that is not free is not, and the earlier waiters."""
     unavailable = {**busy(snapshot, cfg.min_free_memory), **_claimed(snapshot, dir_fd)}

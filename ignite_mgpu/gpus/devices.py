@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.gpus import claims
+from ignite_mgpu.gpus import claims, holders
 from ignite_mgpu.gpus.inventory import GpuInfo
 from ignite_mgpu.gpus.selection import visible_ids
 from ignite_mgpu.text import format_ids
@@ -25,20 +25,20 @@ class Occupancy:
     """Who has each GPU (``who_has``): the job that claims it and the users of its processes."""
 
     # Physical id -> the claim's holder.
-    claims: dict[int, claims.Holder] = field(default_factory=dict)
+    claims: dict[int, holders.Holder] = field(default_factory=dict)
     users: dict[int, str] = field(default_factory=dict)  # pid -> user ("?": not visible from here)
     note: str = ""  # why the claims could not be read
 
 
 def who_has(gpus: list[GpuInfo], environ: Mapping[str, str]) -> Occupancy:
     """Read the claims folder (never creating it) and /proc for the snapshot's GPUs and processes."""
-    users = {pid: claims.process_user(pid) or "?" for g in gpus for pid in g.pids}
+    users = {pid: holders.process_user(pid) or "?" for g in gpus for pid in g.pids}
     try:
         dir_fd = claims.open_dir(claims.claims_dir(environ), create=False)
     except ConfigError as err:
         return Occupancy({}, users, str(err))
     try:
-        found = claims.holders(dir_fd, [claims.claim_name(g.uuid, g.pci_bus_id) for g in gpus])
+        found = holders.holders(dir_fd, [claims.claim_name(g.uuid, g.pci_bus_id) for g in gpus])
     finally:
         if dir_fd is not None:
             os.close(dir_fd)
@@ -46,10 +46,10 @@ def who_has(gpus: list[GpuInfo], environ: Mapping[str, str]) -> Occupancy:
     return Occupancy(by_id, users)
 
 
-def elastic_jobs(held: Occupancy, gpus: list[GpuInfo]) -> list[tuple[claims.Holder, list[int], list[int]]]:
+def elastic_jobs(held: Occupancy, gpus: list[GpuInfo]) -> list[tuple[holders.Holder, list[int], list[int]]]:
     """The jobs on a range of GPUs (``--gpus auto:MIN-MAX``) among the claims, each with the GPUs it holds and
     those it lent to jobs that waited in line (physical ids)."""
-    found: dict[tuple[str, int | None], tuple[claims.Holder, list[int], list[int]]] = {}
+    found: dict[tuple[str, int | None], tuple[holders.Holder, list[int], list[int]]] = {}
     ids = {claims.claim_name(g.uuid, g.pci_bus_id): g.index for g in gpus}
     for index, who in sorted(held.claims.items()):
         if who.known and who.gpu_range:

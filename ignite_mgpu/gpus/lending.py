@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ignite_mgpu.gpus import claims, inventory, waiting
+from ignite_mgpu.gpus import claims, holders, inventory, waiting
 from ignite_mgpu.gpus.acquire import busy
-from ignite_mgpu.gpus.claims import Holder
+from ignite_mgpu.gpus.holders import Holder
 from ignite_mgpu.gpus.waiting import Waiter
 
 
@@ -81,14 +81,14 @@ def look(
 ) -> Line:
     """The claims folder and the snapshot as ``change_for`` needs them (``waiters``: the line, when already read)."""
     names = {g.index: claims.claim_name(g.uuid, g.pci_bus_id) for g in snapshot}
-    holders = claims.holders(dir_fd, names.values())
+    held = holders.holders(dir_fd, names.values())
     unusable = busy(snapshot, min_free_memory)
     free = tuple(
-        name for i, name in sorted(names.items()) if name not in holders and i not in unusable and not _mig(snapshot, i)
+        name for i, name in sorted(names.items()) if name not in held and i not in unusable and not _mig(snapshot, i)
     )
-    coming = tuple(name for name, who in holders.items() if name in who.lent)
+    coming = tuple(name for name, who in held.items() if name in who.lent)
     line = waiting.waiting(dir_fd) if waiters is None else waiters
-    return Line(free, coming, tuple(line), frozenset(holders))
+    return Line(free, coming, tuple(line), frozenset(held))
 
 
 def _mig(snapshot: list[inventory.GpuInfo], index: int) -> bool:

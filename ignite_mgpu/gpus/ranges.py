@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from ignite_mgpu.gpus.inventory import GpuInfo
 
 _FORM = re.compile(r"auto:(\d+)-(\d+)", re.ASCII)
+# The most GPUs a range may name: what every reader of a range (the holder files, `ignite-mgpu devices`) accepts.
+MAX_GPUS = 9999
 
 
 @dataclass(frozen=True)
@@ -36,12 +38,24 @@ def parse_range(text: str) -> GpuRange | str | None:
     m = _FORM.fullmatch(text)
     if m is None:
         return None
-    low, high = int(m[1]), int(m[2])
+    # Past 9 digits a number is only "too many": Python refuses to read one of 4300 digits.
+    low, high = (int(digits) if len(digits) <= 9 else 10**9 for digits in (m[1], m[2]))
     if low < 1:
         return "auto:MIN-MAX needs MIN >= 1 (use --gpus none to train on the CPU)"
     if low > high:
         return f"auto:MIN-MAX needs MIN <= MAX, got MIN {low} > MAX {high} (e.g. auto:{high}-{low})"
+    if high > MAX_GPUS:
+        got, low = m[2] if len(m[2]) <= 12 else f"{m[2][:12]}...", min(low, MAX_GPUS)
+        return f"auto:MIN-MAX takes MAX up to {MAX_GPUS}, got {got} (auto:{low}-{MAX_GPUS}: every free GPU from {low})"
     return GpuRange(low, high)
+
+
+def written_range(value: object) -> str:
+    """An elastic job's "MIN-MAX" as another job's holder file writes it, checked as ``parse_range`` checks a
+    ``--gpus`` value; "" for anything else (the file is not trusted)."""
+    if not isinstance(value, str) or not value.isascii() or len(value) > 20:
+        return ""
+    return value if isinstance(parse_range(f"auto:{value}"), GpuRange) else ""
 
 
 def gpu_range(spec: str | None) -> GpuRange | None:

@@ -23,6 +23,24 @@ class UnsafeFolder(Exception):
     """The folder cannot be trusted or used; the message says why."""
 
 
+# Why a file cannot be made or written in the folder, by errno: never "another job was faster".
+_CANNOT_WRITE = {
+    errno.EROFS: "it is on a read-only file system",
+    errno.EACCES: "this user may not write in it",
+    errno.EPERM: "this user may not write in it",
+    errno.ENOSPC: "its disk is full",
+    errno.EDQUOT: "this user's disk quota is used up",
+}
+
+
+def write_problem(err: OSError) -> str:
+    """Why a file cannot be made or written in the folder, with the error's text and errno name: "it is on a
+    read-only file system (Read-only file system, EROFS)"."""
+    name = errno.errorcode.get(err.errno or 0, f"errno {err.errno}")
+    what = _CANNOT_WRITE.get(err.errno or 0, "a file cannot be made or written in it")
+    return f"{what} ({err.strerror or err}, {name})"
+
+
 def user_name(uid: int) -> str:
     try:
         return pwd.getpwuid(uid).pw_name
@@ -43,10 +61,14 @@ def open_dir(path: str, create: bool) -> int | None:
         UnsafeFolder: not a real folder, or writable by others without the sticky bit (anyone could delete a file).
     """
     if create:
-        with contextlib.suppress(FileExistsError):
+        try:
             os.mkdir(path, 0o1777)
             with contextlib.suppress(OSError):  # the umask took bits off
                 os.chmod(path, 0o1777, follow_symlinks=False)
+        except FileExistsError:
+            pass
+        except OSError as err:
+            raise UnsafeFolder(f"it does not exist and cannot be made: {write_problem(err)}") from None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -81,12 +103,20 @@ def open_file(dir_fd: int, name: str, writable: bool = False) -> tuple[int, os.s
 
 
 def create_file(dir_fd: int, name: str, writable: bool) -> int | None:
-    """A new file ``name`` readable by every user (so anyone can flock it), or None when the name is taken."""
+    """A new file ``name`` readable by every user (so anyone can flock it), or None when the name is taken.
+
+    Raises:
+        OSError: the folder takes no new file (read-only, not writable by this user, full): ``write_problem``.
+    """
     try:
         mode = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CREAT | os.O_EXCL | OPEN_FLAGS
         fd = os.open(name, mode, 0o644, dir_fd=dir_fd)
-    except OSError:
+    except FileExistsError:
         return None
+    except OSError as err:
+        if err.errno == errno.ELOOP:  # a symlink made at that name a moment ago: taken
+            return None
+        raise
     os.fchmod(fd, 0o644)  # whatever the umask
     return fd
 
@@ -124,7 +154,11 @@ def entries(dir_fd: int, keep: Callable[[str], object]) -> list[str]:
 
 def write_own(dir_fd: int, name: str, data: bytes) -> int | None:
     """Write ``data`` into this user's file ``name`` and hold an flock on it; None (nothing written) when the
-    name is taken by something that is not this user's regular file, or by a holder of its lock."""
+    name is taken by something that is not this user's regular file, or by a holder of its lock.
+
+    Raises:
+        OSError: the folder takes no new file, or the file no data (``write_problem``).
+    """
     opened = open_file(dir_fd, name, writable=True)
     if opened is None:
         fd = create_file(dir_fd, name, writable=True)
@@ -140,7 +174,9 @@ def write_own(dir_fd: int, name: str, data: bytes) -> int | None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, 0)
         os.pwrite(fd, data, 0)
-    except OSError:
+    except OSError as err:
         os.close(fd)
+        if err.errno in _CANNOT_WRITE:
+            raise
         return None
     return fd

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 
 from ignite_mgpu.gpus import shared_dir
-from ignite_mgpu.gpus.claims import Holder, claim_names, command_line
+from ignite_mgpu.gpus.claims import command_line, unwritable
+from ignite_mgpu.gpus.holders import Holder, claim_names
 from ignite_mgpu.gpus.shared_dir import printable, user_name
 
 _TICKET = re.compile(r"wait-(\d{1,20})-(\d{1,10})-(\d{1,10})")  # wait-<start ns>-<pid>-<uid>
@@ -69,7 +70,10 @@ class Ticket:
         # Written under a private name, then renamed: no reader ever sees it unlocked (stale) or half written.
         temporary = f"tmp-{self.name}"
         record = {"wants": wants, "count": count, "command": command_line()}
-        fd = shared_dir.write_own(dir_fd, temporary, json.dumps(record).encode())
+        try:
+            fd = shared_dir.write_own(dir_fd, temporary, json.dumps(record).encode())
+        except OSError as err:  # a wait without a place in line would wait forever
+            raise unwritable(err) from None
         if fd is not None:
             try:
                 os.rename(temporary, self.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from ignite_mgpu.env import launcher_dir
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.runs.lock import lock_owner
 
@@ -161,38 +162,78 @@ def _silent(pid: int) -> str:
 
 
 def launcher_folder(pid: int) -> Path:
-    """The private folder of the supervisor in process ``pid`` (its TMPDIR's ``ignite-mgpu-<pid>-*``)."""
+    """The private folder of the supervisor in process ``pid`` (its TMPDIR's ``ignite-mgpu-<pid>-*``): one that this
+    user owns, private (0700) and held open by ``pid`` (``launcher_dir.why_untrusted``); anyone can make a folder of
+    that name in a shared temporary folder, and its files would name the processes to signal."""
     environ = dict(entry.split("=", 1) for entry in _proc(pid, "environ").split("\0") if "=" in entry)
     tmp = environ.get("TMPDIR") or tempfile.gettempdir()
-    found = sorted(Path(tmp).glob(f"ignite-mgpu-{pid}-*"))
-    if not found:
+    found = sorted(Path(tmp).glob(f"{launcher_dir.PREFIX}{pid}-*"))
+    refused = []
+    for folder in found:
+        why = launcher_dir.why_untrusted(folder, pid)
+        if why is None:
+            return folder
+        refused.append(f"{folder} {why}")
+    fix = (
+        "give the pid of the ignite-mgpu train or run command (the launcher), or the run folder of a train job, and "
+        "run `ignite-mgpu stacks` as the user who started it, on its machine."
+    )
+    if refused:
         raise ConfigError(
-            f"process {pid} runs no job of ignite-mgpu that this user can see (no {tmp}/ignite-mgpu-{pid}-* "
-            "folder): give the pid of the ignite-mgpu train or run command (the launcher), or the run folder of a "
-            "train job, and run `ignite-mgpu stacks` as the user who started it, on its machine."
+            f"process {pid} runs no job of ignite-mgpu that this user can trust: {'; '.join(refused[:3])}. Nothing "
+            f"was signalled; {fix}"
         )
-    return found[0]
+    raise ConfigError(
+        f"process {pid} runs no job of ignite-mgpu that this user can see (no {tmp}/{launcher_dir.PREFIX}{pid}-* "
+        f"folder): {fix}"
+    )
+
+
+def descends_from(pid: int, ancestor: int) -> bool:
+    """Whether process ``pid`` is a descendant of ``ancestor`` (its parent's parent's ... is), from /proc."""
+    seen = 0
+    while pid > 1 and seen < 64:
+        stat = _proc(pid, "stat")
+        fields = stat.rpartition(")")[2].split()
+        if len(fields) < 2:
+            return False
+        pid, seen = int(fields[1]), seen + 1
+        if pid == ancestor:
+            return True
+    return False
+
+
+def _target_pid(target: str) -> int:
+    """The launcher's pid that ``target`` names: itself, or the pid in a run folder's lock."""
+    if target.isdigit():
+        return int(target)
+    path = Path(target)
+    if not path.exists() or not path.is_dir():
+        what = "does not exist" if not path.exists() else "is not a folder"
+        raise ConfigError(
+            f"{target} {what}. Give the run folder of a train job that runs now, here, or the pid of its launcher "
+            "(the ignite-mgpu train or run command; `ignite-mgpu run` jobs have no run folder)."
+        )
+    owner = lock_owner(path)
+    match = re.fullmatch(r"pid (\d+) on host (\S+)", owner or "")
+    if match is None or match[2] != socket.gethostname():
+        where = f"is held by {owner}" if owner else "is held by no running job"
+        raise ConfigError(
+            f"{target} holds no live job on this machine: its lock {where}. Give the run folder of a train job "
+            "that runs now, here, or the pid of its launcher (the ignite-mgpu train or run command; `ignite-mgpu "
+            "run` jobs have no run folder)."
+        )
+    return int(match[1])
 
 
 def live_ranks(target: str) -> list[Rank]:
     """The registered ranks of the live job that ``target`` names: a run folder (its lock names the launcher)
-    or the launcher's pid. Raises ConfigError (one paragraph) when it names none."""
-    if target.isdigit():
-        pid = int(target)
-    else:
-        owner = lock_owner(Path(target)) if Path(target).is_dir() else None
-        match = re.fullmatch(r"pid (\d+) on host (\S+)", owner or "")
-        if match is None or match[2] != socket.gethostname():
-            where = f"is held by {owner}" if owner else "is held by no running job"
-            raise ConfigError(
-                f"{target} holds no live job on this machine: its lock {where}. Give the run folder of a train job "
-                "that runs now, here, or the pid of its launcher (the ignite-mgpu train or run command; `ignite-mgpu "
-                "run` jobs have no run folder)."
-            )
-        pid = int(match[1])
+    or the launcher's pid; only the launcher's own descendants (a pid in a file name is never trusted alone).
+    Raises ConfigError (one paragraph) when it names none."""
+    pid = _target_pid(target)
     folder = launcher_folder(pid)
     attempts = sorted(folder.glob("attempt*"), key=lambda p: int(p.name[len("attempt") :] or 0))
-    ranks = ranks_in(attempts[-1]) if attempts else []
+    ranks = [r for r in ranks_in(attempts[-1]) if descends_from(r.pid, pid)] if attempts else []
     if not ranks:
         raise ConfigError(
             f"the job of process {pid} has no worker that can be asked for its stacks yet (it is starting, or it "

@@ -28,11 +28,14 @@ from ignite_mgpu.processes.attempt_files import read_failures, read_statuses, re
 from ignite_mgpu.processes.outcome import (
     Failure,
     Outcome,
+    cut_short_before_stop,
     cut_short_while_saving,
+    is_stop,
     last_words_failure,
     no_restart_reason,
     outcome,
     refused_start,
+    server_died,
     timed_out,
     with_hang,
 )
@@ -46,6 +49,7 @@ RELAY_AFTER = 1.0
 FAILURE_SETTLE = 1.0
 STOPPED = signal_exit_code(signal.SIGTERM)  # a worker's code after a stop on SIGTERM (its checkpoint written)
 NEVER = float("inf")
+UNKNOWN = 255  # a worker's exit code when its fork server died before it could say it
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ class Attempt:
         self.stopped_while_starting = False  # then no worker has begun: all are killed once started
         self.stopping = stopping  # the signal that the supervisor received, which stops the attempt (0: none)
         self.resizing = False  # stopped for a change of size: a stop with its checkpoint is no failure
-        self.cut_short = False  # a stop ended at once: a second signal, or the stop's grace ran out
+        self.cut_short = ""  # why a stop ended at once: a second signal, or the stop's grace ran out ("": it did not)
         self.failed_at: tuple[float, float] | None = None  # (time.monotonic(), time.time()) of the first failure
         self.failure_deadline = self.stop_deadline = NEVER
 
@@ -166,8 +170,9 @@ class Attempt:
         self.resizing = True
         self._signal_all(signal.SIGTERM)
 
-    def kill(self, cut_short: bool = False) -> None:
-        """SIGKILL every worker, and the process group of each (its data-loader workers)."""
+    def kill(self, cut_short: str = "") -> None:
+        """SIGKILL every worker, and the process group of each (its data-loader workers); ``cut_short``: why a stop
+        under way ends at once (for the last line)."""
         self.cut_short = self.cut_short or cut_short
         self._signal_all(signal.SIGKILL)
 
@@ -213,7 +218,7 @@ class Attempt:
                     file=sys.stderr,
                 )
                 self.hangs.after_stop(self.spec.plan.stop_grace)
-                self.kill(cut_short=True)
+                self.kill(cut_short=f"they did not stop within dist.stop_grace={self.spec.plan.stop_grace:g} s")
                 self.stop_deadline = NEVER
 
     def _ended_one(self, p: Any) -> None:
@@ -267,7 +272,14 @@ class Attempt:
         failures = self._with_last_words(with_error_files(read_failures(folder), folder, failed_ranks), exit_codes)
         args = (failures, exit_codes, self.first_failure, self.stopping)
         result = outcome(*args, plan.first_rank, plan.timeout)
-        result = cut_short_while_saving(result, self.cut_short and any(s.saving for s in read_statuses(folder)))
+        # Every worker's code unknown (255): the fork server may have died, and them with it (its end is seen soon).
+        if plan.start_method == forkserver.METHOD and not self.stopping and set(exit_codes) == {UNKNOWN}:
+            result = server_died(result, forkserver.how_it_ended(wait=1.0))
+        if self.cut_short:  # killed before every rank stopped by itself: what the stop's checkpoint became
+            saving = any(s.saving for s in read_statuses(folder))
+            result = cut_short_while_saving(result, saving)
+            if not saving and plan.join_group and not any(is_stop(f["code"]) for f in failures):
+                result = cut_short_before_stop(result, self.cut_short)
         if self.hangs.hang is not None:  # where every rank was
             result = with_hang(result, self.hangs.hang, bool(self.stopping))
         if self.died == [self.first_failure[0] if self.first_failure else -1] and result.rank is not None:

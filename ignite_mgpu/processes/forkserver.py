@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from multiprocessing import forkserver, resource_tracker
 from typing import Any
@@ -35,6 +36,7 @@ PRELOAD = ("torch", "torch._dynamo", "ignite.distributed", "ignite_mgpu.processe
 DEFAULT_JOB = ("ignite_mgpu.train.default_job", "omegaconf", "psutil")
 _OWN = "ignite_mgpu."
 _started: list[int] = []  # the pid of the server that this process started (and stops), if one runs
+_ended: list[str] = []  # how that server ended, once seen ("was killed by SIGKILL")
 
 
 def preload_for(job: Job) -> list[str]:
@@ -92,6 +94,30 @@ def start(preload: list[str], preempt_signal: int | None = None) -> int:
     return int(server._forkserver_pid)
 
 
+def how_it_ended(wait: float = 0.0) -> str | None:
+    """How the server that ``start`` started here ended ("was killed by SIGKILL", "exited with code 1"); None while
+    it runs (after up to ``wait`` seconds), or when none was started here. Its workers die with it (their death
+    signal, sent while it exits), and multiprocessing then knows none of their exit codes: it says 255 for each."""
+    if not _started:
+        return None
+    deadline = time.monotonic() + wait
+    while not _ended:
+        try:
+            pid, status = os.waitpid(_started[0], os.WNOHANG)
+        except ChildProcessError:  # waited for elsewhere
+            pid, status = _started[0], -1
+        if pid == 0:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+            continue
+        if status >= 0 and os.WIFSIGNALED(status):
+            _ended.append(f"was killed by {signal.Signals(os.WTERMSIG(status)).name}")
+        else:
+            _ended.append(f"exited with code {os.WEXITSTATUS(status)}" if status >= 0 else "ended")
+    return _ended[0]
+
+
 def _reaped(pid: int) -> bool:
     """Whether the server ``pid`` has ended (then waited for here)."""
     try:
@@ -118,6 +144,7 @@ def _end(server: Any, reaped: bool = False) -> None:
             with contextlib.suppress(OSError):
                 os.unlink(address)
     _started.clear()
+    _ended.clear()
 
 
 @contextlib.contextmanager

@@ -76,7 +76,9 @@ def restart_messages(start: NextStart, failure: Outcome, info: Restart, reached:
     """What the log says of a restart: the failure (its advice is the restart), what was done about a failed GPU,
     and the restart: its number, when, what it resumes from and the iterations lost."""
     k = start.restarts
-    lost = f"; {max(0, reached - info.iteration)} iteration(s) lost (every rank had completed iteration {reached})"
+    # An attempt that failed before its ranks noted an iteration had still resumed where its checkpoint was.
+    reached = max(reached, info.iteration)
+    lost = f"; {reached - info.iteration} iteration(s) lost (every rank had completed iteration {reached})"
     after = f" after {failure.failed} failed" if failure.failed else ""
     when = "at once (one rank died)" if k == 1 and failure.died else f"in {start.delay:.0f} s"
     restart = (

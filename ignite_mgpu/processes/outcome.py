@@ -243,6 +243,19 @@ def refused_start(local_rank: int, nproc: int, err: BaseException) -> str:
     )
 
 
+def server_died(result: Outcome, how: str | None) -> Outcome:
+    """The workers' failure when the fork server that forked them died (``how``: "was killed by SIGKILL"; None: it
+    runs): they died with it, and their exit codes (255 each) say nothing; the server's death is the cause."""
+    if how is None or result.rank is not None:
+        return result
+    return Outcome(
+        FAILED,
+        f"the fork server, which forks this job's workers, {how} (the OOM killer, or a kill by hand), and every "
+        "worker died with it.",
+        "--max-restarts restarts the job on a new one; --resume auto continues from the last checkpoint.",
+    )
+
+
 def cut_short_while_saving(result: Outcome, saving: bool) -> Outcome:
     """A stop cut short (a second signal, or the grace ran out) while a rank was writing a checkpoint (the stop's, or
     one due before it): that checkpoint was never written, so the message must not name an iteration as if the job
@@ -253,6 +266,21 @@ def cut_short_while_saving(result: Outcome, saving: bool) -> Outcome:
     return dataclasses.replace(
         result,
         cause=f"{head}, at once, while a checkpoint was being written: it was not written.",
+        advice="--resume auto continues from the last complete checkpoint.",
+    )
+
+
+def cut_short_before_stop(result: Outcome, why: str) -> Outcome:
+    """A stop of the default job cut short (``why``: a second signal, the grace ran out) before any rank stopped by
+    itself and none was writing a checkpoint: the stop's checkpoint was skipped, which the last line says, with the
+    way on."""
+    if not is_stop(result.code):
+        return result
+    head = re.sub(r" at iteration \d+.*", "", result.cause.rstrip(".")) or "stopped"
+    skipped = "before the ranks stopped by themselves: the stop's checkpoint was not written"
+    return dataclasses.replace(
+        result,
+        cause=f"{head}, at once ({why}), {skipped}.",
         advice="--resume auto continues from the last complete checkpoint.",
     )
 

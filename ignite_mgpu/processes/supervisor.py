@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ignite_mgpu.env import launcher_dir, stop
 from ignite_mgpu.env.clock import JobClock, first_attempt
 from ignite_mgpu.errors import SUCCESS, ConfigError, signal_exit_code
 from ignite_mgpu.gpus.claims import GpuClaims
@@ -65,6 +64,7 @@ class Supervisor:
         self.ended = Ended(Outcome(SUCCESS))
         self.note = ""
         self.signal_received = 0
+        self.signal_at = 0.0  # time.monotonic() when it came
         self.attempt: Attempt | None = None  # the attempt that runs now, or ran last
         held = claims if claims is not None else GpuClaims()
         lends = elastic.lends(plan, held, restart is not None)
@@ -82,14 +82,17 @@ class Supervisor:
 
     def run(self) -> int:
         """Run the job to its end; returns its exit code (errors.EXIT_CODES)."""
-        # 0700: private to this user; named by this pid for `ignite-mgpu stacks PID` (hangs/stacks.py)
-        folder = tempfile.mkdtemp(prefix=f"ignite-mgpu-{os.getpid()}-")
+        # The folders that killed launchers of this user left behind go first.
+        launcher_dir.remove_dead()
+        # 0700, named by this pid and held open: `ignite-mgpu stacks PID` trusts only such a folder (hangs/stacks.py)
+        folder, held = launcher_dir.make()
         handled = [*_STOP_SIGNALS, *([self.plan.preempt_signal] if self.plan.preempt_signal else [])]
         old = {s: signal.signal(s, self._on_signal) for s in handled}
         try:
-            self.ended, self.note = self._attempts(Path(folder))
+            self.ended, self.note = self._attempts(folder)
         except KeyboardInterrupt:  # a second signal during the backoff
             stopped = Outcome(signal_exit_code(self.signal_received or signal.SIGINT), "stopped before a restart.")
+            stopped.advice = self._resume_hint()
             self.ended, self.note = Ended(stopped), ""
         finally:
             if self.attempt is not None:
@@ -98,7 +101,7 @@ class Supervisor:
                 forkserver.stop()
             for s, h in old.items():
                 signal.signal(s, h)
-            shutil.rmtree(folder, ignore_errors=True)
+            launcher_dir.remove(folder, held)
         if self.report:
             _print(self.outcome.message())
             _print(self.note)
@@ -126,12 +129,17 @@ class Supervisor:
             if self.signal_received and next_start.restarts > restarts:  # stopped during the restart's backoff
                 name = signal.Signals(self.signal_received).name
                 stopped = Outcome(signal_exit_code(self.signal_received), f"stopped by {name} before a restart.")
+                stopped.advice = self._resume_hint()
                 return Ended(stopped), ""
             clock = JobClock(clock.started, ended.failed_at, ended.reached, next_start.resized_from)
             plan = next_start.plan
             job = job.again(args)
             restarts = next_start.restarts
         raise AssertionError("unreachable")
+
+    def _resume_hint(self) -> str:
+        """The way on after a stop between attempts, for a job that resumes its checkpoints (a restart hook)."""
+        return "--resume auto continues from the last complete checkpoint." if self.restart is not None else ""
 
     def _run_attempt(self, spec: WorkerSpec, index: int) -> Ended:
         """One attempt, with its private rendezvous on one node (a fresh file store every time; a script's
@@ -162,12 +170,15 @@ class Supervisor:
         return info.args
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        attempt = self.attempt
-        if self.signal_received:  # second signal: no more waiting
-            if attempt is not None:
-                attempt.kill(cut_short=True)
+        attempt, now = self.attempt, time.monotonic()
+        if self.signal_received:
+            # GNU timeout sends its signal to this process, then to its process group: one request, received twice.
+            if stop.same_request(self.signal_received, self.signal_at, signum, now):
+                return
+            if attempt is not None:  # a second request: no more waiting
+                attempt.kill(cut_short="a second signal")
             raise KeyboardInterrupt
-        self.signal_received = signum
+        self.signal_received, self.signal_at = signum, now
         starting = attempt is not None and attempt.starting
         # While starting, the attempt kills what it started: no worker of it has begun.
         _print(stop_message(signum, self.plan.join_group, self.plan.stop_grace, starting))

@@ -153,7 +153,7 @@ def _say_where(plan: LaunchPlan) -> None:
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    if signum == signal.SIGINT and stop.stop_requested():
+    if signum == signal.SIGINT and stop.stop_requested() and not stop.repeats_request(signum):
         raise KeyboardInterrupt  # second Ctrl-C: stop at once
     stop.request_stop(signum)
 

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader
 from ignite_mgpu import text
 from ignite_mgpu.checkpoint.files import clean_stale_temp_files, find_resumable, weights_only_resume
 from ignite_mgpu.checkpoint.load import load_checkpoint
-from ignite_mgpu.checkpoint.resume import resume, run_signature
+from ignite_mgpu.checkpoint.resume import resume
+from ignite_mgpu.checkpoint.same_run import run_signature
 from ignite_mgpu.checkpoint.save import RunInfo, adopt_existing, writes_awaited
 from ignite_mgpu.checkpoint.state import checkpoint_objects
 from ignite_mgpu.config.loading import dump_config
@@ -123,7 +124,7 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
             return
         # From weights: a new run, no files yet.
         # The resumed epoch goes on from the loss sums of its first part (the guard reads them).
-        trainer.state.resumed_epoch_loss = to_save["run"].loaded.get("epoch_loss")  # type: ignore[attr-defined]
+        trainer.state.resumed_epoch_loss = _resumed_epoch_loss(to_save["run"].loaded)  # type: ignore[attr-defined]
         if to_save["run"].loaded or not weights_only_resume(cfg.resume):
             adopt_existing(full, best, out, cfg.checkpoint.metric_mode)
             if rank == 0:
@@ -158,10 +159,23 @@ def _with_checkpoint(stopped: TrainingInterrupted, cfg: Config, out: Path) -> Tr
 
 
 def _epoch_loss(trainer: Engine) -> dict[str, Any]:
-    """Saved in every checkpoint: the current epoch's loss sum and count (the guard's, over every rank) and the
-    iteration they reach, so that an epoch resumed mid-way reports the whole epoch's train_loss."""
-    total, count = getattr(trainer.state, "epoch_loss", (0.0, 0.0))
-    return {"epoch_loss": [float(total), float(count), trainer.state.iteration]}
+    """Saved in every checkpoint: the current epoch's loss sums (the guard's ``epoch_sums``: the global batch's mean
+    losses summed, and the iterations) and the iteration they reach, so that an epoch resumed mid-way, on any number
+    of processes, reports the whole epoch's train_loss."""
+    total, iterations = getattr(trainer.state, "epoch_loss", (0.0, 0.0))
+    return {"epoch_losses": [float(total), float(iterations), trainer.state.iteration]}
+
+
+def _resumed_epoch_loss(saved: dict[str, Any]) -> list[float] | None:
+    """The epoch's loss sums that a checkpoint's ``run`` entry carries, as ``_epoch_loss`` writes them; a checkpoint
+    with ``epoch_loss`` instead summed every rank's losses and counted every rank's iterations: divided by its
+    process count, they are the same sums."""
+    if "epoch_losses" in saved:
+        return list(saved["epoch_losses"])
+    per_rank, world = saved.get("epoch_loss"), saved.get("world_size")
+    if not per_rank or len(per_rank) != 3 or not world:
+        return None
+    return [per_rank[0] / world, per_rank[1] / world, per_rank[2]]
 
 
 def _create_trainer(

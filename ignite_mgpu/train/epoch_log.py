@@ -62,8 +62,8 @@ def validation_fields(metrics: Mapping[str, Any]) -> dict[str, Any]:
 class EpochLog:
     """After each epoch (and its validation): one JSON line in ``metrics.jsonl`` and a short table on rank 0.
 
-    Fields: epoch, iteration, train_loss (mean over ranks), val_loss, val_accuracy (classification only; with
-    eval.metrics, val_<name> of each metric), samples_per_s (global), time_per_iter_ms, data_wait_share (time
+    Fields: epoch, iteration, train_loss (mean over the epoch's samples), val_loss, val_accuracy (classification
+    only; with eval.metrics, val_<name> of each metric), samples_per_s (global), time_per_iter_ms, data_wait_share (time
     waiting for the data loader / training time, worst rank),
     peak_memory_mb (one entry per GPU, or per process on the CPU), peak_memory_per ("gpu": CUDA's peak allocated
     memory of each GPU; "process": each process's peak RSS), memory_imbalance (max/min) and restarts (how often

@@ -7,7 +7,8 @@ import torch
 from ignite.handlers import Checkpoint
 from torch import nn
 
-from ignite_mgpu.checkpoint.resume import resume, run_signature
+from ignite_mgpu.checkpoint.resume import resume
+from ignite_mgpu.checkpoint.same_run import run_signature
 from ignite_mgpu.checkpoint.save import RunInfo, SafeDiskSaver
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.errors import CheckpointError
@@ -25,7 +26,12 @@ def objects(cfg):
     model = linear(seed=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     trainer = create_trainer(model, optimizer, nn.CrossEntropyLoss(), device="cpu")
-    return {"model": model, "optimizer": optimizer, "trainer": trainer, "run": RunInfo(1, 8, run_signature(cfg))}
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "trainer": trainer,
+        "run": RunInfo(1, cfg.data.batch_size, run_signature(cfg)),
+    }
 
 
 @pytest.fixture
@@ -98,7 +104,12 @@ def test_a_resume_reads_onto_the_cpu_and_each_state_dict_places_its_tensors(tmp_
         model = linear(seed=1)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
         trainer = create_trainer(model, optimizer, nn.CrossEntropyLoss(), device="cpu", deterministic=True)
-        return {"model": model, "optimizer": optimizer, "trainer": trainer, "run": RunInfo(1, 8, run_signature(cfg))}
+        return {
+            "model": model,
+            "optimizer": optimizer,
+            "trainer": trainer,
+            "run": RunInfo(1, cfg.data.batch_size, run_signature(cfg)),
+        }
 
     saved = adamw_objects()
     saved["trainer"].run(data(n=32, batch=8), max_epochs=1)

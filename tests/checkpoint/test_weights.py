@@ -18,7 +18,8 @@ from torch import nn
 from ignite_mgpu import fit, jobs
 from ignite_mgpu.checkpoint.files import TIED, is_complete, read_safetensors
 from ignite_mgpu.checkpoint.load import load_checkpoint
-from ignite_mgpu.checkpoint.resume import resume, resume_target, run_signature
+from ignite_mgpu.checkpoint.resume import resume
+from ignite_mgpu.checkpoint.same_run import resume_target, run_signature
 from ignite_mgpu.checkpoint.save import RunInfo, adopt_existing, create_checkpointers
 from ignite_mgpu.checkpoint.weights import TiedWeights, save_weights, tensors_to_write, write_safetensors
 from ignite_mgpu.cli.commands import main

@@ -6,7 +6,9 @@ test_any_process_count.py), its changes recorded in metrics.jsonl and the goodpu
   the rank is killed, or the rank raises a CUDA device error); the job restarts on the other 3 from the newest
   checkpoint, lets go of the failed GPU's claim and says so in one line.
 - Lending (processes/elastic.py): a real job waiting in line for 2 GPUs gets GPU 2,3 from the running job, which goes
-  on with 2 processes, `devices` showing what it lent; when the waiter ends, the job takes them back.
+  on with 2 processes, `devices` showing what it lent; when the waiter ends, the job takes them back. Each epoch's
+  train_loss is the uninterrupted run's, though both epochs ran on 4 and on 2 processes.
+- A range cut to what its data splits over: auto:2-4 with a global batch of 3 takes back one GPU, not two, and ends.
 `python -m pytest tests/distributed/test_elastic.py`."""
 
 from __future__ import annotations
@@ -213,7 +215,38 @@ def test_a_job_on_a_range_lends_two_gpus_to_a_waiting_job_and_takes_them_back(fa
     lines = metrics(out)
     assert [(r["epoch"], r["processes"], r["restarts"]) for r in lines] == [(1, 2, 0), (2, 4, 0)], lines
     assert all(r["time_resize_s"] > 0 and r["time_restart_s"] == 0 for r in lines), lines
+    # Each epoch ran on 4 and on 2 processes: its train_loss is still the mean over its samples.
+    want = [r["train_loss"] for r in metrics(reference)]
+    assert [r["train_loss"] for r in lines] == pytest.approx(want, abs=1e-4), (lines, want)
     assert_the_same_run(out, reference)
+
+
+@pytest.mark.timeout(300)
+def test_a_range_whose_batch_splits_over_fewer_than_max_takes_back_only_what_it_can_use(fake_gpus, tmp_path):  # noqa: F811
+    """auto:2-4 with a global batch of 3, started on 2 GPUs (GPU 0,1 busy): when they free up it took both and died
+    (data.batch_size=3 over 4 processes, exit 1). Now its range is auto:2-3 from the start: it takes one, ends 0."""
+    out, log = tmp_path / "elastic", tmp_path / "elastic.log"
+    args = [a for a in ARGS if not a.startswith(("data.batch_size", "data.train_size", "checkpoint."))]
+    args += ["data.batch_size=3", "data.train_size=60", "checkpoint.every_iters=5"]
+    env = {**os.environ, **job_env(tmp_path, "slow:*:1:0.2")}
+    command = [sys.executable, str(RUNNER), "train", *args, "--gpus", "auto:2-4", "--output-dir", str(out)]
+    with log.open("w") as stderr:
+        job = subprocess.Popen(command, env=env, stderr=stderr, stdout=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_for(lambda: (tmp_path / "pids" / "forward1").exists(), 150, job, log)  # training on GPU 2,3
+        (fake_gpus / "gpus.csv").write_text(TABLE.replace("71680", "1").replace("40960", "1"))  # 0,1 free now
+        (fake_gpus / "apps.csv").write_text("")
+        assert job.wait(200) == 0, log.read_text()[-4000:]
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    stderr = log.read_text()
+    assert "ignite-mgpu: --gpus auto:2-4 takes at most 3 GPUs (auto:2-3), now and when more free up: " in stderr
+    assert re.search(r"took GPU 0, free and waited for by nobody: the job goes on with 3 processes on GPU 0,2,3 "
+                     r"\(was 2; --gpus auto:2-3\)", stderr), stderr[-4000:]  # fmt: skip
+    assert "ConfigError" not in stderr and [r["processes"] for r in metrics(out)][-1] == 3
+    assert claimed() == {}
 
 
 @pytest.mark.gpu

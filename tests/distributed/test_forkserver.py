@@ -235,3 +235,32 @@ def test_a_killed_server_is_started_again_as_the_first_one_was():
     finally:
         forkserver.stop()
     assert mp_forkserver._forkserver._forkserver_pid is None
+
+
+def kills_its_server(local_rank: int) -> None:
+    """Rank 0 kills the fork server that forked it, as the OOM killer would; every rank dies with it."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.kill(os.getppid(), signal.SIGKILL)
+    time.sleep(60)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_fork_server_is_the_cause_said_not_its_workers_exit_codes(monkeypatch, capfd):
+    """Its workers die with it and multiprocessing then knows none of their exit codes (255 each): the job said "a
+    rank exited with codes [255, 255]" and nothing of why."""
+    from ignite_mgpu.processes import notebook
+
+    monkeypatch.setattr(notebook, "interactive", lambda: False)  # a script: SystemExit, the lines on stderr
+    with pytest.raises(SystemExit) as ended:
+        launcher.launch(kills_its_server, nproc=2, backend="gloo")
+    err = capfd.readouterr().err
+    assert ended.value.code == 1, err
+    assert (
+        "ignite-mgpu: the fork server, which forks this job's workers, was killed by SIGKILL (the OOM killer, or a "
+        "kill by hand), and every worker died with it. --max-restarts restarts the job on a new one; --resume auto "
+        "continues from the last checkpoint.\n"
+    ) in err, err
+    assert "255" not in err and mp_forkserver._forkserver._forkserver_pid is None

@@ -26,7 +26,7 @@ from ignite_mgpu.cli.commands import main
 from ignite_mgpu.config.checks import validate
 from ignite_mgpu.config.schema import Config, DistConfig
 from ignite_mgpu.errors import WAIT_TIMEOUT, ConfigError, WaitInterrupted, WaitTimedOut
-from ignite_mgpu.gpus import acquire, claims, inventory
+from ignite_mgpu.gpus import acquire, claims, holders, inventory
 from ignite_mgpu.gpus.selection import GpusTaken
 from ignite_mgpu.processes import launcher
 from ignite_mgpu.processes.attempt import Ended
@@ -137,10 +137,10 @@ def hold_here(*ids: int) -> claims.GpuClaims:
     return held
 
 
-def claimed() -> dict[str, claims.Holder]:
+def claimed() -> dict[str, holders.Holder]:
     fd = claims.open_dir(str(claims_dir()), create=False)
     try:
-        return claims.holders(fd, [UUID(i) for i in range(4)])
+        return holders.holders(fd, [UUID(i) for i in range(4)])
     finally:
         if fd is not None:
             os.close(fd)
@@ -307,10 +307,10 @@ def test_ctrl_c_while_waiting_ends_with_130_and_one_paragraph_and_gives_up_the_p
 @pytest.mark.timeout(120)
 def test_the_real_command_interrupted_while_waiting_exits_130_without_a_traceback(fake_gpus, jobs, tmp_path):
     """Ctrl-C in a terminal: SIGINT to the whole foreground group (the command and its fork server), at once and
-    after the fork server's imports."""
+    after the fork server's imports; SIGTERM (`kill`, a scheduler), which ended the command without a word."""
     holder = jobs("--gpus", "2", "--hold")
     assert holder.line()["gpus"] == [2]
-    for settle in (0.0, 8.0):
+    for sent, settle in ((signal.SIGINT, 0.0), (signal.SIGINT, 8.0), (signal.SIGTERM, 0.0)):
         proc = subprocess.Popen(
             [
                 sys.executable,
@@ -337,15 +337,16 @@ def test_the_real_command_interrupted_while_waiting_exits_130_without_a_tracebac
             assert time.monotonic() < end and proc.poll() is None, "".join(stderr)[-3000:]
             time.sleep(0.02)
         time.sleep(settle)
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, sent)
         code = proc.wait(30)
         reader.join(10)
         text = "".join(stderr)
-        assert code == 130, text[-3000:]
+        assert code == 128 + sent, text[-3000:]
         assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+        name = "Ctrl-C" if sent == signal.SIGINT else "SIGTERM"
         assert re.search(
-            r"^ignite-mgpu: error: Ctrl-C after [\d.]+ s of waiting for 1 free GPU \(--gpus 2\): "
-            r"nothing was started",
+            rf"^ignite-mgpu: error: {name} after [\d.]+ s of waiting for 1 free GPU \(--gpus 2\): "
+            r"nothing was started, no GPU is claimed, and this job's place in line is given up\.$",
             text,
             re.M,
         ), text[-3000:]
@@ -386,6 +387,52 @@ def test_a_job_that_keeps_losing_the_race_and_a_file_system_without_flock_say_so
     monkeypatch.setattr(fcntl, "flock", no_flock)
     with pytest.raises(ConfigError, match=r"^cannot lock GPU claims in .* \(No locks available\): its file system has"):
         acquire.acquire(DistConfig(gpus="2"), os.environ)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A tmpfs of its own, mounted with the options given: a read-only or a full file system as the kernel makes
+    them (root, and a kernel that lets it mount; skipped elsewhere)."""
+    mounted = []
+
+    def mount(options: str) -> Path:
+        where = tmp_path / f"mount{len(mounted)}"
+        where.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here (root only): {done.stderr.decode().strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+@pytest.mark.parametrize(
+    "options, folder, why",
+    [
+        ("ro,mode=1777", "", r"it is on a read-only file system \(Read-only file system, EROFS\)"),
+        ("ro,mode=1777", "claims", r"it does not exist and cannot be made: it is on a read-only file system \(Read"),
+        ("nr_inodes=1,mode=1777", "", r"its disk is full \(No space left on device, ENOSPC\)"),
+    ],
+)  # fmt: skip
+def test_a_read_only_or_full_claims_folder_is_said_so_with_its_errno_never_a_lost_race(
+    fake_gpus, tmpfs, monkeypatch, tmp_path, options, folder, why
+):
+    """It said "other jobs kept claiming the GPUs this job chose, 20 times in a row"; with --wait 12 "the GPUs are
+    free, another job just took them", exit 4; with --wait alone it waited forever. Now: exit 2 at once, the folder,
+    what is wrong and its errno, waiting or not."""
+    path = tmpfs(options) / folder
+    monkeypatch.setenv(claims.CLAIMS_DIR_ENV, str(path))
+    said = rf"^the GPU claims folder {re.escape(str(path).rstrip('/'))}/? cannot be used: {why}.*?\. Every job on GPUs"
+    for wait in (None, 12.0, math.inf):
+        started = time.monotonic()
+        with pytest.raises(ConfigError, match=said) as refused:
+            acquire.acquire(DistConfig(gpus="2", wait=wait), os.environ)
+        assert type(refused.value) is ConfigError and time.monotonic() - started < 5, wait
+    result = CliRunner().invoke(main, ["train", "--gpus", "2", "--wait", "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2 and re.search(why, result.output), result.output
 
 
 def test_auto_skips_gpus_that_other_jobs_claim(fake_gpus):
@@ -599,7 +646,7 @@ def test_forged_and_dead_tickets_hold_no_place_in_the_queue(fake_gpus):
 def test_devices_shows_the_claims_and_the_users_of_the_processes(fake_gpus):
     (fake_gpus / "gpus.csv").write_text(TABLE)
     (fake_gpus / "apps.csv").write_text(f"00000000:07:00.0, {os.getpid()}\n00000000:0F:00.0, 999999999\n")
-    me = claims.process_user(os.getpid())
+    me = holders.process_user(os.getpid())
     with hold_here(2, 3):
         table = CliRunner().invoke(main, ["devices"]).output
         data = json.loads(CliRunner().invoke(main, ["devices", "--json"]).output)

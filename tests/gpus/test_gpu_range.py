@@ -16,7 +16,7 @@ from ignite_mgpu.cli.commands import main
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.gpus import acquire
+from ignite_mgpu.gpus import acquire, claims
 from ignite_mgpu.gpus.devices import format_devices, who_has
 from ignite_mgpu.gpus.inventory import GpuInfo, query_gpus
 from ignite_mgpu.gpus.ranges import GpuRange, gpu_range
@@ -59,6 +59,8 @@ def test_a_range_parses_as_auto_with_its_bounds(spec, low, high):
         ("auto:-4", "it is not one of the accepted forms"),
         ("auto:2-4-6", "it is not one of the accepted forms"),
         ("auto:2..4", "it is not one of the accepted forms"),
+        ("auto:2-99999", r"auto:MIN-MAX takes MAX up to 9999, got 99999 \(auto:2-9999: every free GPU from 2\)"),
+        ("auto:1-" + "9" * 5000, r"auto:MIN-MAX takes MAX up to 9999, got 999999999999\.\.\. \(auto:1-9999"),
     ],
 )
 def test_a_bad_range_is_one_paragraph_naming_the_rule_and_the_forms(spec, reason):
@@ -148,3 +150,48 @@ def test_the_memory_plan_of_a_range_is_made_for_its_min():
 
     cap = capacity(load_config(None, ["dist.gpus=auto:2-4"]), {}, FOUR_IDLE)
     assert cap.where == "GPU 0,1 (--gpus auto:2-4 planned at its MIN, 2 processes)" and len(cap.free) == 2
+
+
+def test_a_range_is_cut_to_the_most_processes_its_batch_and_data_split_over():
+    """What a start checks, every change of size must pass: auto:2-4 with a global batch of 3 runs on 2 or 3 GPUs and
+    never takes a fourth (it died of data.batch_size=3 over 4 processes when it took GPUs back); said once."""
+    from ignite_mgpu.jobs import range_within_the_data
+
+    cut, said = range_within_the_data(load_config(None, ["dist.gpus=auto:2-4", "data.batch_size=3"]))
+    assert cut.gpus == "auto:2-3" and gpu_range(cut.gpus) == GpuRange(2, 3)
+    assert said == (
+        "--gpus auto:2-4 takes at most 3 GPUs (auto:2-3), now and when more free up: data.batch_size=3 is the global "
+        "batch, split over 4 processes: each needs at least one sample of it; use data.batch_size=4 or more, or run "
+        "fewer processes.",
+    )
+    few = load_config(None, ["dist.gpus=auto:1-8", "data.val_size=5", "data.batch_size=64"])
+    assert range_within_the_data(few)[0].gpus == "auto:1-5"  # every process scores a share of the validation set
+    whole = load_config(None, ["dist.gpus=auto:2-4", "data.batch_size=64"])
+    assert range_within_the_data(whole) == (whole.dist, ())
+    with pytest.raises(ConfigError, match=r"^data.batch_size=1 is the global batch, split over 2 processes"):
+        range_within_the_data(load_config(None, ["dist.gpus=auto:2-4", "data.batch_size=1"]))  # as a start on MIN
+
+
+def test_every_range_the_grammar_takes_is_shown_as_elastic_and_no_other(fake_gpus):  # noqa: F811
+    """auto:2-99999 was taken, and its holder file's "2-99999" was not read as a range (the readers allowed 4
+    digits): the job was not shown as elastic. One grammar for both: every range the parser takes is read back."""
+    from ignite_mgpu.gpus.ranges import MAX_GPUS, written_range
+
+    assert gpu_range(f"auto:2-{MAX_GPUS}") == GpuRange(2, MAX_GPUS)
+    assert [written_range(v) for v in (f"2-{MAX_GPUS}", "2-99999", "4-2", "0-1", " 2-4", 24, "２-４")] == [
+        f"2-{MAX_GPUS}",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+    ]
+    fd = claims.open_dir(claims.claims_dir(), create=True)
+    try:
+        held = claims.claim(fd, [UUID(2)], f"2-{MAX_GPUS}")  # as a job on auto:2-9999 writes it
+    finally:
+        os.close(fd)
+    assert held is not None
+    with held:
+        assert claimed()[UUID(2)].gpu_range == f"2-{MAX_GPUS}"

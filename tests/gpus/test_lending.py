@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from ignite_mgpu.gpus import claims, waiting
-from ignite_mgpu.gpus.claims import Holder
+from ignite_mgpu.gpus import claims, holders, waiting
+from ignite_mgpu.gpus.holders import Holder
 from ignite_mgpu.gpus.inventory import GpuInfo
 from ignite_mgpu.gpus.lending import Change, Line, change_for, look
 from ignite_mgpu.gpus.waiting import Waiter
@@ -85,7 +85,7 @@ def test_look_reads_free_gpus_the_line_and_what_another_elastic_job_lends():
         seen = look(fd, snapshot, 0.5)
         assert seen.free == (G[4],) and seen.coming == (G[1],) and seen.claimed == {G[0], G[1]}
         assert [(w.wants, w.count, w.who.pid) for w in seen.waiters] == [(None, 2, os.getpid())]
-        assert claims.holders(fd, [G[0]])[G[0]].lent == (G[1],)
+        assert holders.holders(fd, [G[0]])[G[0]].lent == (G[1],)
     finally:
         ticket.close()
         held.close()

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from ignite_mgpu.gpus import claims, shared_dir, waiting
+from ignite_mgpu.gpus import claims, holders, shared_dir, waiting
 
 GPU = "GPU-8a0e0000-0000-0000-0000-000000000001"
 
@@ -26,7 +26,7 @@ def test_a_live_holder_is_named_beside_any_number_of_other_files(flooded):
     held = claims.claim(flooded, [GPU])
     assert held is not None
     with held:
-        who = claims.holders(flooded, [GPU])[GPU]
+        who = holders.holders(flooded, [GPU])[GPU]
         assert "unknown job" not in who.describe() and who.pid == os.getpid()
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from ignite_mgpu.config.loading import load_config
 from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.processes.outcome import Outcome, cut_short_while_saving
+from ignite_mgpu.processes.outcome import Outcome, cut_short_before_stop, cut_short_while_saving
 
 
 @pytest.mark.parametrize(
@@ -34,3 +34,16 @@ def test_a_stop_cut_short_while_saving_names_no_iteration():
     assert cut_short_while_saving(stopped, saving=False) == stopped  # written: the iteration is true
     failed = Outcome(1, "rank 1 failed with RuntimeError: boom")
     assert cut_short_while_saving(failed, saving=True) == failed
+
+
+def test_a_stop_cut_short_before_the_ranks_stopped_says_the_checkpoint_was_skipped_and_how_to_go_on():
+    stopped = Outcome(143, "stopped by SIGTERM.")
+    cut = cut_short_before_stop(stopped, "a second signal")
+    assert cut.message() == (
+        "stopped by SIGTERM, at once (a second signal), before the ranks stopped by themselves: the stop's checkpoint "
+        "was not written. --resume auto continues from the last complete checkpoint."
+    )
+    grace = cut_short_before_stop(stopped, "they did not stop within dist.stop_grace=5 s")
+    assert grace.cause.startswith("stopped by SIGTERM, at once (they did not stop within dist.stop_grace=5 s), ")
+    failed = Outcome(1, "rank 1 failed with RuntimeError: boom")
+    assert cut_short_before_stop(failed, "a second signal") == failed

@@ -69,6 +69,12 @@ def test_an_epoch_resumes_its_loss_sums_only_mid_way_at_their_iteration():
     once = state(12, [3.5, 4.0, 12])
     _resumed_sums(once)
     assert _resumed_sums(once) == (0.0, 0.0)  # read once: the next epoch starts anew
+    from ignite_mgpu.train.default_job import _resumed_epoch_loss
+
+    assert _resumed_epoch_loss({"epoch_losses": [3.5, 4.0, 12], "world_size": 4}) == [3.5, 4.0, 12]
+    # Every rank's losses and iterations summed, on 4 processes: the same sums once divided by 4.
+    assert _resumed_epoch_loss({"epoch_loss": [14.0, 16.0, 12], "world_size": 4}) == [3.5, 4.0, 12]
+    assert _resumed_epoch_loss({"world_size": 4}) is None
 
 
 def test_sharded_rotation_beside_incomplete_folders_keeps_n_saved_complete_ones(tmp_path):

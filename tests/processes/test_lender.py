@@ -14,7 +14,7 @@ import os
 import pytest
 
 from ignite_mgpu.cpus.binding import BindingPlan, plan_for_job
-from ignite_mgpu.gpus import claims, waiting
+from ignite_mgpu.gpus import claims, holders, waiting
 from ignite_mgpu.gpus.claims import GpuClaims
 from ignite_mgpu.gpus.ranges import GpuRange
 from ignite_mgpu.processes import elastic
@@ -99,11 +99,11 @@ def test_a_lender_lends_to_a_waiter_at_once_and_takes_free_gpus_seen_twice_never
     try:
         lending = lender.look(job, 0.0)
         assert lending is not None and lending.change.lend == (G[3],) and lending.names == {0: G[0], 1: G[1]}
-        assert claims.holders(fd, [G[0]])[G[0]].lent == (G[3],)  # what devices shows, and other lenders count
+        assert holders.holders(fd, [G[0]])[G[0]].lent == (G[3],)  # what devices shows, and other lenders count
     finally:
         ticket.close()
     lender.cancel(lending)  # the change did not happen: nothing is lent
-    assert claims.holders(fd, [G[0]])[G[0]].lent == ()
+    assert holders.holders(fd, [G[0]])[G[0]].lent == ()
 
 
 def test_a_lender_at_max_with_nobody_waiting_asks_nothing_of_nvidia_smi(elastic_job, monkeypatch):
@@ -111,3 +111,16 @@ def test_a_lender_at_max_with_nobody_waiting_asks_nothing_of_nvidia_smi(elastic_
     job = dataclasses.replace(job, gpu_range=GpuRange(1, 2))
     monkeypatch.setattr(elastic.inventory, "query_gpus", lambda: pytest.fail("nvidia-smi asked"))
     assert Lender(held, "1-2").look(job, 0.0) is None
+
+
+def test_a_lender_takes_back_no_more_than_the_range_cut_to_the_data_allows(elastic_job, monkeypatch):
+    """auto:2-4 with a batch of 3 is planned as auto:2-3 (jobs.range_within_the_data): with GPU 2 and 3 free, the job
+    on 2 takes one of them, not both (it died of the batch split over 4)."""
+    job, held, _ = elastic_job
+    job = dataclasses.replace(job, gpu_range=GpuRange(2, 3))
+    monkeypatch.setattr(elastic, "LOOK_EVERY", 0.0)
+    lender = Lender(held, "2-3")
+    assert lender.look(job, 0.0) is None  # seen free once
+    taking = lender.look(job, 0.0)
+    assert taking is not None and taking.change.take == (G[2],) and sorted(taking.names) == [0, 1, 2]
+    lender.cancel(taking)

@@ -2,10 +2,13 @@
 tests/faults. `python -m pytest tests/processes/test_supervisor.py`."""
 
 import dataclasses
+import os
 import signal
+import time
 
 import pytest
 
+from ignite_mgpu.env import stop
 from ignite_mgpu.processes import next_start, supervisor
 from ignite_mgpu.processes.attempt import Ended
 from ignite_mgpu.processes.job import Job, Restart
@@ -71,6 +74,20 @@ def test_each_restart_is_logged_once_with_its_cause_checkpoint_and_loss(no_backo
     )
 
 
+def test_a_restart_after_an_attempt_that_noted_no_iteration_counts_from_its_checkpoint(no_backoff, capsys):
+    """The second attempt resumed at iteration 4 and failed before its ranks noted one: "0 iteration(s) lost (every
+    rank had completed iteration 4)", not "... completed iteration 0" while resuming at 4."""
+    sup = Scripted(
+        LaunchPlan("gloo", 2, max_restarts=2),
+        [(killed(), None, 6), (killed(), None, 0), (Outcome(0), "ok", 9)],
+        lambda k: Restart(("again", k), "/out/checkpoint_4.pt", 4),
+    )
+    assert sup.run() == 0
+    err = capsys.readouterr().err
+    assert "at iteration 4; 2 iteration(s) lost (every rank had completed iteration 6)." in err
+    assert "at iteration 4; 0 iteration(s) lost (every rank had completed iteration 4)." in err, err
+
+
 def test_restarts_run_out_with_the_last_failure_reported_once(no_backoff, capsys):
     sup = Scripted(LaunchPlan("gloo", 2, max_restarts=1), [(killed(), None, 3), (killed(), None, 3)])
     assert sup.run() == 1
@@ -105,6 +122,12 @@ def test_a_stop_signal_during_the_backoff_cancels_the_restart(monkeypatch, capsy
     monkeypatch.setattr(supervisor.time, "sleep", lambda s: setattr(sup, "signal_received", signal.SIGTERM))
     assert sup.run() == 143 and len(sup.started) == 1
     assert capsys.readouterr().err.endswith("ignite-mgpu: stopped by SIGTERM before a restart.\n")
+    resumes = Scripted(LaunchPlan("gloo", 2, max_restarts=1), [(killed(), None, 3)], lambda k: Restart((k,)))
+    monkeypatch.setattr(supervisor.time, "sleep", lambda s: setattr(resumes, "signal_received", signal.SIGTERM))
+    assert resumes.run() == 143  # a job that resumes its checkpoints is told how to go on
+    assert capsys.readouterr().err.endswith(
+        "ignite-mgpu: stopped by SIGTERM before a restart. --resume auto continues from the last complete checkpoint.\n"
+    )
 
 
 def test_rank_0s_return_value_travels_pickled_with_tensors_on_the_cpu(tmp_path):
@@ -157,3 +180,58 @@ def test_the_fork_server_preloads_ignite_mgpus_own_job_but_never_a_users_module(
         default
     )
     assert forkserver.preload_for(Job(killed)) == [forkserver.__name__, *forkserver.PRELOAD]  # a user's: not imported
+
+
+class Stopped:
+    """An attempt as the supervisor's signal handler sees it: what it was told."""
+
+    starting = False
+
+    def __init__(self):
+        self.stops, self.kills = [], []
+
+    def stop(self, received, sent):
+        self.stops.append((received, sent))
+
+    def kill(self, cut_short=""):
+        self.kills.append(cut_short)
+
+
+def test_timeouts_sigterm_to_the_launcher_and_then_its_group_is_one_stop_request(monkeypatch, capsys):
+    """GNU timeout sends SIGTERM to its child, then to the child's process group: the launcher gets it twice
+    within microseconds. That is one request (the stop's checkpoint is written); the same signal a second later, or
+    another one, is a second request: stop at once."""
+    sup = Supervisor(LaunchPlan("gloo", 2), Job(print))
+    sup.attempt = attempt = Stopped()
+    old = signal.signal(signal.SIGTERM, sup._on_signal)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # as timeout does: the child, then its group
+        assert attempt.stops == [(signal.SIGTERM, signal.SIGTERM)] and attempt.kills == []
+        later = time.monotonic() + stop.SAME_REQUEST_WITHIN
+        monkeypatch.setattr(supervisor.time, "monotonic", lambda: later)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert attempt.kills == ["a second signal"]
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert capsys.readouterr().err.count("SIGTERM received") == 1
+
+
+def test_a_one_process_jobs_ctrl_c_repeated_at_once_is_one_request(monkeypatch):
+    """The same in a job that runs in this process: SIGINT twice within the window asks once; a later one stops
+    at once (KeyboardInterrupt)."""
+    from ignite_mgpu.processes.worker import in_process_signals
+
+    stop.reset()
+    try:
+        with in_process_signals():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            assert stop.stop_requested() == signal.SIGINT
+            later = time.monotonic() + stop.SAME_REQUEST_WITHIN
+            monkeypatch.setattr(stop.time, "monotonic", lambda: later)
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.reset()

@@ -38,13 +38,22 @@ class RankCheck(NamedTuple):
 
 def _resumed_sums(state: Any) -> tuple[float, float]:
     """The loss sum and count an epoch starts from: those its checkpoint carried (``state.resumed_epoch_loss``:
-    [sum, count, iteration], set by a resume) when it is resumed mid-way at that iteration, so that its train_loss
-    is the whole epoch's, as an uninterrupted run reports it; else nothing."""
+    [sum, iterations, iteration] as ``epoch_sums`` counts them, set by a resume) when it is resumed mid-way at that
+    iteration, so that its train_loss is the whole epoch's, as an uninterrupted run reports it; else nothing."""
     saved, state.resumed_epoch_loss = getattr(state, "resumed_epoch_loss", None), None
     mid_epoch = bool(state.epoch_length) and state.iteration % state.epoch_length != 0
     if saved and len(saved) == 3 and int(saved[2]) == state.iteration and mid_epoch:
         return float(saved[0]), float(saved[1])
     return 0.0, 0.0
+
+
+def epoch_sums(rows: list[RankCheck]) -> tuple[float, float]:
+    """What one check adds to its epoch's loss sums: the sum of the global batch's mean losses over the iterations it
+    covers, and how many iterations. Each iteration's mean over the ranks is the global batch's mean (the step
+    weights uneven shares), so the epoch's train_loss is the mean over its samples whatever the process counts: an
+    epoch resumed on another number of processes weights every iteration alike."""
+    ranks = len(rows)
+    return sum(row.loss_sum for row in rows) / ranks, sum(row.losses for row in rows) / ranks
 
 
 def gather_checks(local: RankCheck) -> list[RankCheck]:
@@ -265,10 +274,10 @@ class TrainingGuard:
             self._diverged(engine, losses)
         iteration, epoch_length = engine.state.iteration, engine.state.epoch_length
         epoch_end = bool(epoch_length) and iteration % epoch_length == 0  # type: ignore[operator]
-        total, count = sum(row.loss_sum for row in rows), sum(row.losses for row in rows)
-        engine.state.running_loss = total / count  # type: ignore[attr-defined]
+        total, iterations = epoch_sums(rows)
+        engine.state.running_loss = total / iterations  # type: ignore[attr-defined]
         self._epoch_sum += total
-        self._epoch_count += count
+        self._epoch_count += iterations
         # Before a stop: the stop's checkpoint carries the epoch's sums up to its iteration.
         engine.state.epoch_loss = [self._epoch_sum, self._epoch_count]  # type: ignore[attr-defined]
         signum = int(max(row.stop_signal for row in rows))

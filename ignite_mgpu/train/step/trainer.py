@@ -248,9 +248,11 @@ def _follow_global_batches(trainer: Trainer, sampler: GlobalBatchSampler) -> Non
             sampler.set_start(position)
         elif idist.get_rank() == 0:
             logger.warning(
-                "resumed at iteration %d of an epoch of train.epoch_length=%d iterations, not the data's %d global "
-                "batches: the rest of this epoch comes from a new pass over the data, so some of its samples may "
-                "repeat. Leave train.epoch_length unset for a resume that continues at the exact sample.",
+                "resumed at iteration %d of an epoch of %d iterations (as the checkpoint counts it: "
+                "train.epoch_length, or the data's batches when it was written), not the data's %d global batches "
+                "now: the rest of this epoch comes from a new pass over the data, so some of its samples may repeat. "
+                "Leave train.epoch_length unset, and the data as it was, for a resume that continues at the exact "
+                "sample.",
                 position,
                 state.epoch_length,
                 sampler.batches,

@@ -250,3 +250,21 @@ def test_every_check_tells_the_supervisor_how_far_training_got(tmp_path):
         assert stop.read_status(tmp_path / "status0")[:2] == (10, True)
     assert stop.read_status(tmp_path / "status0")[:2] == (10, False)
     assert stop.read_status(tmp_path / "missing") is None
+
+
+def test_an_epoch_whose_process_count_changed_reports_the_mean_over_its_samples():
+    """An epoch of 20 iterations, lent 4 -> 2 processes after iteration 11: each check adds the global batch's mean
+    losses and the iterations (``epoch_sums``), so the epoch's train_loss is the uninterrupted run's (the sums of
+    every rank and iterations x ranks weighted the iterations before the change by the old process count)."""
+    from ignite_mgpu.train.step.guard import RankCheck, epoch_sums
+
+    means = [2.0 - 0.05 * i for i in range(1, 21)]  # the global batch's mean loss of each iteration
+    spread = {4: [-0.3, -0.1, 0.1, 0.3], 2: [-0.2, 0.2]}  # each rank's share differs, its mean is the batch's
+
+    def check(iterations: range, ranks: int) -> list[RankCheck]:
+        sums = [sum(means[i - 1] + spread[ranks][r] for i in iterations) for r in range(ranks)]
+        return [RankCheck(0, s, len(iterations), 1.0, 0.0) for s in sums]
+
+    checks = [check(range(1, 6), 4), check(range(6, 12), 4), check(range(12, 21), 2)]  # one check after the change
+    total, iterations = map(sum, zip(*(epoch_sums(rows) for rows in checks), strict=True))
+    assert iterations == 20 and total / iterations == pytest.approx(sum(means) / 20, abs=1e-12)
