@@ -142,6 +142,19 @@ def read_json(fd: int) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+def read_live(dir_fd: int, name: str, uid: int) -> dict | None:
+    """The JSON object of a live file ``name`` written by ``uid``: a regular file owned by that user and held by an
+    flock (its writer is alive); None for anything else (dead, forged, garbled, gone)."""
+    opened = open_file(dir_fd, name)
+    if not isinstance(opened, tuple):
+        return None
+    fd, st = opened
+    try:
+        return read_json(fd) if st.st_uid == uid and is_locked(fd) else None
+    finally:
+        os.close(fd)
+
+
 def entries(dir_fd: int, keep: Callable[[str], object]) -> list[str]:
     """The names in the folder that ``keep`` accepts, sorted, at most MAX_ENTRIES: filtered before the cap, so that
     any number of other files never hides one that matters."""

@@ -39,21 +39,14 @@ def waiting(dir_fd: int, before: tuple[int, int] | None = None) -> list[Waiter]:
         m = _TICKET.fullmatch(entry)
         if not m or (before is not None and (int(m[1]), int(m[2])) >= before):
             continue
-        opened = shared_dir.open_file(dir_fd, entry)
-        if not isinstance(opened, tuple):
-            continue
-        fd, st = opened
-        try:
-            data = shared_dir.read_json(fd) if st.st_uid == int(m[3]) and shared_dir.is_locked(fd) else None
-        finally:
-            os.close(fd)
+        data = shared_dir.read_live(dir_fd, entry, int(m[3]))
         wants = None if data is None else data.get("wants", False)
         if data is None or not (wants is None or claim_names(wants)):
             continue
         count = data.get("count", 1)
         if not isinstance(count, int) or isinstance(count, bool) or not 1 <= count <= MAX_COUNT:
             count = 1
-        who = Holder(user_name(st.st_uid), int(m[2]), printable(str(data.get("command", ""))), int(m[1]) / 1e9, True)
+        who = Holder(user_name(int(m[3])), int(m[2]), printable(str(data.get("command", ""))), int(m[1]) / 1e9, True)
         wanted = None if wants is None else list(wants)
         found.append(Waiter(who, wanted, len(wanted) if wanted is not None else count, (int(m[1]), int(m[2]))))
     return sorted(found, key=lambda w: w.order)

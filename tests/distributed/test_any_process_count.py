@@ -142,4 +142,5 @@ def test_a_resume_mid_epoch_of_an_explicit_epoch_length_says_samples_may_repeat(
         result = run_cli(["train", *args, "--nproc", "2", *resume], tmp_path, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("some of its samples may repeat") == 1, result.stderr[-3000:]
-    assert "train.epoch_length=4 iterations, not the data's 5 global batches" in result.stderr
+    assert "resumed at iteration 2 of an epoch of 4 iterations (as the checkpoint counts it" in result.stderr
+    assert "not the data's 5 global batches now" in result.stderr
