@@ -200,33 +200,13 @@ def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[tuple[Co
     """Run every check, name the output folder, decide the launch plan, and hold the GPU claims and the output
     folder's lock while the caller runs the job; yields the config with its output folder named (``cfg`` itself
     is left as it is), the plan and the claims. ``preload``: the fork server's modules (``forkserver.preload_for``);
-    when the job surely runs in workers (``surely_in_workers``), the server starts first and imports them while the
-    checks run, else once they passed and the plan says so. Bad input stops it (SIGKILL, waited for) before the
-    error is said: nothing the user can see is left (the supervisor stops it when the job ends).
+    when the job runs in workers, the server starts once every check has passed (bad input never starts a process)
+    and imports them while the output folder is locked and the supervisor starts (stopped here if the job does not
+    start; the supervisor stops it when the job ends).
 
     Raises:
         ConfigError, CheckpointError: before anything was started or created.
     """
-    server = preload is not None and surely_in_workers(cfg.dist)
-    if server:  # its imports (torch: seconds) go on beside the checks; a refusal stops it, as below
-        forkserver.start(preload or [], cluster.signal_number(cfg.dist.preempt_signal))
-    try:
-        with _checked(cfg, preload, server) as prepared_job:
-            yield prepared_job
-    finally:
-        forkserver.stop()
-
-
-def surely_in_workers(dist: DistConfig, environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether a job will run in workers whatever its plan: several processes asked for on one node, not under
-    torchrun or srun, and no waiting in line (a job that waits for hours need not hold torch imported meanwhile)."""
-    several = dist.nproc is not None and dist.nproc > 1 and dist.nnodes == 1
-    return several and dist.wait is None and not cluster.started_externally(environ)
-
-
-@contextlib.contextmanager
-def _checked(cfg: Config, preload: list[str] | None, server: bool) -> Iterator[tuple[Config, LaunchPlan, GpuClaims]]:
-    """``prepared``'s checks and plan; the fork server started here when it was not (``server``) and needed."""
     from ignite_mgpu.train.tracking.packages import check_trackers  # torch-free, as the launcher stays
 
     # What the config names, then where the run goes: every mistake at once, in that order.
@@ -245,21 +225,23 @@ def _checked(cfg: Config, preload: list[str] | None, server: bool) -> Iterator[t
     if leader:
         warn_restarts_without_checkpoints(cfg)
         warn_double_warmup(cfg)
-    with checked_plan(cfg) as (plan, claims):
-        # Every check passed, the GPUs are the job's: said once it is sure to be made (not before a refusal).
-        if chosen:
-            print(said(f"ignite-mgpu: output_dir {cfg.output_dir} (--output-dir chooses one)"), file=sys.stderr)
-        if preload is not None and in_workers(plan) and not server:
-            forkserver.start(preload, cluster.signal_number(cfg.dist.preempt_signal))
-        elif server and not in_workers(plan):
-            forkserver.stop()  # started for nothing: the job runs here
-        if not leader:
-            yield cfg, plan, claims
-            return
-        with output_lock(run_dir(cfg.output_dir)):
-            # Again under the lock: a job may have run there since the check.
-            check_no_foreign_checkpoints(cfg)
-            yield cfg, plan, claims
+    try:
+        with checked_plan(cfg) as (plan, claims):
+            # Every check passed, the GPUs are the job's: said once it is sure to be made (not before a refusal).
+            if chosen:
+                print(said(f"ignite-mgpu: output_dir {cfg.output_dir} (--output-dir chooses one)"), file=sys.stderr)
+            # Bad input never starts a process.
+            if preload is not None and in_workers(plan):
+                forkserver.start(preload, cluster.signal_number(cfg.dist.preempt_signal))
+            if not leader:
+                yield cfg, plan, claims
+                return
+            with output_lock(run_dir(cfg.output_dir)):
+                # Again under the lock: a job may have run there since the check.
+                check_no_foreign_checkpoints(cfg)
+                yield cfg, plan, claims
+    finally:
+        forkserver.stop()
 
 
 def evaluate(cfg: Config, checkpoint: str | Path, as_json: bool = False) -> int:
