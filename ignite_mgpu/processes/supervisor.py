@@ -179,8 +179,9 @@ class Supervisor:
                 attempt.kill(cut_short="a second signal")
             raise KeyboardInterrupt
         self.signal_received, self.signal_at = signum, now
-        starting = attempt is not None and attempt.starting
-        # While starting, the attempt kills what it started: no worker of it has begun.
+        # Before the first attempt started a worker, or while it starts them, the attempt kills what it started: no
+        # worker of it has begun.
+        starting = attempt is None or attempt.starting or not attempt.procs
         _print(stop_message(signum, self.plan.join_group, self.plan.stop_grace, starting))
         # The pre-emption signal is passed on as it is: every rank must stop for the same reason (its exit code); the
         # default job's workers stop on SIGTERM (their SIGINT is ignored: a terminal's Ctrl-C is the launcher's).

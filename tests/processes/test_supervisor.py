@@ -186,6 +186,7 @@ class Stopped:
     """An attempt as the supervisor's signal handler sees it: what it was told."""
 
     starting = False
+    procs = ["its workers"]  # started: running
 
     def __init__(self):
         self.stops, self.kills = [], []
