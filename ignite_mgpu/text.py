@@ -10,6 +10,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 
+def user_name(uid: int) -> str:
+    """A user's login name for a message, or "uid N" where the system knows none."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return f"uid {uid}"
+
+
 def plural(count: int, noun: str) -> str:
     """``count`` and ``noun``, pluralised: (1, "process") -> "1 process", (2, "process") -> "2 processes"."""
     return f"{count} {noun}{'' if count == 1 else 'es' if noun.endswith('s') else 's'}"

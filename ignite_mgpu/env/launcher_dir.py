@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import pwd
 import re
 import shutil
 import stat
 import tempfile
 import time
 from pathlib import Path
+
+from ignite_mgpu.text import user_name
 
 PREFIX = "ignite-mgpu-"
 _NAME = re.compile(rf"{PREFIX}(\d+)-[A-Za-z0-9_]+")
@@ -41,13 +42,6 @@ def remove(folder: Path, fd: int) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     with contextlib.suppress(OSError):
         os.close(fd)
-
-
-def _user(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except (KeyError, OverflowError):
-        return f"uid {uid}"
 
 
 def _owner(pid: int) -> int | None:
@@ -83,7 +77,7 @@ def why_untrusted(folder: Path, pid: int) -> str | None:
     if not stat.S_ISDIR(st.st_mode):
         return "is not a folder (a symlink or a file in its place)"
     if st.st_uid != os.geteuid():
-        return f"belongs to {_user(st.st_uid)}, not to {_user(os.geteuid())}: another user made it"
+        return f"belongs to {user_name(st.st_uid)}, not to {user_name(os.geteuid())}: another user made it"
     if stat.S_IMODE(st.st_mode) & 0o077:
         return f"is not private (mode {stat.S_IMODE(st.st_mode):04o}; a launcher makes its folder 0700)"
     if not held_by(pid, folder):

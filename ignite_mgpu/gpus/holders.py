@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from ignite_mgpu.gpus import shared_dir
 from ignite_mgpu.gpus.ranges import written_range
-from ignite_mgpu.gpus.shared_dir import printable, user_name
+from ignite_mgpu.gpus.shared_dir import printable
+from ignite_mgpu.text import user_name
 
 _NO_HOLDER = "it wrote no readable holder file"
 

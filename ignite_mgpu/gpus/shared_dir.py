@@ -9,7 +9,6 @@ import errno
 import fcntl
 import json
 import os
-import pwd
 import stat
 from collections.abc import Callable
 
@@ -39,13 +38,6 @@ def write_problem(err: OSError) -> str:
     name = errno.errorcode.get(err.errno or 0, f"errno {err.errno}")
     what = _CANNOT_WRITE.get(err.errno or 0, "a file cannot be made or written in it")
     return f"{what} ({err.strerror or err}, {name})"
-
-
-def user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except (KeyError, OverflowError):
-        return f"uid {uid}"
 
 
 def printable(text: str, limit: int = 200) -> str:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from ignite_mgpu.gpus import shared_dir
 from ignite_mgpu.gpus.claims import command_line, unwritable
 from ignite_mgpu.gpus.holders import Holder, claim_names
-from ignite_mgpu.gpus.shared_dir import printable, user_name
+from ignite_mgpu.gpus.shared_dir import printable
+from ignite_mgpu.text import user_name
 
 _TICKET = re.compile(r"wait-(\d{1,20})-(\d{1,10})-(\d{1,10})")  # wait-<start ns>-<pid>-<uid>
 MAX_COUNT = 4096  # a ticket asking for more GPUs than this is garbage

@@ -155,21 +155,9 @@ class Relay:
     def _write(self, channel: _Channel, data: bytes) -> None:
         if self.prefix:
             tag = f"[rank{channel.rank}]:".encode()
-            data = b"".join(tag + piece for piece in _pieces(data))
+            data = b"".join(tag + piece for piece in data.splitlines(keepends=True))  # \n, \r or \r\n
         view = memoryview(data)
         # A closed terminal or pipe (`| head`): the rest is dropped, the workers go on.
         with contextlib.suppress(OSError):
             while view:
                 view = view[os.write(channel.out, view) :]
-
-
-def _pieces(data: bytes) -> list[bytes]:
-    """``data`` (ending in a newline or ``\\r``) cut after every newline and ``\\r``."""
-    pieces, start = [], 0
-    for i, byte in enumerate(data):
-        if byte in (10, 13):
-            pieces.append(data[start : i + 1])
-            start = i + 1
-    if start < len(data):
-        pieces.append(data[start:])
-    return pieces
