@@ -1,11 +1,12 @@
 """The front door as a new user meets it: a command run in a real (pseudo-)terminal, in an environment that has only
 the package's declared dependencies.
 
-``declared_only(folder)`` makes a folder for PYTHONPATH whose ``sitecustomize`` makes every module of an installed
-distribution that ``pip install -e .`` would not have brought (the ``dev`` extra's, and what they pulled in) fail to
-import with ``ModuleNotFoundError``, as it would after the README's install, in this process's children too (the
-fork server, the workers). The list is computed from ``setup.cfg``'s ``install_requires`` and the installed
-distributions' own requirements. ``in_terminal`` runs a command with a pseudo-terminal as its stdin, stdout and
+``declared_only(folder)`` makes a folder for PYTHONPATH whose ``sitecustomize`` takes the installed
+site-packages off ``sys.path`` and puts in their place a folder of links to the declared distributions only (their
+modules and their metadata), computed from ``setup.cfg``'s ``install_requires`` and the installed distributions' own
+requirements: what the ``dev`` extra brought, or the machine had before, is not found at all (``find_spec`` answers
+``None``, ``importlib.metadata`` does not list it), as after the README's install, in this process's children too
+(the fork server, the workers). ``in_terminal`` runs a command with a pseudo-terminal as its stdin, stdout and
 stderr, and returns its exit code and everything it showed.
 """
 
@@ -17,33 +18,28 @@ import os
 import re
 import select
 import signal
+import site
 import struct
 import subprocess
-import sys
 import termios
 import time
 from importlib import metadata
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-UNDECLARED = "IGNITE_MGPU_TEST_UNDECLARED"
+LINKS = "IGNITE_MGPU_TEST_DECLARED_SITE"
+HIDDEN = "IGNITE_MGPU_TEST_HIDDEN_SITES"
 
-_SITECUSTOMIZE = f'''"""Modules of distributions the package does not declare cannot be imported (tests/terminal.py)."""
-import importlib.abc
+_SITECUSTOMIZE = f'''"""Only the declared distributions can be found (tests/terminal.py)."""
+import importlib
 import os
 import sys
 
-_BLOCKED = frozenset(os.environ.get("{UNDECLARED}", "").split(","))
-
-
-class _Undeclared(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in _BLOCKED:
-            raise ModuleNotFoundError(f"No module named {{name!r}} (not installed by pip install -e .)", name=name)
-        return None
-
-
-sys.meta_path.insert(0, _Undeclared())
+_hidden = set(os.environ["{HIDDEN}"].split(os.pathsep))
+sys.path[:] = [entry for entry in sys.path if entry not in _hidden]
+sys.path.append(os.environ["{LINKS}"])
+sys.path_importer_cache.clear()
+importlib.invalidate_caches()
 '''
 
 
@@ -78,15 +74,18 @@ def installed_closure(requirements: list[str]) -> set[str]:
     return needed
 
 
-def undeclared_modules() -> set[str]:
-    """Top-level modules of installed distributions outside the declared closure (and outside the standard
-    library)."""
-    needed = installed_closure(declared_requirements()) | {"ignite-mgpu", "pip", "setuptools"}
-    return {
-        module
-        for module, dists in metadata.packages_distributions().items()
-        if module not in sys.stdlib_module_names and not any(_canonical(d) in needed for d in dists)
-    }
+def link_declared(links: Path) -> None:
+    """Fill ``links`` with a link to every top-level entry (module, package, metadata folder) of the installed
+    distributions that the package's install brings."""
+    needed = installed_closure(declared_requirements()) | {"pip", "setuptools"}
+    links.mkdir(parents=True, exist_ok=True)
+    for dist in metadata.distributions():
+        if _canonical(dist.metadata["Name"]) not in needed or _canonical(dist.metadata["Name"]) == "ignite-mgpu":
+            continue
+        for top in {Path(file).parts[0] for file in dist.files or []} - {".."}:
+            target, link = Path(dist.locate_file(top)), links / top
+            if target.exists() and not link.exists() and not top.endswith(".pth"):
+                link.symlink_to(target)
 
 
 def declared_only(folder: Path, package: Path = REPO) -> dict[str, str]:
@@ -94,7 +93,13 @@ def declared_only(folder: Path, package: Path = REPO) -> dict[str, str]:
     that holds ``ignite_mgpu``: the checkout, or ``docs_blocks.installed_only``'s) on PYTHONPATH."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(_SITECUSTOMIZE)
-    return {"PYTHONPATH": f"{folder}{os.pathsep}{package}", UNDECLARED: ",".join(sorted(undeclared_modules()))}
+    link_declared(folder / "declared")
+    hidden = {*site.getsitepackages(), site.getusersitepackages()}
+    return {
+        "PYTHONPATH": f"{folder}{os.pathsep}{package}",
+        LINKS: str(folder / "declared"),
+        HIDDEN: os.pathsep.join(sorted(hidden)),
+    }
 
 
 def in_terminal(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, str]:
