@@ -41,6 +41,7 @@ from ignite_mgpu.runs.lock import output_lock
 from ignite_mgpu.runs.read import best_model, last_epoch
 
 TRAINING = "ignite_mgpu.train.default_job:training"
+SCORING = "ignite_mgpu.train.default_job:scoring"
 
 
 def said(message: str) -> str:
@@ -247,22 +248,33 @@ def prepared(cfg: Config, preload: list[str] | None = None) -> Iterator[tuple[Co
 def evaluate(cfg: Config, checkpoint: str | Path, as_json: bool = False) -> int:
     """Score the weights in ``checkpoint`` on ``cfg``'s validation split, on the processes ``cfg.dist`` asks for;
     rank 0 prints the metrics. Before any worker starts: ``train``'s checks (but the output folder's, as nothing
-    is written) and the checkpoint against the model."""
-    from ignite_mgpu.checkpoint.load import load_checkpoint
-    from ignite_mgpu.train.data.datasets import build_datasets, example_inputs
-    from ignite_mgpu.train.default_job import scoring
-    from ignite_mgpu.train.models import create_model
-
+    is written) and the checkpoint against the model. That check imports torch here; the fork server imports it
+    beside it, and a refusal stops the server before the error is said (nothing is left)."""
     try:
         validate(cfg)
         check_job(cfg)
+        job = Job(SCORING, (cfg, str(checkpoint), as_json))
         with checked_plan(cfg) as (plan, claims):
-            splits = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
-            model = create_model(cfg.model, example_inputs(splits.val, splits.collate_fn))
-            load_checkpoint(checkpoint, {"model": model}, map_location="cpu")
-            return launcher.run_job(plan, Job(scoring, (cfg, str(checkpoint), as_json)), claims).outcome.code
+            try:
+                if in_workers(plan):
+                    forkserver.start(forkserver.preload_for(job), cluster.signal_number(cfg.dist.preempt_signal))
+                check_checkpoint_fits(cfg, checkpoint)
+                return launcher.run_job(plan, job, claims).outcome.code
+            finally:
+                forkserver.stop()
     except (ConfigError, CheckpointError) as err:
         return _refused(err)
+
+
+def check_checkpoint_fits(cfg: Config, checkpoint: str | Path) -> None:
+    """CheckpointError unless ``checkpoint``'s model weights load into ``cfg``'s model."""
+    from ignite_mgpu.checkpoint.load import load_checkpoint
+    from ignite_mgpu.train.data.datasets import build_datasets, example_inputs
+    from ignite_mgpu.train.models import create_model
+
+    splits = build_datasets(cfg.data, cfg.model.num_classes, cfg.seed)
+    model = create_model(cfg.model, example_inputs(splits.val, splits.collate_fn))
+    load_checkpoint(checkpoint, {"model": model}, map_location="cpu")
 
 
 def plan_memory(cfg: Config, as_json: bool = False) -> int:

@@ -1,5 +1,7 @@
 """Config loading: precedence, unknown keys, types and value checks. `python -m pytest tests/test_config.py`."""
 
+import dataclasses
+
 import pytest
 
 from ignite_mgpu.config.checks import validate
@@ -29,6 +31,18 @@ def test_dump_round_trips(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(dump_config(cfg))
     assert load_config(path) == cfg
+
+
+def test_dump_writes_what_omegaconf_writes_and_strings_stay_strings(tmp_path):
+    from omegaconf import OmegaConf
+
+    cfg = load_config(overrides=["output_dir=/tmp/a b", "train.micro_batch=auto", "optim.lr=1e-4"])
+    awkward = {"a": "1e-3", "b": "true", "c": "null", "d": "", "e": "x: y", "f": [1, "2", None], "g": {"h": "yes"}}
+    awkward |= {"i": "ünï", "j": "0x10", "k": "inf", "l": "- a", "m": ".5", "n": "~", "o": "#x"}
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, args=awkward))
+    assert dump_config(cfg) == OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    assert load_config(tmp_path / "config.yaml") == cfg
 
 
 @pytest.mark.parametrize(

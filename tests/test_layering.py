@@ -254,6 +254,21 @@ def test_the_torch_free_layers_import_neither_torch_nor_ignite():
     assert "ignite_mgpu.processes.launcher" in modules and "ignite_mgpu.runs.read" in modules
 
 
+@pytest.mark.timeout(60)
+def test_the_default_jobs_workers_import_only_what_training_needs():
+    # What the fork server preloads for the default job: not the config loader's OmegaConf, the figure's matplotlib,
+    # or the packages that only a named model, dataset or tracker needs.
+    check = (
+        "import sys, importlib; from ignite_mgpu.processes import forkserver; "
+        "from ignite_mgpu.processes.job import Job; "
+        "[importlib.import_module(m) for m in forkserver.preload_for(Job('ignite_mgpu.train.default_job:training'))]; "
+        "print(sorted(m for m in ('omegaconf', 'matplotlib', 'transformers', 'timm', 'tensorboard', 'mlflow', "
+        "'wandb', 'psutil', 'torchvision') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_no_subpackage_or_module_shadows_a_public_name():
     for info in pkgutil.walk_packages(ignite_mgpu.__path__, "ignite_mgpu."):
         if info.name.startswith("ignite_mgpu.memory.") and not MEMORY_TRACKERS:

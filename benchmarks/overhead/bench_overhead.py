@@ -34,7 +34,7 @@ if str(Path(__file__).resolve().parents[2]) not in sys.path:
 from benchmarks.overhead.loops import WORKLOADS
 from benchmarks.overhead.report import machine, report
 from benchmarks.overhead.session import MEASURED_EPOCHS, run_session, session_main
-from benchmarks.overhead.startup import help_seconds, reference_worker, time_to_first_iteration
+from benchmarks.overhead.startup import help_seconds, time_to_first_iteration
 
 
 def main() -> int:
@@ -45,15 +45,9 @@ def main() -> int:
     parser.add_argument("--json", metavar="PATH", help="also write every figure as JSON to PATH")
     parser.add_argument("--no-pin", action="store_true", help="leave the processes unpinned (default: 1 core each)")
     parser.add_argument("--session", help=argparse.SUPPRESS)
-    parser.add_argument("--reference-spawn", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.session:
         session_main(args.session)
-        return 0
-    if args.reference_spawn:
-        import torch.multiprocessing as mp
-
-        mp.spawn(reference_worker, args=(args.reference_spawn,), nprocs=2)
         return 0
 
     rounds, epochs = (1, 1) if args.quick else (args.rounds, MEASURED_EPOCHS)

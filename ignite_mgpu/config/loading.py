@@ -16,6 +16,7 @@ from ignite_mgpu.config.schema import Config
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.runs.regular import NotRegular, read_regular
 
+YAML_BOOLEANS = frozenset("y Y yes Yes YES n N no No NO true True TRUE false False FALSE on On ON off Off OFF".split())
 MAX_CONFIG_BYTES = 16 << 20  # a config file is a few KiB; anything this large is not one
 
 
@@ -134,7 +135,30 @@ def load_config(
 
 
 def dump_config(cfg: Config) -> str:
-    """The fully resolved config as YAML (written to output_dir/config.yaml by rank 0)."""
-    from omegaconf import OmegaConf
+    """The fully resolved config as YAML (written to output_dir/config.yaml by rank 0), the text OmegaConf's
+    ``to_yaml`` gives, written by PyYAML alone: importing OmegaConf would cost rank 0 a quarter of a second before
+    its first step. A string that OmegaConf would read back as a number or a boolean is quoted."""
+    import dataclasses
 
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def string(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="'" if _typed(value) else None)
+
+    Dumper.add_representer(str, string)
+    return yaml.dump(dataclasses.asdict(cfg), Dumper=Dumper, sort_keys=False, allow_unicode=True)
+
+
+def _typed(value: str) -> bool:
+    """Whether OmegaConf quotes ``value`` when it writes YAML: a boolean of YAML 1.1 or a number as Python reads
+    one (1e-3, inf); PyYAML quotes the rest that needs it."""
+    if value in YAML_BOOLEANS:
+        return True
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True

@@ -32,8 +32,8 @@ _IGNORES = "IGNITE_MGPU_SERVER"
 # What every worker of the process layer imports: ignite.distributed (worker.run_in_group) and torch; torch._dynamo
 # is the largest part, imported when the first optimizer is built (torch.optim's add_param_group).
 PRELOAD = ("torch", "torch._dynamo", "ignite.distributed", "ignite_mgpu.processes.worker")
-# The default job; it imports the last two lazily.
-DEFAULT_JOB = ("ignite_mgpu.train.default_job", "omegaconf", "psutil")
+# The default job. Not OmegaConf (a quarter of a second): rank 0 writes config.yaml with PyYAML.
+DEFAULT_JOB = ("ignite_mgpu.train.default_job",)
 _OWN = "ignite_mgpu."
 _started: list[int] = []  # the pid of the server that this process started (and stops), if one runs
 _ended: list[str] = []  # how that server ended, once seen ("was killed by SIGKILL")

@@ -49,7 +49,22 @@ def run_bounded(args: list[str], cwd: Path, timeout: float = 90) -> subprocess.C
         pytest.fail(f"{args} did not finish in {timeout} s\n{out[-2000:]}\n{err[-2000:]}")
     result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     result.seconds = time.monotonic() - start  # type: ignore[attr-defined]
+    result.left = left_in_session(proc.pid)  # type: ignore[attr-defined]
     return result
+
+
+def left_in_session(session: int) -> list[str]:
+    """The processes still alive in ``session`` (its leader's pid), as "pid command"."""
+    left = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[3]) == session and fields[0] != "Z":
+            command = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")[:200]
+            left.append(f"{stat.parent.name} {command!r}")
+    return left
 
 
 def one_paragraph(text: str) -> str:

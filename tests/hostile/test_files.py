@@ -50,7 +50,9 @@ def test_a_yaml_list_is_one_paragraph(tmp_path):
 
 
 @pytest.mark.slow
-def test_evaluate_an_empty_checkpoint_is_one_paragraph(tmp_path, empty):
-    result = run_bounded(["evaluate", "--nproc", "1", "--checkpoint", str(empty), *TINY], tmp_path, timeout=120)
+def test_evaluate_an_empty_checkpoint_is_one_paragraph_and_leaves_no_process(tmp_path, empty):
+    # On 2 processes the fork server imports beside the checkpoint's check: the refusal stops it first.
+    result = run_bounded(["evaluate", "--nproc", "2", "--checkpoint", str(empty), *TINY], tmp_path, timeout=120)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "is empty (0 bytes)" in one_paragraph(result.stderr)
+    assert result.left == []
