@@ -10,9 +10,10 @@ waiter behind it, as the line itself does (``acquire.py``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-from ignite_mgpu.gpus import claims, holders, inventory, waiting
+from ignite_mgpu.gpus import claims, holders, inventory, links, waiting
 from ignite_mgpu.gpus.acquire import busy
 from ignite_mgpu.gpus.holders import Holder
 from ignite_mgpu.gpus.waiting import Waiter
@@ -39,12 +40,15 @@ class Line:
     coming: tuple[str, ...]
     waiters: tuple[Waiter, ...]
     claimed: frozenset[str] = frozenset()  # every GPU some job claims (this one's too)
+    # Claim name -> claim name -> their link as nvidia-smi topo -m prints it ("NV12", "SYS"); empty: unknown
+    links: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
 
 def change_for(held: list[str], low: int, high: int, line: Line, avoid: frozenset[str] = frozenset()) -> Change:
     """The change for a job holding ``held`` (claim names in CUDA order) on ``auto:low-high``. Lent first: the GPUs
     a waiter names, else the job's last ones (rank 0 keeps its GPU). ``avoid``: free GPUs never to take (left out
-    after a failure); a waiter may have them."""
+    after a failure); a waiter may have them. Taken: the free GPUs best linked to those held (``links.best_set``,
+    as ``--gpus auto`` chooses), in id order where the links are unknown or equal."""
     pool = [*line.coming, *line.free]  # what a waiter can have without this job
     spare = len(held) - low
     lend: list[str] = []
@@ -72,7 +76,10 @@ def change_for(held: list[str], low: int, high: int, line: Line, avoid: frozense
         pool = []
         to.append(w.who)
     takable = [n for n in line.free if n not in avoid]
-    take = () if line.waiters else tuple(takable[: max(0, high - len(held))])
+    wanted = max(0, high - len(held))
+    take = (
+        () if line.waiters else tuple(links.best_set(held, takable, wanted, lambda a, b: line.links.get(a, {}).get(b)))
+    )
     return Change(tuple(lend), tuple(take), tuple(to))
 
 
@@ -88,7 +95,8 @@ def look(
     )
     coming = tuple(name for name, who in held.items() if name in who.lent)
     line = waiting.waiting(dir_fd) if waiters is None else waiters
-    return Line(free, coming, tuple(line), frozenset(held))
+    linked = {names[g.index]: {names[i]: cell for i, cell in g.links if i in names} for g in snapshot}
+    return Line(free, coming, tuple(line), frozenset(held), linked)
 
 
 def _mig(snapshot: list[inventory.GpuInfo], index: int) -> bool:
