@@ -20,10 +20,12 @@ from ignite_mgpu.config.schema import DistConfig
 from ignite_mgpu.gpus import inventory, links
 from ignite_mgpu.gpus.acquire import acquire
 from ignite_mgpu.gpus.devices import format_devices
+from ignite_mgpu.gpus.holders import Holder
 from ignite_mgpu.gpus.inventory import query_gpus
 from ignite_mgpu.gpus.lending import Line, change_for
 from ignite_mgpu.gpus.links import best_set, parse_matrix, read_matrix
 from ignite_mgpu.gpus.selection import plan_gpus
+from ignite_mgpu.gpus.waiting import Waiter
 from tests.gpus.test_claims import TABLE, fake_gpus  # noqa: F401  (a fixture)
 from tests.gpus.test_gpus import TOPO
 
@@ -257,17 +259,30 @@ def test_many_gpus_are_searched_greedily_and_still_find_the_linked_set():
     assert best_set([], list(range(16)), 8, lambda a, b: None) == list(range(8))  # unknown: the order given
 
 
-# --- elastic jobs taking GPUs back ----------------------------------------------------------------------------------
+# --- elastic jobs taking GPUs back and lending ----------------------------------------------------------------------
+
+
+# The issue's server by claim name: NVLink pairs g0-g1 and g2-g3, SYS between them.
+PAIRS = {
+    a: {b: "NV4" if {a, b} in ({"g0", "g1"}, {"g2", "g3"}) else "SYS" for b in "g0 g1 g2 g3".split() if b != a}
+    for a in "g0 g1 g2 g3".split()
+}
 
 
 def test_an_elastic_job_takes_back_the_free_gpu_linked_to_its_own():
-    linked = {"g0": {"g1": "NV4"}, "g1": {"g0": "NV4"}, "g2": {"g3": "NV4"}, "g3": {"g2": "NV4"}}
-    for a in ("g0", "g1"):
-        for b in ("g2", "g3"):
-            linked[a][b] = linked[b][a] = "SYS"
-    line = Line(free=("g1", "g3"), coming=(), waiters=(), links=linked)
+    line = Line(free=("g1", "g3"), coming=(), waiters=(), links=PAIRS)
     assert change_for(["g2"], 1, 2, line).take == ("g3",)
     assert change_for(["g2"], 1, 2, Line(free=("g1", "g3"), coming=(), waiters=())).take == ("g1",)  # unknown
+
+
+def test_an_elastic_job_lends_so_that_the_gpus_it_keeps_stay_linked():
+    """Holding g0, g2, g1, g3 in that CUDA order (g1 and g3 taken back later), a waiter for two gets g3 and g2:
+    the job keeps the NVLinked g0, g1, not its last ones (g3, g1), which would leave it g0, g2 across sockets."""
+    waiter = Waiter(Holder("bob", 1, known=True), None, 2)
+    held = ["g0", "g2", "g1", "g3"]
+    assert change_for(held, 2, 4, Line((), (), (waiter,), links=PAIRS)).lend == ("g3", "g2")
+    assert change_for(held, 2, 4, Line((), (), (waiter,))).lend == ("g3", "g1")  # unknown: the last ones
+    assert change_for(held, 3, 4, Line((), (), (Waiter(waiter.who, None, 1),), links=PAIRS)).lend == ("g3",)
 
 
 # --- the stand-in nvidia-smi and the commands -------------------------------------------------------------------
