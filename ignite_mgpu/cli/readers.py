@@ -14,10 +14,11 @@ from ignite_mgpu.cli.options import errors_to_exit
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def devices(as_json: bool) -> None:
-    """List every GPU, its processes and the job that claims it.
+    """List every GPU, its processes, the job that claims it and how the GPUs are linked.
 
-    For each: physical id, PCI bus, memory, utilisation, processes and their users, the job that claims it, and its
-    CUDA index here."""
+    For each: physical id, PCI bus, memory, utilisation, processes and their users, the job that claims it, its
+    CUDA index here, and its links to the others (NVLink, PCIe, across CPU sockets: nvidia-smi topo -m's names) with
+    its NUMA node."""
     from ignite_mgpu.gpus import inventory
     from ignite_mgpu.gpus.devices import format_devices, who_has
 

@@ -1,8 +1,10 @@
 """The machine's GPUs and who has them, torch-free (imports nothing here):
 
-- ``inventory``: GPU discovery (NVML, nvidia-smi) and each GPU's NUMA node, as a snapshot;
+- ``inventory``: GPU discovery (NVML, nvidia-smi) and each GPU's NUMA node and links, as a snapshot;
+- ``links``: how the GPUs are linked (``nvidia-smi topo -m``, NVML), ranked, and the best-linked set of candidates;
 - ``ranges``: ``--gpus auto:MIN-MAX``, an elastic job's range, and how many GPUs it takes from a snapshot;
 - ``selection``: the ``--gpus`` grammar and the physical ids a job uses, pure over the snapshot;
+- ``choice``: ``--gpus auto``'s choice: the idlest GPUs, the best linked among equals, and the line saying why;
 - ``claims``: GPU claims on a shared machine (flocks in one machine-wide folder), taken and let go;
 - ``holders``: who holds each claim, read from the folder without trusting it;
 - ``waiting``: the line of jobs waiting for GPUs (``--wait``), a ticket each;

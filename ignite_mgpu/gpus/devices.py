@@ -1,5 +1,5 @@
 """The ``ignite-mgpu devices`` table: every GPU of the snapshot, what runs on it and whose it is, the job that
-claims it, and its CUDA index under this environment's CUDA_VISIBLE_DEVICES. Torch-free."""
+claims it, its CUDA index under this environment's CUDA_VISIBLE_DEVICES, and how the GPUs are linked. Torch-free."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from ignite_mgpu.errors import ConfigError
-from ignite_mgpu.gpus import claims, holders
+from ignite_mgpu.gpus import claims, holders, links
 from ignite_mgpu.gpus.inventory import GpuInfo
 from ignite_mgpu.gpus.selection import visible_ids
 from ignite_mgpu.text import format_ids
@@ -76,6 +76,7 @@ def _as_json(
     rows = [
         {
             **asdict(g),
+            "links": {str(other): cell for other, cell in g.links},  # physical id -> as nvidia-smi topo -m prints it
             "cuda_index": cuda[g.index],
             "claim": held.claims[g.index].as_json() if g.index in held.claims else None,
             "process_users": {str(pid): held.users[pid] for pid in g.pids if pid in held.users},
@@ -89,6 +90,26 @@ def _as_json(
     ]
     ranges = {"elastic_jobs": elastic} if elastic else {}  # jobs on --gpus auto:MIN-MAX
     return json.dumps({"gpus": rows, "cpu_fallback": fallback, **ranges, **note}, indent=2)
+
+
+def link_lines(gpus: list[GpuInfo]) -> list[str]:
+    """Each GPU's links, grouped by kind, best first ("GPU 0 (NUMA 0): NV4 to 1; SYS to 2,3"), and what the kinds
+    shown mean; none when no link is known (a single GPU, or nvidia-smi topo -m could not tell)."""
+    if not any(g.links for g in gpus):
+        return []
+    seen: dict[str, None] = {}
+    lines = ["Links (nvidia-smi topo -m), best first:"]
+    for g in gpus:
+        kinds: dict[str, list[int]] = {}
+        for other, cell in sorted(g.links, key=lambda link: (links.score(link[1]), link[0])):
+            kinds.setdefault(cell, []).append(other)
+            seen[cell] = None
+        numa = "" if g.numa_node is None else f" (NUMA {g.numa_node})"
+        found = "; ".join(f"{cell} to {format_ids(ids)}" for cell, ids in kinds.items()) or "unknown"
+        lines.append(f"  GPU {g.index}{numa}: {found}")
+    kinds_shown = sorted(seen, key=links.score)
+    lines.append(f"  {'; '.join(f'{cell}: {links.meaning(cell)}' for cell in kinds_shown)}.")
+    return lines
 
 
 def format_devices(
@@ -140,4 +161,4 @@ def format_devices(
         )
     if cpu_only:
         lines.append("Every GPU is hidden, so training would use the CPU (backend gloo, 1 process by default).")
-    return "\n".join(lines)
+    return "\n".join(lines + link_lines(gpus))

@@ -1,13 +1,18 @@
-"""GPU discovery: a snapshot of the machine's NVIDIA GPUs (NVML, else nvidia-smi) and their NUMA nodes. Which of
-them a job uses is ``selection.py``'s. Stdlib only: torch is never imported, so the CLI starts fast.
+"""GPU discovery: a snapshot of the machine's NVIDIA GPUs (NVML, else nvidia-smi), how they are linked
+(``links.py``) and their NUMA nodes. Which of them a job uses is ``selection.py``'s. Stdlib only: torch is never
+imported, so the CLI starts fast.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+from ignite_mgpu.gpus import links as gpu_links
 
 _QUERY_GPUS = "--query-gpu=index,pci.bus_id,name,memory.used,memory.total,utilization.gpu"
 # The UUID comes last, where a recording without it (older answers) leaves the other columns as they were.
@@ -35,6 +40,13 @@ class GpuInfo:
     mig: bool = False  # in MIG mode: CUDA sees its MIG instances (nvidia-smi -L), not the card
     uuid: str = ""  # "GPU-8a0e..." (claims.py names the GPU by it); "" if unknown
     pids: tuple[int, ...] = ()  # its compute processes, as far as listed
+    # Its link to each other GPU (physical id, as nvidia-smi topo -m prints it: "NV12", "PIX", "SYS"); () unknown
+    links: tuple[tuple[int, str], ...] = ()
+    numa_node: int | None = None  # the NUMA node nvidia-smi topo -m gives it; None if unknown
+
+    def link_to(self, other: int) -> str | None:
+        """The link to GPU ``other`` as topo -m prints it; None if unknown."""
+        return dict(self.links).get(other)
 
 
 def _bus(bus_id: str) -> str:
@@ -74,7 +86,7 @@ def _query_nvml() -> list[GpuInfo] | None:
     mig_mode = getattr(pynvml, "nvmlDeviceGetMigMode", None)  # absent from old pynvml releases
     uuid_of = getattr(pynvml, "nvmlDeviceGetUUID", lambda handle: "")
     try:
-        gpus = []
+        gpus, handles = [], {}
         for i in range(pynvml.nvmlDeviceGetCount()):
             # NVML enumerates in PCI bus order, like nvidia-smi.
             try:
@@ -97,15 +109,41 @@ def _query_nvml() -> list[GpuInfo] | None:
             except pynvml.NVMLError:
                 uuid = ""
             gpus.append(GpuInfo(i, bus, name, mem.used // 2**20, mem.total // 2**20, util, n_proc, mig, uuid, pids))
-        return gpus
+            handles[i] = handle
+        return _nvml_links(pynvml, gpus, handles)
     except pynvml.NVMLError:
         return None
     finally:
         pynvml.nvmlShutdown()
 
 
+def _nvml_links(pynvml: Any, gpus: list[GpuInfo], handles: dict[int, Any]) -> list[GpuInfo]:
+    """The snapshot with each GPU's links as NVML gives them (none for a single GPU)."""
+    if len(gpus) < 2:
+        return gpus
+    at = {g.pci_bus_id: g.index for g in gpus}
+    found = gpu_links.read_nvml(
+        pynvml, handles, lambda bus: at.get(_bus(bus.decode() if isinstance(bus, bytes) else bus))
+    )
+    return [dataclasses.replace(g, links=tuple(sorted(found.get(g.index, {}).items()))) for g in gpus]
+
+
+def _with_links(gpus: list[GpuInfo], run: Callable[[list[str]], str]) -> list[GpuInfo]:
+    """The snapshot with each GPU's links and NUMA node from ``nvidia-smi topo -m`` (a single GPU: not asked)."""
+    if len(gpus) < 2:
+        return gpus
+    matrix = gpu_links.read_matrix(run)
+    return [
+        dataclasses.replace(
+            g, links=tuple(sorted(matrix.links.get(g.index, {}).items())), numa_node=matrix.numa.get(g.index)
+        )
+        for g in gpus
+    ]
+
+
 def query_gpus(run: Callable[[list[str]], str] | None = None) -> list[GpuInfo]:
-    """Snapshot the machine's NVIDIA GPUs: NVML if pynvml works, else nvidia-smi, else none.
+    """Snapshot the machine's NVIDIA GPUs: NVML if pynvml works, else nvidia-smi, else none; with how they are
+    linked (NVML's answer, else ``nvidia-smi topo -m``; unknown when neither tells).
 
     Args:
         run: takes an argv and returns its stdout; tests pass recorded nvidia-smi output. When given, NVML is skipped.
@@ -116,7 +154,7 @@ def query_gpus(run: Callable[[list[str]], str] | None = None) -> list[GpuInfo]:
     if run is None:
         gpus = _query_nvml()
         if gpus is not None:
-            return gpus
+            return gpus if any(g.links for g in gpus) else _with_links(gpus, _run_nvidia_smi)
         run = _run_nvidia_smi
     try:
         gpu_text, with_mig = run(_GPU_ARGV), True
@@ -139,7 +177,7 @@ def query_gpus(run: Callable[[list[str]], str] | None = None) -> list[GpuInfo]:
         pids, n_proc = tuple(p for p in listed if p > 0), -1 if procs is None else len(listed)
         name = ", ".join(parts[2:-3])
         gpus.append(GpuInfo(int(parts[0]), bus, name, used, total, util, n_proc, mig, uuid, pids))
-    return sorted(gpus, key=lambda g: g.index)
+    return _with_links(sorted(gpus, key=lambda g: g.index), run)
 
 
 def _compute_apps(run: Callable[[list[str]], str]) -> dict[str, list[int]] | None:
@@ -163,22 +201,4 @@ def query_numa_affinity(run: Callable[[list[str]], str] | None = None) -> dict[i
     Args:
         run: takes an argv and returns its stdout; tests pass a recorded answer.
     """
-    try:
-        text = (run or _run_nvidia_smi)(["nvidia-smi", "topo", "-m"])
-    except (OSError, subprocess.SubprocessError):
-        return {}
-    # Underlined headers when it believes it writes to a terminal.
-    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
-    lines = text.splitlines()
-    header = next((ln for ln in lines if "NUMA Affinity" in ln), None)
-    if header is None:
-        return {}
-    # Cells are tab-separated, padded with extra tabs; the row label (GPU0) has no header cell.
-    column = [c.strip() for c in header.split("\t") if c.strip()].index("NUMA Affinity")
-    found: dict[int, int | None] = {}
-    for line in lines:
-        cells = [c.strip() for c in line.split("\t") if c.strip()]
-        if cells and (m := re.fullmatch(r"GPU(\d+)", cells[0])) and len(cells) > column + 1:
-            value = cells[column + 1]
-            found[int(m[1])] = int(value) if value.isdigit() else None
-    return found
+    return gpu_links.read_matrix(run or _run_nvidia_smi).numa

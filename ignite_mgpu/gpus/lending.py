@@ -10,9 +10,10 @@ waiter behind it, as the line itself does (``acquire.py``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-from ignite_mgpu.gpus import claims, holders, inventory, waiting
+from ignite_mgpu.gpus import claims, holders, inventory, links, waiting
 from ignite_mgpu.gpus.acquire import busy
 from ignite_mgpu.gpus.holders import Holder
 from ignite_mgpu.gpus.waiting import Waiter
@@ -39,12 +40,20 @@ class Line:
     coming: tuple[str, ...]
     waiters: tuple[Waiter, ...]
     claimed: frozenset[str] = frozenset()  # every GPU some job claims (this one's too)
+    # Claim name -> claim name -> their link as nvidia-smi topo -m prints it ("NV12", "SYS"); empty: unknown
+    links: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
 
 
 def change_for(held: list[str], low: int, high: int, line: Line, avoid: frozenset[str] = frozenset()) -> Change:
     """The change for a job holding ``held`` (claim names in CUDA order) on ``auto:low-high``. Lent first: the GPUs
-    a waiter names, else the job's last ones (rank 0 keeps its GPU). ``avoid``: free GPUs never to take (left out
-    after a failure); a waiter may have them."""
+    a waiter names, else those whose going leaves the job's GPUs best linked, its last ones where the links are
+    unknown or equal (rank 0 keeps its GPU). ``avoid``: free GPUs never to take (left out after a failure); a waiter
+    may have them. Taken: the free GPUs best linked to those held (``links.best_set``, as ``--gpus auto``
+    chooses), in id order where the links are unknown or equal."""
+
+    def link(a: str, b: str) -> str | None:
+        return line.links.get(a, {}).get(b)
+
     pool = [*line.coming, *line.free]  # what a waiter can have without this job
     spare = len(held) - low
     lend: list[str] = []
@@ -67,13 +76,25 @@ def change_for(held: list[str], low: int, high: int, line: Line, avoid: frozense
         candidates = [n for n in reversed(held) if n not in lend and n not in reserved]
         if short > min(spare, len(candidates)):
             break
-        lend += candidates[:short]
+        lend += _to_lend(held, lend, candidates, short, link)
         spare -= short
         pool = []
         to.append(w.who)
     takable = [n for n in line.free if n not in avoid]
-    take = () if line.waiters else tuple(takable[: max(0, high - len(held))])
+    wanted = max(0, high - len(held))
+    take = () if line.waiters else tuple(links.best_set(held, takable, wanted, link))
     return Change(tuple(lend), tuple(take), tuple(to))
+
+
+def _to_lend(held: list[str], lend: list[str], candidates: list[str], short: int, link: links.LinkOf[str]) -> list[str]:
+    """The ``short`` of ``candidates`` (the job's last GPUs first) to lend: the job keeps the best-linked set of the
+    others with rank 0's GPU and those it keeps anyway; where that cannot be, or links are equal, the last ones."""
+    choosable = [n for n in held if n in candidates and n != held[0]]
+    if short >= len(choosable):
+        return candidates[:short]
+    kept = [n for n in held if n == held[0] or (n not in lend and n not in candidates)]
+    keep = links.best_set(kept, choosable, len(choosable) - short, link)
+    return [n for n in candidates if n not in keep and n != held[0]][:short]
 
 
 def look(
@@ -88,7 +109,8 @@ def look(
     )
     coming = tuple(name for name, who in held.items() if name in who.lent)
     line = waiting.waiting(dir_fd) if waiters is None else waiters
-    return Line(free, coming, tuple(line), frozenset(held))
+    linked = {names[g.index]: {names[i]: cell for i, cell in g.links if i in names} for g in snapshot}
+    return Line(free, coming, tuple(line), frozenset(held), linked)
 
 
 def _mig(snapshot: list[inventory.GpuInfo], index: int) -> bool:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ignite_mgpu.errors import ConfigError
+from ignite_mgpu.gpus import choice
 from ignite_mgpu.gpus.claims import claim_name
 from ignite_mgpu.gpus.inventory import GpuInfo
 from ignite_mgpu.gpus.ranges import GpuRange, parse_range
@@ -79,19 +80,6 @@ def parse_gpus(spec: str) -> tuple[str, int | list[int] | GpuRange | None]:
     )
 
 
-def _describe(g: GpuInfo) -> str:
-    n = g.n_processes
-    procs = {-1: "processes unknown", 0: "no processes", 1: "1 process"}.get(n, f"{n} processes")
-    util = f", {g.utilization}% busy" if g.utilization >= 0 else ""
-    return f"GPU {g.index} ({procs}, {(g.memory_total_mb - g.memory_used_mb) / 1024:.1f} GiB free{util})"
-
-
-def _rank(g: GpuInfo) -> tuple[int, int, int, int]:
-    """Sort key for auto: idle first (unknown next, busy last), then most free memory, least busy, lowest id."""
-    busy = 0 if g.n_processes == 0 else 1 if g.n_processes < 0 else 2
-    return (busy, g.memory_used_mb - g.memory_total_mb, g.utilization if g.utilization >= 0 else 101, g.index)
-
-
 def visible_ids(gpus: list[GpuInfo], environ: Mapping[str, str]) -> list[int] | None:
     """Physical ids CUDA sees under environ, in CUDA order; None when CUDA_VISIBLE_DEVICES holds UUIDs/MIG names."""
     value = environ.get("CUDA_VISIBLE_DEVICES")
@@ -121,7 +109,8 @@ def plan_gpus(
 
     Args:
         spec: the ``--gpus`` value; None keeps CUDA_VISIBLE_DEVICES as it is. ``auto`` takes ``nproc`` GPUs when
-            ``nproc`` is given, else 1; ``auto:N`` takes N. Both rank GPUs by idleness, free memory, load, id.
+            ``nproc`` is given, else 1; ``auto:N`` takes N. Both rank GPUs by idleness, then how well they are
+            linked, free memory, load, id (``choice.py``).
         gpus: the snapshot from :func:`query_gpus`.
         environ: the launcher's environment (read only).
         nproc: ``--nproc``; with ``--gpus`` it must not exceed the selected GPUs (one GPU per process). Without
@@ -248,8 +237,8 @@ def _choose(
     messages: list[str],
     unavailable: Mapping[int, str],
 ) -> list[int]:
-    """``auto`` / ``auto:N`` / ``auto:MIN-MAX`` (``count`` from the range): the idlest cards not in MIG mode
-    (``_rank``) that no other job has, and a line naming the chosen and skipped."""
+    """``auto`` / ``auto:N`` / ``auto:MIN-MAX`` (``count`` from the range): of the cards not in MIG mode that no
+    other job has, the idlest and best linked (``choice.choose``), and the lines naming the chosen and skipped."""
     # A MIG card's memory and load are the whole card's, not a slice's.
     whole = [g for g in gpus if not g.mig]
     count = count if count is not None else min(nproc or 1, len(whole))
@@ -269,13 +258,9 @@ def _choose(
             f"{'is' if len(left) == 1 else 'are'} left: "
             f"{reasons}. {ways} for them with --wait [SECONDS], or run beside the other jobs on purpose with --share."
         )
-    ranked = sorted(left, key=_rank)
-    chosen, skipped = ranked[:count], ranked[count:]
-    line = f"--gpus {spec} chose {', '.join(_describe(g) for g in chosen)}"
-    messages.append(line + (f"; skipped {', '.join(_describe(g) for g in skipped)}." if skipped else "."))
-    if busy := [g for g in chosen if g.n_processes > 0]:
-        messages.append(f"Not enough idle GPUs: GPU {format_ids([g.index for g in busy])} already runs other work.")
-    return sorted(g.index for g in chosen)
+    chosen, said = choice.choose(spec, left, count, gpus)
+    messages += said
+    return chosen
 
 
 def _refuse_taken(what: str, ids: list[int], gpus: list[GpuInfo], unavailable: Mapping[int, str]) -> None:

@@ -412,6 +412,8 @@ def test_format_devices_json_round_trip(a100):
         "mig": False,
         "uuid": "",
         "pids": [],
+        "links": {},  # the recording has no topo -m
+        "numa_node": None,
         "cuda_index": 0,
         "claim": None,
         "process_users": {},
@@ -491,7 +493,10 @@ def test_query_reads_the_mig_mode_and_falls_back_on_drivers_without_it():
             raise subprocess.CalledProcessError(2, argv, 'Field "mig.mode.current" is not a valid field to query.')
         return A100_GPUS if argv[1].startswith("--query-gpu=") else ""
 
-    assert [g.index for g in query_gpus(old_driver)] == [0, 1, 2, 3] and len(calls) == 3
+    assert [g.index for g in query_gpus(old_driver)] == [0, 1, 2, 3] and calls[2:] == [
+        "--query-compute-apps=gpu_bus_id,pid",
+        "topo",  # how they are linked (nothing known here)
+    ]
 
 
 def test_mig_cards_are_refused_by_id_and_skipped_by_auto():
