@@ -2,12 +2,14 @@
 and the epoch's short last batch of 22: 8 + 7 + 7) in parts of 7. Rank 0 holds 4 parts and the others 3 (2 and 1 in
 the last batch); every forward all-gathers, so the ranks with fewer run zero-weight parts until all ran as many, and
 the run ends with the weights, losses and scores of whole batches. The validation shards (43: 15 + 14 + 14) are
-evaluated in parts too. One spawned job trains both runs.
+evaluated in parts too. A model with BatchNorm pads with empty parts instead (FSDP's forward and backward of 0
+samples, for real). One spawned job trains every run.
 `python -m pytest tests/distributed/test_collectives_match.py`."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -25,10 +27,14 @@ JOB = [
     "model.name=mlp", "data.image_size=8", "data.train_size=150", "data.val_size=43", "data.batch_size=64",
     "train.epochs=2", "train.check_every=1", "train.progress_bar=false", "dist.strategy=fsdp", "optim.name=adamw",
 ]  # fmt: skip
-RUNS = {"whole": [], "parts": ["train.micro_batch=7"]}
+RUNS = {
+    "whole": [],
+    "parts": ["train.micro_batch=7"],
+    "batchnorm": ["model.name=tests.plugins_pkg.factories:bn_cnn", "train.micro_batch=7"],
+}
 
 
-def both_runs(local_rank: int, root: str) -> None:
+def every_run(local_rank: int, root: str) -> None:
     for name, extra in RUNS.items():
         training(local_rank, load_config(overrides=[*JOB, f"output_dir={root}/{name}", *extra]))
 
@@ -42,8 +48,10 @@ def scores(out: Path) -> list[dict[str, float]]:
 # Before the fix the first step deadlocked (rank 0 in an all-gather, ranks 1 and 2 in a reduce-scatter).
 @pytest.mark.timeout(150)
 def test_fsdp_in_parts_over_uneven_shares_trains_and_evaluates_like_whole_batches(tmp_path):
-    launch(both_runs, str(tmp_path), nproc=3, backend="gloo")
+    launch(every_run, str(tmp_path), nproc=3, backend="gloo")
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert_within(final_model(parts), final_model(whole), atol=1e-5)
     for a, b in zip(scores(parts), scores(whole), strict=True):
         assert a == pytest.approx(b, abs=1e-6)
+    # Its parts are of 7 on rank 0 and padded on ranks 1 and 2 (no reference: BatchNorm's statistics are each part's).
+    assert all(math.isfinite(v) for row in scores(tmp_path / "batchnorm") for v in row.values())

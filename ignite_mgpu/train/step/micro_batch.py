@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ignite_mgpu.train.data import batches
 from ignite_mgpu.train.data.batches import Batch
@@ -29,6 +30,12 @@ OUT_OF_MEMORY = (
     "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_NOT_SUPPORTED",
 )
+# The layers whose training forward computes statistics over the batch: a part that pads is empty in a model that
+# holds one (torch's BatchNorm and SyncBatchNorm leave an empty input out of their statistics, running ones too).
+BATCH_NORMS = (
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+    nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d,
+)  # fmt: skip
 # auto: iterations that a size must have held before the last part syncs through DDP's own overlapped backward;
 # until then every part runs without sync and the gradients are all-reduced after the ranks agreed (micro_step.py).
 SETTLE_ITERATIONS = 20
@@ -67,8 +74,8 @@ def split_batch(batch: Batch, n: int, size: int) -> list[tuple[Batch, int]]:
 def padded(parts: list[tuple[Batch, int]], batch: Batch, n: int, count: int, empty: bool) -> list[tuple[Batch, int]]:
     """``parts`` and after them zero-weight parts (counted as 0 samples) up to ``count``, so that a rank with a
     smaller share runs as many forwards and backwards, and so as many collectives, as the rank with the most: the
-    batch's first sample again, or with ``empty`` none of its samples (SyncBatchNorm leaves an empty input out of
-    its statistics; a repeated sample would count in every rank's)."""
+    batch's first sample again, or with ``empty`` none of its samples (for ``BATCH_NORMS``: a repeated sample would
+    count in the running statistics, and under SyncBatchNorm in every rank's batch statistics)."""
     filler = _slice(batch, n, 0, 0 if empty else 1)
     return parts + [(filler, 0)] * (count - len(parts))
 

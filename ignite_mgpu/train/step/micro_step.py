@@ -25,6 +25,7 @@ from ignite_mgpu.train.data.batches import Batch
 from ignite_mgpu.train.step.core import Shares, Step, optimizer_step
 from ignite_mgpu.train.step.guard import accumulation_window
 from ignite_mgpu.train.step.micro_batch import (
+    BATCH_NORMS,
     SETTLE_ITERATIONS,
     MicroBatching,
     MicroBatchTooLarge,
@@ -117,11 +118,12 @@ class _Trial:
         # FSDP's every forward and backward gathers and scatters parameters, and SyncBatchNorm's all-gather their
         # statistics (no_sync does not stop them): a rank out of memory there leaves the others inside a
         # collective, so the ranks cannot retry together; the job restarts from the smaller size.
-        self.sync_bn = any(isinstance(m, nn.SyncBatchNorm) for m in step.model.modules())
-        collective = fsdp is not None or self.sync_bn
+        sync_bn = any(isinstance(m, nn.SyncBatchNorm) for m in step.model.modules())
+        collective = fsdp is not None or sync_bn
         self.in_place = not collective or world == 1
         # For the same reason every rank runs as many parts (DDP's parts under no_sync run no collective).
         self.lockstep = collective and world > 1
+        self.empty = any(isinstance(m, BATCH_NORMS) for m in step.model.modules())
         self.agree = sizing.auto and world > 1 and self.in_place
         # The ranks agree on host integers: over gloo, so that a CUDA job does not wait for its device there.
         self.group = dist.new_group(backend="gloo") if self.agree and idist.backend() != "gloo" else None
@@ -182,7 +184,7 @@ class _Trial:
     ) -> torch.Tensor:
         """Every part's forward and backward (weighted by its samples), then zero-weight ones up to ``count``; the
         last one syncs when ``sync_last``. ``items``: the batch's counted labels, passed as ``num_items_in_batch``."""
-        parts = padded(split_batch(batch, n, size), batch, n, count, self.sync_bn)
+        parts = padded(split_batch(batch, n, size), batch, n, count, self.empty)
         total: torch.Tensor | None = None
         for i, (part, k) in enumerate(parts):
             synced = i == len(parts) - 1 and sync_last
@@ -201,13 +203,29 @@ class _Trial:
                 _give_back(self.parameters, earlier)
                 self.in_collective = self.world > 1
             with contextlib.nullcontext() if synced else self.no_sync():
-                loss = self.compute_loss({**part, "num_items_in_batch": items} if items is not None else part)
+                loss = self._loss({**part, "num_items_in_batch": items} if items is not None else part, k)
                 scaled = loss * (share / window) if share != 1.0 or window != 1 else loss
                 (self.scaler.scale(scaled) if self.scaler.is_enabled() else scaled).backward()
             if k:
                 total = loss.detach() * share if total is None else total + loss.detach() * share
         assert total is not None
         return total
+
+    def _loss(self, part: Batch, k: int) -> torch.Tensor:
+        """The part's loss; a model that fails on an empty part that pads is told what it must accept."""
+        if k or not self.empty:
+            return self.compute_loss(part)
+        try:
+            return self.compute_loss(part)
+        except Exception as err:
+            if is_out_of_memory(err):
+                raise
+            raise RuntimeError(
+                "train.micro_batch: this rank's share of the batch is smaller than another's, so it runs an empty "
+                "part to match their collectives (FSDP, SyncBatchNorm), and the model failed on it. A model with "
+                "BatchNorm must accept a batch of 0 samples here (torch.flatten(x, 1) does, x.view(x.size(0), -1) "
+                f"does not), or use a global batch that the processes divide. Cause: {err}"
+            ) from err
 
 
 def _most_samples(shares: Shares, iteration: int, n: int) -> int:

@@ -274,14 +274,21 @@ def test_auto_agrees_before_the_synced_forward_and_restarts_after_an_oom_in_it(o
     assert events == ["forward", "agree", "forward"]
 
 
-def sync_bn_step(monkeypatch, world: int, largest: list[int] | None):
-    """A model with SyncBatchNorm in parts of 2, its process function as one of ``world`` ranks (no process group:
-    SyncBatchNorm falls back to BatchNorm's kernel), the sizes its layers saw recorded."""
+class ViewAll(nn.Module):
+    def forward(self, x):
+        return x.view(x.size(0), -1)  # a batch of 0 samples cannot be viewed so
+
+
+def sync_bn_step(monkeypatch, world: int, largest: list[int] | None, flatten=None, norm=nn.SyncBatchNorm):
+    """A model with SyncBatchNorm (or ``norm``, under a stand-in for FSDP) in parts of 2, its process function as one
+    of ``world`` ranks (no process group: SyncBatchNorm falls back to BatchNorm's kernel), the sizes its norm saw."""
     from ignite_mgpu.train.step import micro_step
 
     monkeypatch.setattr("ignite.distributed.get_world_size", lambda: world)
+    if norm is not nn.SyncBatchNorm:
+        monkeypatch.setattr(micro_step, "find_fsdp", lambda model: model)  # every forward a collective, as FSDP's
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv1d(4, 4, 1), nn.SyncBatchNorm(4), nn.Flatten(), nn.Linear(12, 2))
+    model = nn.Sequential(nn.Conv1d(4, 4, 1), norm(4), flatten or nn.Flatten(), nn.Linear(12, 2))
     seen: list[int] = []
     model[1].register_forward_pre_hook(lambda m, args: seen.append(len(args[0])))
     trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), micro_batch=2)
@@ -291,15 +298,17 @@ def sync_bn_step(monkeypatch, world: int, largest: list[int] | None):
     return model, seen, lambda batch: micro_step.micro_batch_step(trainer.step)(engine, batch)
 
 
-def test_a_smaller_share_runs_as_many_parts_under_sync_batchnorm_with_empty_ones(monkeypatch):
-    # Issue #50: SyncBatchNorm all-gathers in every training forward, so a rank holding 3 samples when another holds
-    # 5 runs 3 parts of 2 (2, 1 and an empty one, as many all-gathers); the empty part counts in no statistics (torch
-    # gives it a count of 0) and leaves the gradient, the running statistics and the loss as without it.
+@pytest.mark.parametrize("norm", [nn.SyncBatchNorm, nn.BatchNorm1d])
+def test_a_smaller_share_runs_as_many_parts_under_batchnorm_with_empty_ones(monkeypatch, norm):
+    # Issue #50: SyncBatchNorm all-gathers in every training forward (FSDP's forwards all-gather), so a rank holding 3
+    # samples when another holds 5 runs 3 parts of 2 (2, 1 and an empty one, as many all-gathers); the empty part
+    # counts in no statistics (SyncBatchNorm gives it a count of 0, BatchNorm skips it) and leaves the gradient, the
+    # running statistics and the loss as without it.
     torch.manual_seed(1)
     batch = (torch.randn(3, 4, 3), torch.randint(0, 2, (3,)))
-    alone, seen_alone, step_alone = sync_bn_step(monkeypatch, 1, None)
+    alone, seen_alone, step_alone = sync_bn_step(monkeypatch, 1, None, norm=norm)
     loss_alone = step_alone(batch)
-    padded_model, seen, step = sync_bn_step(monkeypatch, 3, [5])
+    padded_model, seen, step = sync_bn_step(monkeypatch, 3, [5], norm=norm)
     loss = step(batch)
     assert seen_alone == [2, 1] and seen == [2, 1, 0]
     assert torch.equal(loss, loss_alone)
@@ -332,3 +341,9 @@ def test_evaluation_in_parts_runs_the_parts_of_the_largest_share_and_drops_the_p
     seen.clear()
     in_parts(forward, 8, False, most=lambda n: 9)(batch)
     assert seen == [5, 1]
+
+
+def test_a_model_that_fails_on_an_empty_part_is_told_what_to_accept(monkeypatch):
+    _, _, step = sync_bn_step(monkeypatch, 3, [5], flatten=ViewAll())
+    with pytest.raises(RuntimeError, match=r"runs an empty part .* must accept a batch of 0 samples .*flatten"):
+        step((torch.randn(3, 4, 3), torch.randint(0, 2, (3,))))
