@@ -1,9 +1,10 @@
 """Collectives match on uneven shares (issue #50): FSDP on 3 real gloo processes, a global batch of 64 (22 + 21 + 21,
 and the epoch's short last batch of 22: 8 + 7 + 7) in parts of 7. Rank 0 holds 4 parts and the others 3 (2 and 1 in
 the last batch); every forward all-gathers, so the ranks with fewer run zero-weight parts until all ran as many, and
-the run ends with the weights, losses and scores of whole batches. The validation shards (43: 15 + 14 + 14) are
-evaluated in parts too. A model with BatchNorm pads with empty parts instead (FSDP's forward and backward of 0
-samples, for real). One spawned job trains every run.
+the run ends with the weights, losses and scores of whole batches. The validation shards (64: 22 + 21 + 21, in
+batches of 21: rank 0 holds two, the second of 1 sample) are evaluated in parts too, 3 on every rank per batch, the
+others' repeated last batch included. A model with BatchNorm pads with empty parts instead (FSDP's forward and
+backward of 0 samples, for real). One spawned job trains every run.
 `python -m pytest tests/distributed/test_collectives_match.py`."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 # An MLP (nothing random, nothing across samples) on 150 synthetic images: global batches of 64, 64 and 22; 2 epochs.
 JOB = [
-    "model.name=mlp", "data.image_size=8", "data.train_size=150", "data.val_size=43", "data.batch_size=64",
+    "model.name=mlp", "data.image_size=8", "data.train_size=150", "data.val_size=64", "data.batch_size=64",
     "train.epochs=2", "train.check_every=1", "train.progress_bar=false", "dist.strategy=fsdp", "optim.name=adamw",
 ]  # fmt: skip
 RUNS = {
