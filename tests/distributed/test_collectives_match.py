@@ -23,10 +23,10 @@ from tests.helpers import cpu_fsdp
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-# An MLP (nothing random, nothing across samples) on 150 synthetic images: global batches of 64, 64 and 22; 2 epochs.
+# An MLP (nothing random, nothing across samples) on 150 synthetic images: global batches of 64, 64 and 22; 1 epoch.
 JOB = [
     "model.name=mlp", "data.image_size=8", "data.train_size=150", "data.val_size=64", "data.batch_size=64",
-    "train.epochs=2", "train.check_every=1", "train.progress_bar=false", "dist.strategy=fsdp", "optim.name=adamw",
+    "train.epochs=1", "train.check_every=1", "train.progress_bar=false", "dist.strategy=fsdp", "optim.name=adamw",
 ]  # fmt: skip
 RUNS = {
     "whole": [],
