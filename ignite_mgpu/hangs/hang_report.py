@@ -165,7 +165,19 @@ def summary(texts: dict[int, str], info: dict[int, RankInfo], nccl: dict[int, st
         state = texts[rank].splitlines()[0] if texts[rank].startswith("(") else ""
         line = f"  rank {rank} ({', '.join(facts)}) {describe(wheres[rank])}{' ' + state if state else ''}"
         lines.append(line + (f"; NCCL Flight Recorder: {nccl[rank]}" if rank in nccl else ""))
-    return stuck, lines
+    return stuck, lines + mismatch(wheres)
+
+
+def mismatch(wheres: Mapping[int, Where]) -> list[str]:
+    """A line when every rank waits in a collective but not all in the same one: their calls do not match."""
+    called = {w.collective for w in wheres.values()}
+    if len(wheres) < 2 or None in called or len(called) < 2:
+        return []
+    return [
+        f"  the ranks wait in different collectives ({', '.join(sorted(str(c) for c in called))}): their calls do not "
+        "match (a branch that depends on the rank, or ranks running different numbers of forwards); "
+        "TORCH_DISTRIBUTED_DEBUG=DETAIL names the first mismatch as it happens, for a debugging run"
+    ]
 
 
 def write_report(folder: Path, header: str, lines: list[str], texts: dict[int, str], nccl_dir: Path | None) -> Path:

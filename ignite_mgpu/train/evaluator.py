@@ -1,6 +1,7 @@
 """The evaluator: ``create_evaluator`` scores a prepared model with metrics reduced over all ranks; every sample of
 the validation split counts once, also when the shards are uneven, and an FSDP model runs as many forwards on every
-rank; ``validation_metrics`` are the metrics the default job reports (``eval.metrics``: ``metrics.py``)."""
+rank, also in parts; ``validation_metrics`` are the metrics the default job reports (``eval.metrics``:
+``metrics.py``)."""
 
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ def create_evaluator(
     hold different numbers of validation batches (the validation sampler does not pad). An FSDP model's every
     forward is a collective: ranks with fewer batches repeat their last one, unscored, until all ran as many.
     ``micro_batch`` (a size, or the trainer's ``trainer.step.micro_batching``): each batch in parts of that many
-    samples, the outputs joined (a loss weighted by the parts' samples); not under FSDP, whose forwards must be as
-    many on every rank.
+    samples, the outputs joined (a loss weighted by the parts' samples); under FSDP the ranks agree on each batch's
+    largest share and every rank runs as many parts.
     """
     device = torch.device(device) if device is not None else idist.device()
     ddp = find_ddp(model)
@@ -59,9 +60,9 @@ def create_evaluator(
 
     forward = under_autocast(output, precision if precision != "fp16" or device.type == "cuda" else "fp32", device)
     fsdp = find_fsdp(model) is not None and idist.get_world_size() > 1
-    # FSDP: as many forwards on every rank, so whole batches.
-    if micro_batch is not None and not fsdp:
-        forward = in_parts(forward, micro_batch, model_loss)
+    if micro_batch is not None:
+        # FSDP: as many forwards on every rank, so as many parts as the largest share of the batch makes.
+        forward = in_parts(forward, micro_batch, model_loss, _most_samples if fsdp else None)
 
     @torch.no_grad()
     def eval_step(engine: Engine, batch: Batch) -> tuple[torch.Tensor, Any]:
@@ -79,6 +80,11 @@ def create_evaluator(
         metric.attach(evaluator, name)
     reduce_together(evaluator, metrics)
     return evaluator
+
+
+def _most_samples(n: int) -> int:
+    """The most samples any rank holds of the batch it evaluates now (a collective: every rank is at that batch)."""
+    return int(idist.all_reduce(torch.tensor(n, device=idist.device()), op="MAX"))
 
 
 # The states that ignite's Loss and Accuracy all-reduce in ``compute``, one collective per state.

@@ -82,6 +82,21 @@ def test_on_nccl_the_flight_recorder_tells_a_waiting_rank():
     assert summary({0: synchronising, 1: IN_LOADER}, {}, {})[0] == [0, 1]
 
 
+def test_ranks_waiting_in_different_collectives_are_said_not_to_match():
+    # Issue #50: the first step of FSDP in parts over uneven shares, before the fix (rank 0 gathers, rank 1 scatters).
+    scatter = dump(
+        (f"{TORCH}/distributed/distributed_c10d.py", 5916, "reduce_scatter_single"),
+        (f"{OURS}/train/step/micro_step.py", 181, "_parts"),
+        *BOTTOM,
+    )
+    stuck, lines = summary({0: IN_GATHER, 1: scatter, 2: scatter}, {}, {})
+    assert stuck == [0, 1, 2] and len(lines) == 4
+    assert lines[3].startswith("  the ranks wait in different collectives (all_gather, reduce_scatter_single)")
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in lines[3]
+    assert len(summary({0: IN_GATHER, 1: IN_GATHER}, {}, {})[1]) == 2  # the same collective: no such line
+    assert len(summary({0: IN_GATHER, 1: IN_LOADER}, {}, {})[1]) == 2  # one rank is elsewhere: it is the cause
+
+
 def test_a_hang_found_by_the_watch_is_the_cause_a_timeouts_lines_follow_it(tmp_path: Path):
     hang = Hang(
         [1],

@@ -85,6 +85,12 @@ def net(hidden: int = 8) -> nn.Module:
     return Net(hidden)
 
 
+def bn_cnn(num_classes: int = 10) -> nn.Module:
+    """A CNN with BatchNorm (statistics over the batch), for images of 3 channels."""
+    layers = [nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+    return nn.Sequential(*layers, nn.Linear(8, num_classes))
+
+
 def smooth_l1() -> nn.Module:
     """A loss factory: returns a loss function (predictions, targets) -> loss."""
     return nn.CrossEntropyLoss(label_smoothing=0.1)

@@ -63,6 +63,11 @@ class GlobalBatchSampler(DistributedSampler):
         gradient to be the global batch's mean: ``M * share / size`` (1.0 for even shares, 0.0 for an empty one)."""
         return [self.num_replicas * self.share(size) / size for size in self.global_sizes]
 
+    def largest(self) -> list[int]:
+        """Per batch of the epoch, the most samples any rank serves of it (rank 0's share): every rank of a model
+        whose forwards are collectives runs as many parts of it under ``train.micro_batch``."""
+        return [-(-size // self.num_replicas) for size in self.global_sizes]
+
     def set_start(self, batch: int) -> None:
         """The next pass starts at global batch ``batch`` of the epoch (a resumed epoch); later passes at 0."""
         self.start = batch

@@ -18,15 +18,23 @@ from ignite_mgpu.train.step.micro_batch import MicroBatching
 class Shares:
     """How much each batch's mean loss of this rank counts when the ranks' shares of the global batch are uneven
     (``GlobalBatchSampler.weights()``: batch k of the epoch counts ``weights[k]``); None while they are even, the
-    step then multiplies nothing. Set at every epoch's start from the loader the trainer runs."""
+    step then multiplies nothing. ``largest``: the most samples any rank holds of batch k
+    (``GlobalBatchSampler.largest()``), which the step in parts reads under FSDP and SyncBatchNorm; None for a loader
+    of the user's. Set at every epoch's start from the loader the trainer runs."""
 
     def __init__(self) -> None:
         self.weights: list[float] | None = None
+        self.largest: list[int] | None = None
 
     def weight(self, iteration: int) -> float:
         """The weight of ``iteration`` (1-based, counted over the run), with uneven shares."""
         assert self.weights is not None
         return self.weights[(iteration - 1) % len(self.weights)]
+
+    def largest_share(self, iteration: int) -> int:
+        """The most samples any rank holds of ``iteration``'s batch."""
+        assert self.largest is not None
+        return self.largest[(iteration - 1) % len(self.largest)]
 
 
 @dataclass(frozen=True, eq=False)

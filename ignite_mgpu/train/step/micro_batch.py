@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ignite_mgpu.train.data import batches
 from ignite_mgpu.train.data.batches import Batch
@@ -29,6 +30,12 @@ OUT_OF_MEMORY = (
     "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_NOT_SUPPORTED",
 )
+# The layers whose training forward computes statistics over the batch: a part that pads is empty in a model that
+# holds one (torch's BatchNorm and SyncBatchNorm leave an empty input out of their statistics, running ones too).
+BATCH_NORMS = (
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+    nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d,
+)  # fmt: skip
 # auto: iterations that a size must have held before the last part syncs through DDP's own overlapped backward;
 # until then every part runs without sync and the gradients are all-reduced after the ranks agreed (micro_step.py).
 SETTLE_ITERATIONS = 20
@@ -62,6 +69,15 @@ def split_batch(batch: Batch, n: int, size: int) -> list[tuple[Batch, int]]:
     if size >= n:
         return [(batch, n)]
     return [(_slice(batch, n, start, min(start + size, n)), min(size, n - start)) for start in range(0, n, size)]
+
+
+def padded(parts: list[tuple[Batch, int]], batch: Batch, n: int, count: int, empty: bool) -> list[tuple[Batch, int]]:
+    """``parts`` and after them zero-weight parts (counted as 0 samples) up to ``count``, so that a rank with a
+    smaller share runs as many forwards and backwards, and so as many collectives, as the rank with the most: the
+    batch's first sample again, or with ``empty`` none of its samples (for ``BATCH_NORMS``: a repeated sample would
+    count in the running statistics, and under SyncBatchNorm in every rank's batch statistics)."""
+    filler = _slice(batch, n, 0, 0 if empty else 1)
+    return parts + [(filler, 0)] * (count - len(parts))
 
 
 def _slice(value: Any, n: int, start: int, stop: int) -> Any:
@@ -106,6 +122,10 @@ class MicroBatching:
         """The part size for a batch of ``n`` samples."""
         return n if self.size is None else min(self.size, n)
 
+    def parts(self, n: int) -> int:
+        """How many parts a batch of ``n`` samples is split into."""
+        return -(-n // self.current(n))
+
     def shrink(self, size: int, n: int, write: bool) -> None:
         """Use ``size`` from now on (logged once per change), written to ``path`` when ``write``."""
         self.size, self.stable = size, 0
@@ -136,22 +156,35 @@ def remember(path: Path, size: int) -> None:
 
 
 def in_parts(
-    forward: Callable[[Batch], tuple[torch.Tensor, Any]], micro_batch: int | MicroBatching, model_loss: bool
+    forward: Callable[[Batch], tuple[torch.Tensor, Any]],
+    micro_batch: int | MicroBatching,
+    model_loss: bool,
+    most: Callable[[int], int] | None = None,
 ) -> Callable[[Batch], tuple[torch.Tensor, Any]]:
     """The evaluator's ``forward`` over parts of the batch: predictions and targets joined along the batch, or (a
-    model's own loss) the parts' losses weighted by their samples. ``micro_batch``'s size is read at every batch."""
+    model's own loss) the parts' losses weighted by their samples. ``micro_batch``'s size is read at every batch.
+    ``most(n)``: the most samples any rank holds of this batch (a model whose forwards are collectives): every rank
+    runs as many parts as that many samples make, the outputs of the parts that pad dropped."""
 
     def parts(batch: Batch) -> tuple[torch.Tensor, Any]:
         n = batches.size(batch)
         size = micro_batch if isinstance(micro_batch, int) else micro_batch.current(n)
-        if size >= n:
+        count = _count(micro_batch, most(n)) if most is not None else 1
+        if size >= n and count == 1:
             return forward(batch)
-        outputs = [forward(part) for part, _ in split_batch(batch, n, size)]
+        split = padded(split_batch(batch, n, size), batch, n, count, empty=False)
+        ran = [(forward(part), k) for part, k in split]
+        outputs = [out for out, k in ran if k]
         if model_loss:
             return torch.stack([loss * k for loss, k in outputs]).sum() / n, n
         return torch.cat([p for p, _ in outputs]), _join([t for _, t in outputs])
 
     return parts
+
+
+def _count(micro_batch: int | MicroBatching, n: int) -> int:
+    """How many parts a batch of ``n`` samples is split into."""
+    return -(-n // micro_batch) if isinstance(micro_batch, int) else micro_batch.parts(n)
 
 
 def _join(targets: list[Any]) -> Any:

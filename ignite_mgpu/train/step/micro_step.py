@@ -1,6 +1,7 @@
 """The training step of ``create_trainer(micro_batch=...)``: each part's forward and backward, weighted by its
-samples, one gradient sync per iteration, and under ``auto`` the same batch retried with smaller parts after an
-out-of-memory error that every rank agreed on. ``trainer.py``'s own step runs when micro_batch is None."""
+samples, one gradient sync per iteration, as many parts on every rank where every forward is a collective (FSDP,
+SyncBatchNorm: zero-weight parts pad a smaller share), and under ``auto`` the same batch retried with smaller parts
+after an out-of-memory error that every rank agreed on. ``trainer.py``'s own step runs when micro_batch is None."""
 
 from __future__ import annotations
 
@@ -21,15 +22,17 @@ from ignite_mgpu.parallel.fsdp import FSDPModule, find_fsdp
 from ignite_mgpu.parallel.strategy import find_ddp, unwrap
 from ignite_mgpu.train.data import batches
 from ignite_mgpu.train.data.batches import Batch
-from ignite_mgpu.train.step.core import Step, optimizer_step
+from ignite_mgpu.train.step.core import Shares, Step, optimizer_step
 from ignite_mgpu.train.step.guard import accumulation_window
 from ignite_mgpu.train.step.micro_batch import (
+    BATCH_NORMS,
     SETTLE_ITERATIONS,
     MicroBatching,
     MicroBatchTooLarge,
     counted_items,
     is_out_of_memory,
     next_size,
+    padded,
     split_batch,
 )
 
@@ -66,7 +69,7 @@ def micro_batch_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
     finish = optimizer_step(step)
     inner, move = unwrap(model), device.type != "cpu"
     keep_window = sizing.auto and grad_accum_steps > 1
-    shares = step.shares
+    shares, lockstep = step.shares, trial.lockstep
 
     def train_step(engine: Engine, batch: Batch) -> torch.Tensor:
         if not inner.training:
@@ -79,6 +82,8 @@ def micro_batch_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
         if grad_accum_steps > 1:
             last, window = accumulation_window(engine.state.iteration, engine.state.epoch_length, grad_accum_steps)
         n = batches.size(batch)
+        # Collectives in every forward: as many parts on every rank as on the one with the most samples of the batch.
+        most = _most_samples(shares, engine.state.iteration, n) if lockstep else 0
         # The window's gradients so far are set aside, so that a trial that fails is undone by dropping its own.
         earlier = [p.grad for p in parameters] if keep_window else []
         if earlier:
@@ -88,7 +93,8 @@ def micro_batch_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
         weight = shares.weight(engine.state.iteration) if shares.weights is not None else 1.0
         divisor = window / weight if weight else math.inf
         while True:
-            result = trial(batch, n, sizing.current(n), last, divisor, earlier, items)
+            count = sizing.parts(most) if most else 0
+            result = trial(batch, n, sizing.current(n), last, divisor, earlier, items, count)
             if isinstance(result, torch.Tensor):
                 break
             _undo(model, parameters)
@@ -112,14 +118,26 @@ class _Trial:
         # FSDP's every forward and backward gathers and scatters parameters, and SyncBatchNorm's all-gather their
         # statistics (no_sync does not stop them): a rank out of memory there leaves the others inside a
         # collective, so the ranks cannot retry together; the job restarts from the smaller size.
-        collective = fsdp is not None or any(isinstance(m, nn.SyncBatchNorm) for m in step.model.modules())
+        sync_bn = any(isinstance(m, nn.SyncBatchNorm) for m in step.model.modules())
+        collective = fsdp is not None or sync_bn
         self.in_place = not collective or world == 1
+        # For the same reason every rank runs as many parts (DDP's parts under no_sync run no collective).
+        self.lockstep = collective and world > 1
+        self.empty = any(isinstance(m, BATCH_NORMS) for m in step.model.modules())
         self.agree = sizing.auto and world > 1 and self.in_place
         # The ranks agree on host integers: over gloo, so that a CUDA job does not wait for its device there.
         self.group = dist.new_group(backend="gloo") if self.agree and idist.backend() != "gloo" else None
 
     def __call__(
-        self, batch: Batch, n: int, size: int, last: bool, window: float, earlier: list[Any], items: int | None
+        self,
+        batch: Batch,
+        n: int,
+        size: int,
+        last: bool,
+        window: float,
+        earlier: list[Any],
+        items: int | None,
+        count: int,
     ) -> Any:
         # While the size settles, every part skips DDP's sync and the gradients are all-reduced once the ranks
         # agreed: an out-of-memory error anywhere in forward or backward is then retried on every rank.
@@ -130,7 +148,7 @@ class _Trial:
         self.agreed = self.in_collective = False
         proposal = size
         try:
-            total = self._parts(batch, n, size, last and not manual, window, earlier, items)
+            total = self._parts(batch, n, size, last and not manual, window, earlier, items, count)
         except _Retry as retry:
             return retry.size
         except Exception as err:
@@ -154,16 +172,25 @@ class _Trial:
         return total
 
     def _parts(
-        self, batch: Batch, n: int, size: int, sync_last: bool, window: float, earlier: list[Any], items: int | None
+        self,
+        batch: Batch,
+        n: int,
+        size: int,
+        sync_last: bool,
+        window: float,
+        earlier: list[Any],
+        items: int | None,
+        count: int,
     ) -> torch.Tensor:
-        """Every part's forward and backward (weighted by its samples); the last one syncs when ``sync_last``.
-        ``items``: the batch's counted labels, passed as ``num_items_in_batch``."""
-        parts = split_batch(batch, n, size)
+        """Every part's forward and backward (weighted by its samples), then zero-weight ones up to ``count``; the
+        last one syncs when ``sync_last``. ``items``: the batch's counted labels, passed as ``num_items_in_batch``."""
+        parts = padded(split_batch(batch, n, size), batch, n, count, self.empty)
         total: torch.Tensor | None = None
         for i, (part, k) in enumerate(parts):
             synced = i == len(parts) - 1 and sync_last
-            # With the whole count the model divided by it itself.
-            share = 1.0 if items is not None else k / n
+            # With the whole count the model divided by it itself; a part that pads counts nothing (its loss may be
+            # NaN, a mean over no sample: the gradients that flow back through a zero weight are zeros all the same).
+            share = (1.0 if items is not None else k / n) if k else 0.0
             if synced:
                 # Agreed before the synced forward: DDP's forward arms its reducer for the backward's all-reduces,
                 # and no_sync does not disarm it, so a rank retrying after it would mix bucket all-reduces with its
@@ -176,12 +203,37 @@ class _Trial:
                 _give_back(self.parameters, earlier)
                 self.in_collective = self.world > 1
             with contextlib.nullcontext() if synced else self.no_sync():
-                loss = self.compute_loss({**part, "num_items_in_batch": items} if items is not None else part)
+                loss = self._loss({**part, "num_items_in_batch": items} if items is not None else part, k)
                 scaled = loss * (share / window) if share != 1.0 or window != 1 else loss
                 (self.scaler.scale(scaled) if self.scaler.is_enabled() else scaled).backward()
-            total = loss.detach() * share if total is None else total + loss.detach() * share
+            if k:
+                total = loss.detach() * share if total is None else total + loss.detach() * share
         assert total is not None
         return total
+
+    def _loss(self, part: Batch, k: int) -> torch.Tensor:
+        """The part's loss; a model that fails on an empty part that pads is told what it must accept."""
+        if k or not self.empty:
+            return self.compute_loss(part)
+        try:
+            return self.compute_loss(part)
+        except Exception as err:
+            if is_out_of_memory(err):
+                raise
+            raise RuntimeError(
+                "train.micro_batch: this rank's share of the batch is smaller than another's, so it runs an empty "
+                "part to match their collectives (FSDP, SyncBatchNorm), and the model failed on it. A model with "
+                "BatchNorm must accept a batch of 0 samples here (torch.flatten(x, 1) does, x.view(x.size(0), -1) "
+                f"does not), or use a global batch that the processes divide. Cause: {err}"
+            ) from err
+
+
+def _most_samples(shares: Shares, iteration: int, n: int) -> int:
+    """The most samples any rank holds of this iteration's batch: the sampler's largest share, or for a loader of
+    the user's (shares unknown) the largest ``n``, agreed in a collective."""
+    if shares.largest is not None:
+        return shares.largest_share(iteration)
+    return int(idist.all_reduce(torch.tensor(n, device=idist.device()), op="MAX"))
 
 
 def _agree(size: int, group: Any) -> int:

@@ -239,7 +239,8 @@ def _set_sampler_epoch(engine: Engine) -> None:
 
 def _follow_global_batches(trainer: Trainer, sampler: GlobalBatchSampler) -> None:
     """A resumed epoch goes on from its position in the epoch's global batches (on any process count: the same
-    samples); the step weights this rank's loss by its share when the shares of the global batch are uneven."""
+    samples); the step weights this rank's loss by its share when the shares of the global batch are uneven, and
+    the step in parts reads the largest share."""
     state = trainer.state
     position = state.iteration % state.epoch_length if state.epoch_length else 0
     # The DeterministicEngine skips the resumed epoch's first batches itself.
@@ -258,3 +259,4 @@ def _follow_global_batches(trainer: Trainer, sampler: GlobalBatchSampler) -> Non
                 sampler.batches,
             )
     trainer.step.shares.weights = None if sampler.even else sampler.weights()
+    trainer.step.shares.largest = sampler.largest()

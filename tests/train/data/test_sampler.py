@@ -80,6 +80,15 @@ def test_uneven_shares_weigh_each_ranks_mean_into_the_global_mean():
     assert not loaders(250, 64, 4)[0].sampler.even  # 250 = 3 * 64 + 58: the last batch splits unevenly
 
 
+def test_the_largest_share_of_every_batch_is_known_to_every_rank():
+    # What micro-batches under FSDP pad to (issue #50): 150 in batches of 64 over 3 is 22 + 21 + 21, then 8 + 7 + 7.
+    for world in (2, 3, 4):
+        ranks = loaders(150, 64, world)
+        served = [[len(b) for b in r] for r in ranks]
+        assert all(r.sampler.largest() == [max(sizes) for sizes in zip(*served, strict=True)] for r in ranks)
+    assert loaders(150, 64, 3)[2].sampler.largest() == [22, 22, 8]
+
+
 def test_a_rank_without_a_sample_of_the_last_batch_repeats_one_weighted_zero():
     # 7 samples in batches of 4 over 3 ranks: the last global batch holds 3, the last rank's share of it 1; over 4
     # ranks, the fourth rank's share of it is empty.

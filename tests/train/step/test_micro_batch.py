@@ -18,6 +18,7 @@ from ignite_mgpu.train.step.micro_batch import (
     counted_items,
     is_out_of_memory,
     next_size,
+    padded,
     remember,
     remembered_size,
     split_batch,
@@ -66,6 +67,16 @@ def test_split_keeps_every_sample_once_and_shares_what_is_not_per_sample():
     assert [len(p["labels"]) for p, _ in mapping] == [3, 3, 3, 1]
     assert split_batch((x, y), 10, 10)[0][0] == (x, y) and split_batch((x, y), 10, 64)[0][1] == 10
     assert counted_items({"labels": torch.tensor([[1, -100], [2, 3]])}) == 3 and counted_items((x, y)) is None
+
+
+def test_padding_parts_count_nothing_and_are_one_sample_or_none():
+    batch = (torch.arange(5.0), torch.arange(5), "shared")
+    parts = padded(split_batch(batch, 5, 2), batch, 5, 4, empty=False)
+    assert [k for _, k in parts] == [2, 2, 1, 0]
+    assert parts[-1][0][0].tolist() == [0.0] and parts[-1][0][2] == "shared"  # the first sample again
+    empty = padded(split_batch(batch, 5, 2), batch, 5, 5, empty=True)
+    assert [len(p[0]) for p, _ in empty] == [2, 2, 1, 0, 0] and [k for _, k in empty][3:] == [0, 0]
+    assert [k for _, k in padded(split_batch(batch, 5, 2), batch, 5, 2, empty=False)] == [2, 2, 1]  # never fewer
 
 
 def test_the_remembered_size_keeps_the_smallest_and_survives_a_bad_file(tmp_path):
@@ -254,10 +265,85 @@ def test_auto_agrees_before_the_synced_forward_and_restarts_after_an_oom_in_it(o
 
     attempt = micro_step._Trial(dataclasses.replace(step, compute_loss=forward), sizing, False)
     batch = (torch.randn(4, 6), torch.randint(0, 3, (4,)))
-    assert isinstance(attempt(batch, 4, 2, True, 1, [], None), torch.Tensor)
+    assert isinstance(attempt(batch, 4, 2, True, 1, [], None, 0), torch.Tensor)
     assert events == ["forward", "agree", "forward"]
     events.clear()
     fail_at.append(3)  # the synced forward runs out of memory
     with pytest.raises(MicroBatchTooLarge, match="inside a collective"):
-        attempt(batch, 4, 2, True, 1, [], None)
+        attempt(batch, 4, 2, True, 1, [], None, 0)
     assert events == ["forward", "agree", "forward"]
+
+
+class ViewAll(nn.Module):
+    def forward(self, x):
+        return x.view(x.size(0), -1)  # a batch of 0 samples cannot be viewed so
+
+
+def sync_bn_step(monkeypatch, world: int, largest: list[int] | None, flatten=None, norm=nn.SyncBatchNorm):
+    """A model with SyncBatchNorm (or ``norm``, under a stand-in for FSDP) in parts of 2, its process function as one
+    of ``world`` ranks (no process group: SyncBatchNorm falls back to BatchNorm's kernel), the sizes its norm saw."""
+    from ignite_mgpu.train.step import micro_step
+
+    monkeypatch.setattr("ignite.distributed.get_world_size", lambda: world)
+    if norm is not nn.SyncBatchNorm:
+        monkeypatch.setattr(micro_step, "find_fsdp", lambda model: model)  # every forward a collective, as FSDP's
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(4, 4, 1), norm(4), flatten or nn.Flatten(), nn.Linear(12, 2))
+    seen: list[int] = []
+    model[1].register_forward_pre_hook(lambda m, args: seen.append(len(args[0])))
+    trainer = create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), micro_batch=2)
+    trainer.step.shares.largest = largest
+    engine = Engine(lambda e, b: None)
+    engine.state.iteration, engine.state.epoch_length = 1, 1
+    return model, seen, lambda batch: micro_step.micro_batch_step(trainer.step)(engine, batch)
+
+
+@pytest.mark.parametrize("norm", [nn.SyncBatchNorm, nn.BatchNorm1d])
+def test_a_smaller_share_runs_as_many_parts_under_batchnorm_with_empty_ones(monkeypatch, norm):
+    # Issue #50: SyncBatchNorm all-gathers in every training forward (FSDP's forwards all-gather), so a rank holding 3
+    # samples when another holds 5 runs 3 parts of 2 (2, 1 and an empty one, as many all-gathers); the empty part
+    # counts in no statistics (SyncBatchNorm gives it a count of 0, BatchNorm skips it) and leaves the gradient, the
+    # running statistics and the loss as without it.
+    torch.manual_seed(1)
+    batch = (torch.randn(3, 4, 3), torch.randint(0, 2, (3,)))
+    alone, seen_alone, step_alone = sync_bn_step(monkeypatch, 1, None, norm=norm)
+    loss_alone = step_alone(batch)
+    padded_model, seen, step = sync_bn_step(monkeypatch, 3, [5], norm=norm)
+    loss = step(batch)
+    assert seen_alone == [2, 1] and seen == [2, 1, 0]
+    assert torch.equal(loss, loss_alone)
+    for a, b in zip(alone.state_dict().values(), padded_model.state_dict().values(), strict=True):
+        if a.is_floating_point():
+            assert torch.equal(a, b)  # parameters after the step, running mean and variance
+
+
+def test_a_loader_of_the_users_agrees_on_the_largest_share(monkeypatch):
+    # No GlobalBatchSampler, so no known shares: the ranks all-reduce the largest batch (here: 6), then pad.
+    monkeypatch.setattr("ignite.distributed.all_reduce", lambda t, op: torch.tensor(6) if op == "MAX" else t)
+    _, seen, step = sync_bn_step(monkeypatch, 3, None)
+    step((torch.randn(3, 4, 3), torch.randint(0, 2, (3,))))
+    assert seen == [2, 1, 0]
+
+
+def test_evaluation_in_parts_runs_the_parts_of_the_largest_share_and_drops_the_padding():
+    from ignite_mgpu.train.step.micro_batch import in_parts
+
+    seen = []
+
+    def forward(batch):
+        seen.append(len(batch[0]))
+        return batch[0] * 2, batch[1]
+
+    batch = (torch.arange(5.0), torch.arange(5))
+    predictions, targets = in_parts(forward, 2, False, most=lambda n: 8)(batch)
+    assert seen == [2, 2, 1, 1]  # the largest share, 8, makes 4 parts: one pads with the first sample
+    assert predictions.tolist() == [0.0, 2.0, 4.0, 6.0, 8.0] and targets.tolist() == [0, 1, 2, 3, 4]
+    seen.clear()
+    in_parts(forward, 8, False, most=lambda n: 9)(batch)
+    assert seen == [5, 1]
+
+
+def test_a_model_that_fails_on_an_empty_part_is_told_what_to_accept(monkeypatch):
+    _, _, step = sync_bn_step(monkeypatch, 3, [5], flatten=ViewAll())
+    with pytest.raises(RuntimeError, match=r"runs an empty part .* must accept a batch of 0 samples .*flatten"):
+        step((torch.randn(3, 4, 3), torch.randint(0, 2, (3,))))
