@@ -9,8 +9,10 @@ Run: python -m pytest tests/test_benchmark_smoke.py -q
 
 import importlib
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -358,3 +360,30 @@ def test_the_one_gpu_check_lists_its_checks_and_its_cpu_dry_run_passes():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert [line.split()[:2] for line in proc.stdout.splitlines()] == [["PASS", name] for name in dry], proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_the_startup_tracer_times_every_event_of_a_ddp_step_in_order(tmp_path):
+    """bench_startup.py's tracer (benchmarks/overhead/trace) in a one-process DDP step, read by its time line."""
+    bench = importlib.import_module("benchmarks.overhead.bench_startup")
+    script = (
+        "import torch, torch.distributed as dist\n"
+        "from torch.utils.data import DataLoader\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/rendezvous', rank=0, world_size=1)\n"
+        "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 3))\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for x in DataLoader(torch.randn(8, 3), batch_size=4):\n"
+        "    model(x).sum().backward()\n"
+        "    optimizer.step()\n"
+        "dist.destroy_process_group()\n"
+    )
+    trace = tmp_path / "trace.txt"
+    env = {**os.environ, "PYTHONPATH": bench.TRACE_DIR, "BENCH_STARTUP_TRACE": str(trace)}
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found = bench.timeline(trace, start, launcher=int(trace.read_text().split()[1]))  # one process: rank 0
+    # Every event once, in the order it happens (DDP's constructor imports torch._dynamo; no fork, no ignite).
+    events = ["interpreter", "torch", "process group", "torch._dynamo", "model wrapped", "loop", "first backward"]
+    assert [f"rank 0 {e}" for e in [*events, "first step"]] == list(found), found
+    assert 0 < found["rank 0 interpreter"] < found["rank 0 torch"] < found["rank 0 first step"] < 100
