@@ -1,8 +1,9 @@
 """Hangs against the real CLI (docs/how-to/hangs.md): a rank stuck in its data loader, in a collective the other
 rank never joins, or SIGSTOPped ends the job within the hang watch's window, with the stuck frame named and every
-rank's stacks in hang_<time>.txt; a slow but live rank and a long evaluation are not reported; `ignite-mgpu
-stacks` prints both ranks of a live job that goes on. The window's floor is dist.hang_seconds=3 here (60 by
-default). Run: `python -m pytest tests/faults/test_hangs.py -q`.
+rank's stacks in hang_<time>.txt; a rank stuck in its first read is named before the first iteration (after
+2 x dist.hang_seconds), or ends on dist.timeout with the watch off; a slow but live rank, a long evaluation and a
+first step slow on every rank are not reported; `ignite-mgpu stacks` prints both ranks of a live job that goes on.
+The window's floor is dist.hang_seconds=3 here (60 by default). Run: `python -m pytest tests/faults/test_hangs.py -q`.
 """
 
 from __future__ import annotations
