@@ -152,17 +152,6 @@ def test_argparse_prints_through_one_private_method(monkeypatch, capsys):
 # --------------------------------------------------------------------------------------------- the training layer
 
 
-def test_set_pg_timeout_or_its_public_name():
-    c10d = torch.distributed.distributed_c10d
-    set_timeout = getattr(c10d, "set_timeout", None) or getattr(c10d, "_set_pg_timeout", None)
-    assert set_timeout is not None and parameters(set_timeout)[:2] == ["timeout", "group"], changed(
-        "torch.distributed.distributed_c10d.set_timeout (before torch 2.14: _set_pg_timeout)",
-        "is gone or takes other arguments",
-        "ignite_mgpu/train/step/guard.py (_shorten_timeout)",
-        "Find how this release changes a process group's timeout, and use that.",
-    )
-
-
 def test_ignite_logger_extension_points():
     from ignite.handlers.base_logger import BaseLogger, BaseOutputHandler
 

@@ -27,6 +27,7 @@ from ignite_mgpu.checkpoint.files import (
     on_cpu,
     read_checkpoint,
 )
+from ignite_mgpu.env import stop
 from ignite_mgpu.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -60,7 +61,9 @@ class ShardedCheckpoint:
 
             self.writer = BackgroundWriter("ignite-mgpu sharded checkpoint writer", idist.device().type)
             # the background collectives must not interleave with training's: a group of their own (every rank)
-            self._group = None if _alone() else torch.distributed.new_group(backend="gloo")
+            self._group = (
+                None if _alone() else torch.distributed.new_group(backend="gloo", timeout=stop.group_timeout())
+            )
 
     def __call__(self, engine: Engine) -> None:
         folder = self.dirname / f"checkpoint_{engine.state.iteration}"

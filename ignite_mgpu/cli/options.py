@@ -170,7 +170,9 @@ def dist_options(fn: Any) -> Any:
         click.option(
             "--master-port", type=int, help="TCP port on node 0 (one node without it: private file rendezvous)."
         ),
-        click.option("--timeout", type=float, help="Seconds a collective may wait after the first iteration [300]."),
+        click.option(
+            "--timeout", type=float, help="Seconds any collective may wait, from the start (first step included) [300]."
+        ),
         click.option(
             "--cpu-binding",
             type=click.Choice(CPU_BINDINGS),

@@ -142,9 +142,9 @@ class DistConfig:
     node_rank: int = 0  # this machine's index, 0..nnodes-1
     master_addr: str = "127.0.0.1"  # address of node 0 (multi-node, or with an explicit master_port)
     master_port: int | None = None  # TCP port on node 0 (None on one node = a private file rendezvous, no port)
-    timeout: float = 300.0  # seconds any collective may wait after the first iteration
+    timeout: float = 300.0  # seconds any collective of any of the job's process groups may wait, set-up included
     stop_grace: float = 60.0  # seconds workers get to checkpoint and exit after SIGTERM/Ctrl-C
-    hang_seconds: float = 60.0  # a job silent max(this, 10 x its slowest step) is hung: stacks, then stop (0: off)
+    hang_seconds: float = 60.0  # hung: silent max(this, 10 x slowest step); 2 x this if a first batch is late (0: off)
     cpu_binding: CpuBinding = "none"  # CPUs and threads of each process (cpus/binding.py)
     max_restarts: int = 0  # restart the processes after a curable failure, from the newest complete checkpoint
     preempt_signal: str | None = "SIGUSR1"  # SLURM's time-limit warning: checkpoint, requeue the job, exit (null: off)

@@ -1,7 +1,8 @@
 """How a worker process is told to stop, and what it tells its supervisor: the first stop signal it received, how
-long a collective may wait before the job gives up on a silent rank, and its status file (``Status``: its last
-completed iteration, whether it is writing a checkpoint, its other activity), which the supervisor's hang watch
-reads. The process layer sets them up; the guard, the evaluator and the checkpoint handlers write the status.
+long a collective may wait before the job gives up on a silent rank (every process group of the job is made with
+it), and its status file (``Status``: its last completed iteration, whether it is writing a checkpoint, its other
+activity, the set-up's waypoints it passed), which the supervisor's hang watch reads. The process layer sets them up;
+the guard, the evaluator and the checkpoint handlers write the status.
 
 Torch-free, a leaf like errors.py, so that the supervisor never imports the training code.
 """
@@ -15,6 +16,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
 
@@ -26,9 +28,9 @@ _signal_at = 0.0  # time.monotonic() of the first stop request
 SAME_REQUEST_WITHIN = 1.0
 _collective_timeout: float | None = None
 _map: mmap.mmap | None = None  # the worker's status file, mapped
-# _map as the three fields of a Status: [iteration, saving 0/1, activity]
+# _map as the four fields of a Status: [iteration, saving 0/1, activity, waypoints]
 _status: memoryview | None = None
-_STATUS = struct.Struct("qqq")
+_STATUS = struct.Struct("qqqq")
 # Saves in progress: the training thread's and a background write.
 _saving, _saving_lock = 0, threading.Lock()
 
@@ -39,6 +41,9 @@ class Status(NamedTuple):
     iteration: int  # the last completed training iteration
     saving: bool  # writing a checkpoint now
     activity: int  # a count of the other signs of progress: the trainer's start, evaluation iterations, saves
+    # The set-up's waypoints passed, the same sequence on every rank (the model built, the trainer started, the
+    # first batch in hand): before the first iteration, a rank behind the others keeps them waiting.
+    waypoints: int = 0
 
 
 def request_stop(signum: int) -> None:
@@ -66,13 +71,20 @@ def stop_requested() -> int:
 
 
 def set_collective_timeout(seconds: float | None) -> None:
-    """Collectives after the first iteration wait at most ``seconds`` (None: the process group's own timeout)."""
+    """Every collective of every process group this worker makes waits at most ``seconds`` (``dist.timeout``; None:
+    torch's default, 10 minutes for NCCL and 30 for gloo)."""
     global _collective_timeout
     _collective_timeout = seconds
 
 
 def collective_timeout() -> float | None:
     return _collective_timeout
+
+
+def group_timeout() -> timedelta | None:
+    """The ``timeout=`` that every ``init_process_group`` and ``new_group`` of the package passes: a side group made
+    without it keeps torch's default, whatever the job's group was given (``set_timeout`` changes one group)."""
+    return None if _collective_timeout is None else timedelta(seconds=_collective_timeout)
 
 
 def set_status_file(path: str | Path | None) -> None:
@@ -106,6 +118,14 @@ def note_iteration(iteration: int) -> None:
         _status[0] = iteration
 
 
+def note_waypoint() -> None:
+    """This rank passed the next waypoint of the set-up, one that every rank passes in the same order, before a
+    point where the ranks wait for each other (the model's wrapping, the first step). Before the first iteration the
+    hang watch judges a rank behind the others (``hangs/watch.py``)."""
+    if _status is not None:
+        _status[3] += 1
+
+
 def note_activity() -> None:
     """Progress that is not a training iteration: training starts, an evaluation iteration, a save begins or
     ends. The supervisor's hang watch (``hangs/watch.py``) counts it as a sign of life."""
@@ -137,10 +157,10 @@ def saving() -> Iterator[None]:
 def read_status(path: str | Path) -> Status | None:
     """A worker's status file; None when there is none."""
     try:
-        iteration, saving_now, activity = _STATUS.unpack(Path(path).read_bytes())
+        iteration, saving_now, activity, waypoints = _STATUS.unpack(Path(path).read_bytes())
     except (OSError, struct.error):
         return None
-    return Status(iteration, bool(saving_now), activity)
+    return Status(iteration, bool(saving_now), activity, waypoints)
 
 
 def reset() -> None:

@@ -18,7 +18,7 @@ import re
 import shutil
 import sysconfig
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -97,6 +97,10 @@ class Where:
     loader: tuple[int, Frame] | None = None  # (pid, frame) of a data-loader worker in the user's code
 
 
+# DDP's constructor: the parameters' shapes checked and the module's state broadcast, with every rank.
+_DDP_SET_UP = ("_verify_param_shape_across_processes", "_sync_module_states", "_sync_params_and_buffers")
+
+
 def where(text: str) -> Where:
     """Where a rank's main thread is, from its dump (``stacks.dump``: the rank's, then its loader workers')."""
     own, *loaders = _LOADER.split(text)
@@ -108,8 +112,9 @@ def where(text: str) -> Where:
     for i, f in enumerate(frames):
         c10d = f.file.endswith(os.path.join("distributed", "distributed_c10d.py")) and not f.function.startswith("_")
         backward = os.sep + "autograd" + os.sep in f.file and f.function in ("backward", "_engine_run_backward")
-        if c10d or backward:
-            found.collective = f.function if c10d else "backward"
+        ddp = f.file.endswith(os.path.join("distributed", "utils.py")) and f.function in _DDP_SET_UP
+        if c10d or backward or ddp:
+            found.collective = f.function if c10d else "backward" if backward else "DDP"
             outside = [g for g in frames[i + 1 :] if not is_library(g.file, dirs) or g in ours]
             found.called_at = outside[0] if outside else None
             break
@@ -131,6 +136,9 @@ def describe(rank_where: Where) -> str:
     if rank_where.collective == "backward":
         at = f", called at {rank_where.called_at}" if rank_where.called_at else ""
         return f"waits in backward (where DDP's gradient all-reduce waits for the other ranks){at}"
+    if rank_where.collective == "DDP":
+        at = f", called at {rank_where.called_at}" if rank_where.called_at else ""
+        return f"waits in DistributedDataParallel's construction (its parameters checked with every rank){at}"
     if rank_where.collective:
         at = f", called at {rank_where.called_at}" if rank_where.called_at else ""
         return f"waits in the collective {rank_where.collective}{at}"
@@ -274,11 +282,13 @@ def collect(
     gpus: Mapping[int, int],
     nccl: bool = False,
     cause: str | None = None,
+    behind: Sequence[int] = (),
 ) -> Hang:
     """Every rank's stacks now (a stopped rank is continued so that it answers: the job is killed next), the
     Flight Recorder's dumps on ``nccl``, and the report written to ``report_dir`` (the run folder). ``folder``: the
     attempt's; ``iterations`` and ``gpus``: each global rank's last completed iteration and physical GPU, where
-    known; ``why``: the report's first line; ``cause``: the hang watch's finding, the job's cause."""
+    known; ``why``: the report's first line; ``cause``: the hang watch's finding, the job's cause; ``behind``: the
+    ranks it found behind the others before the first iteration (the stuck ones, whatever their stacks show)."""
     ranks = stacks.ranks_in(folder)
     if nccl:
         ask_flight_recorder(folder, [r.rank for r in ranks])
@@ -286,4 +296,4 @@ def collect(
     info = {r.rank: RankInfo(r.pid, gpus.get(r.rank), iterations.get(r.rank)) for r in ranks}
     stuck, lines = summary(texts, info, flight_recorder(folder))
     path = write_report(report_dir, why, lines, texts, folder)
-    return Hang(stuck, lines, path, cause)
+    return Hang(list(behind) or stuck, lines, path, cause)

@@ -4,10 +4,15 @@ start) and judges the job hung when no rank has made progress for far longer tha
 
 The rule: hung when no rank's status moved for ``max(dist.hang_seconds, FACTOR x the slowest interval between
 two changes of any rank's status)``. The first interval, from the trainer's start to the first completed iteration
-(the data loader's start, a compilation: minutes for a large compiled model), counts as pace but is not judged: the
-job is judged once a rank completed an iteration. While any rank writes a checkpoint nobody is judged, and a save's
-length does not count as pace. A job whose workers never write a status (a script under ``ignite-mgpu run`` that
-uses no ignite-mgpu trainer) is never judged; ``dist.timeout`` still bounds every collective.
+(the data loader's start, a compilation: minutes for a large compiled model), counts as pace but is not judged by
+that rule. Before the first iteration, one rule only: every rank passes the set-up's waypoints in the same order
+(``stop.note_waypoint``: the model built, the trainer started, the first batch in hand), each before a point where
+the ranks wait for each other; when some rank is behind another (which then waits for it in a collective) and no
+rank moved for ``FIRST_STEP x dist.hang_seconds``, the job is hung. Set-up or a first step that is slow on every rank
+alike (a compilation) is never judged here; ``dist.timeout`` bounds every collective from the group's creation.
+While any rank writes a checkpoint nobody is judged, and a save's length does not count as pace. A job whose workers
+never write a status (a script under ``ignite-mgpu run`` that uses no ignite-mgpu trainer) is never judged;
+``dist.timeout`` still bounds every collective.
 
 ``HangWatch`` is pure over what it is shown (statuses and times); ``HangChecks`` is one attempt's side: the watch
 over the attempt's status files, and the hang's report (``hang_report.collect``) taken before the ranks are killed,
@@ -24,6 +29,9 @@ from ignite_mgpu.env.stop import Status, read_status
 from ignite_mgpu.hangs import hang_report
 
 FACTOR = 10.0  # how many times its slowest interval a job may stay silent
+# Before the first iteration, how many times dist.hang_seconds a rank may stay behind another's waypoint with no rank
+# moving (120 s by default): the ranks pass them seconds apart, and the first to pass waits in a collective.
+FIRST_STEP = 2.0
 
 
 @dataclass
@@ -35,6 +43,8 @@ class _Pace:
     slowest: float = 0.0  # the longest interval between two changes, saves left out
     armed: bool = False  # the trainer has started: intervals are measured
     was_saving: bool = False
+    waypoints: int = 0  # the set-up's waypoints passed (stop.note_waypoint)
+    moved_at: float = 0.0  # the last change of anything: iteration, activity or waypoints
 
 
 @dataclass
@@ -45,6 +55,7 @@ class Silence:
     window: float
     slowest: float  # the slowest interval seen, of which the window is FACTOR times (or the floor)
     iterations: dict[int, int]  # each rank's last completed iteration
+    behind: tuple[int, ...] = ()  # judged before the first iteration: the ranks behind the others' waypoint
 
 
 class HangWatch:
@@ -63,30 +74,58 @@ class HangWatch:
         for rank, status in statuses.items():
             if status is None:
                 continue
-            iteration, saving_now, activity = status
-            pace = self.paces.setdefault(rank, _Pace(changed_at=now))
+            iteration, saving_now, activity, waypoints = Status(*status)  # a tuple of three: no waypoint
+            pace = self.paces.setdefault(rank, _Pace(changed_at=now, moved_at=now))
+            if (iteration, activity, waypoints) != (*pace.seen, pace.waypoints):
+                pace.moved_at = now
             if (iteration, activity) != pace.seen:
                 if pace.armed and not pace.was_saving:
                     pace.slowest = max(pace.slowest, now - pace.changed_at)
                 pace.seen, pace.changed_at, pace.armed = (iteration, activity), now, True
-            pace.was_saving = saving_now
+            pace.was_saving, pace.waypoints = saving_now, waypoints
             saving = saving or saving_now
         armed = [p for p in self.paces.values() if p.armed]
         if saving:  # a rank writes a checkpoint; the others wait for it in their next collective
             for pace in armed:
                 pace.changed_at = now
+            for pace in self.paces.values():
+                pace.moved_at = now
             return None
-        if not any(p.seen[0] > 0 for p in armed):  # before the first iteration: measured, not judged
-            return None
+        if not any(p.seen[0] > 0 for p in armed):
+            return self._first_step(now)
         slowest = max(p.slowest for p in armed)
         window = max(self.floor, self.factor * slowest)
         silent = now - max(p.changed_at for p in armed)
         if silent <= window:
             return None
-        return Silence(silent, window, slowest, {rank: p.seen[0] for rank, p in self.paces.items()})
+        return Silence(silent, window, slowest, self._iterations())
+
+    def _first_step(self, now: float) -> Silence | None:
+        """Before the first iteration: hung when a rank is behind another's waypoint and no rank moved for
+        FIRST_STEP x the floor. Set-up or a first step slow on every rank alike (a compilation) is not judged."""
+        ahead = max((p.waypoints for p in self.paces.values()), default=0)
+        behind = tuple(rank for rank, pace in sorted(self.paces.items()) if pace.waypoints < ahead)
+        if not behind:
+            return None
+        window = FIRST_STEP * self.floor
+        silent = now - max(p.moved_at for p in self.paces.values())
+        if silent <= window:
+            return None
+        slowest = max(p.slowest for p in self.paces.values())
+        return Silence(silent, window, slowest, self._iterations(), behind)
+
+    def _iterations(self) -> dict[int, int]:
+        return {rank: p.seen[0] for rank, p in self.paces.items()}
 
 
 def hang_cause(silence: Silence) -> str:
+    if silence.behind:
+        ranks = ", ".join(map(str, silence.behind))
+        return (
+            f"the job hung before its first iteration: rank(s) {ranks} stayed behind the others, which waited for "
+            f"them, and no rank moved for {silence.seconds:.0f} s (the window before the first iteration: "
+            f"{FIRST_STEP:g} x dist.hang_seconds, {silence.window:.0f} s); every rank was stopped."
+        )
     # The supervisor reads the progress twice a second: a shorter interval is not measured.
     slowest = f"{silence.slowest:.1f} s" if silence.slowest >= 1 else "under 1 s"
     return (
@@ -130,7 +169,7 @@ class HangChecks:
         if silence is None:
             return False
         self.iterations = silence.iterations
-        self._collect(hang_cause(silence), watched=True)
+        self._collect(hang_cause(silence), watched=True, behind=silence.behind)
         return True
 
     def after_timeout(self) -> None:
@@ -141,12 +180,13 @@ class HangChecks:
         """The ranks did not stop within ``grace`` seconds of being asked."""
         self._collect(f"the workers did not stop within {grace:.0f} s (dist.stop_grace)")
 
-    def _collect(self, why: str, watched: bool = False) -> None:
+    def _collect(self, why: str, watched: bool = False, behind: tuple[int, ...] = ()) -> None:
         if self.hang is not None:
             return
         try:
+            cause = why if watched else None
             self.hang = hang_report.collect(
-                self.folder, self.report_dir, why, self.iterations, self.gpus, self.nccl, why if watched else None
+                self.folder, self.report_dir, why, self.iterations, self.gpus, self.nccl, cause, behind
             )
         except OSError as err:  # the report is a help: the job still ends as it must
             print(f"ignite-mgpu: could not write the hang's report ({err}).", flush=True)

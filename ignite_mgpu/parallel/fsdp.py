@@ -23,6 +23,7 @@ except ImportError:  # torch 2.4 and 2.5: FSDP2 before torch.distributed.fsdp ex
         fully_shard,
     )
 
+from ignite_mgpu.env import stop
 from ignite_mgpu.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ def offload_mesh() -> Any:
     # One group per job's group: each new one would hold another NCCL communicator (GPU memory) for good.
     world = id(dist.group.WORLD)
     if world not in _OFFLOAD_MESHES:
-        group = cast(dist.ProcessGroup, dist.new_group(backend=backend))
+        group = cast(dist.ProcessGroup, dist.new_group(backend=backend, timeout=stop.group_timeout()))
         _OFFLOAD_MESHES[world] = DeviceMesh.from_group(group, "cuda")
     return _OFFLOAD_MESHES[world]
 

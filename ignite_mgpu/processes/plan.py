@@ -36,7 +36,7 @@ class LaunchPlan:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None on one node: a private file store (or, for a script, a free port)
     env: Mapping[str, str] = field(default_factory=dict)  # set in every worker before torch starts
-    timeout: float = 300.0
+    timeout: float = 300.0  # dist.timeout: every process group of the job is made with it
     stop_grace: float = 60.0
     hang_seconds: float = 60.0  # the hang watch's shortest window (hangs/watch.py; 0: off)
     strategy: str = "ddp"

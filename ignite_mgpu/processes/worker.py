@@ -55,7 +55,7 @@ def run_in_group(plan: LaunchPlan, job: Job, rendezvous_file: str | None = None)
         # ignite keeps existing loggers.
         logging.getLogger(f"ignite.distributed.{name}").setLevel(logging.WARNING)
     before_group = thread_ids()
-    own_group = _create_group(plan, rendezvous_file)
+    made_by = _create_group(plan, rendezvous_file)
     returned = []  # Parallel.run drops what the function returns
 
     def run(local_rank: int) -> None:
@@ -66,7 +66,7 @@ def run_in_group(plan: LaunchPlan, job: Job, rendezvous_file: str | None = None)
             raise
 
     try:
-        with idist.Parallel(backend=None if own_group else plan.backend) as parallel:
+        with idist.Parallel(backend=None) as parallel:  # the group is made here (_create_group), or none
             free_group_threads(before_group)  # cores: gloo's threads communicate on the job's CPUs
             _say_where(plan)
             parallel.run(run)
@@ -78,24 +78,32 @@ def run_in_group(plan: LaunchPlan, job: Job, rendezvous_file: str | None = None)
                 # done, so those threads finish first. (Spawned workers skip the shutdown with os._exit.)
                 idist.barrier()
     finally:
-        if own_group:
+        if made_by == "ignite":
+            idist.finalize()
+        elif made_by == "here":
             import torch.distributed as dist
 
             dist.destroy_process_group()
     return returned[0] if returned else None
 
 
-def _create_group(plan: LaunchPlan, rendezvous_file: str | None) -> bool:
-    """Create the job's process group here where ignite's creation would go wrong (a spawned job's file store, a
-    torchrun restart); False leaves it to ignite (env://, or no group for one process)."""
+def _create_group(plan: LaunchPlan, rendezvous_file: str | None) -> str | None:
+    """Create the job's process group, its collectives bounded by ``dist.timeout`` from the start (the first step
+    and the set-up before it too: ``stop.group_timeout``): "here" on a store of our own, where ignite's creation
+    would go wrong (a spawned job's file store, a torchrun restart), "ignite" through ``idist.initialize``
+    (env://), None for one process (no group)."""
     if plan.backend is None:
-        return False
+        return None
     if rendezvous_file is not None:
         store = _file_store(rendezvous_file)
     else:
         store = _torchrun_attempt_store() if plan.external else None
     if store is None:
-        return False
+        import ignite.distributed as idist
+
+        # ignite's Parallel(backend=...) would create it without a timeout: torch's 10 (NCCL) or 30 (gloo) minutes.
+        idist.initialize(plan.backend, timeout=stop.group_timeout())
+        return "ignite"
     import torch
     import torch.distributed as dist
 
@@ -103,8 +111,9 @@ def _create_group(plan: LaunchPlan, rendezvous_file: str | None) -> bool:
         # Each rank's current device is its local rank's, as ignite sets it (gloo too: idist.device() reads it).
         torch.cuda.set_device(cluster.local_rank())
     world_size, _ = cluster.job_size()
-    dist.init_process_group(plan.backend, store=store, rank=cluster.global_rank(), world_size=world_size)
-    return True
+    rank = cluster.global_rank()
+    dist.init_process_group(plan.backend, store=store, rank=rank, world_size=world_size, timeout=stop.group_timeout())
+    return "here"
 
 
 def _file_store(path: str) -> Any:

@@ -28,6 +28,7 @@ from ignite_mgpu.checkpoint.save import RunInfo, adopt_existing, writes_awaited
 from ignite_mgpu.checkpoint.state import checkpoint_objects
 from ignite_mgpu.config.loading import dump_config
 from ignite_mgpu.config.schema import Config, best_metric
+from ignite_mgpu.env import stop
 from ignite_mgpu.env.clock import job_clock
 from ignite_mgpu.env.cluster import outer_restarts
 from ignite_mgpu.errors import TrainingInterrupted
@@ -229,6 +230,7 @@ def _create_model(cfg: Config, loader: DataLoader) -> nn.Module:
     """The configured model, built (lazy layers materialised on one sample) and placed for the strategy."""
     m = cfg.model
     model = create_model(m, example_inputs(loader.dataset, loader.collate_fn))
+    stop.note_waypoint()  # next, wrapping waits for every rank (DDP's broadcast): the hang watch sees who is late
     return prepare_model(model, cfg.dist.strategy, m.sync_batchnorm, m.compile, **fsdp_options(cfg))
 
 

@@ -10,6 +10,7 @@ needs no hooks. Environment variables, read in every worker:
 
     - ``raise``: ``RuntimeError("boom")`` in forward.
     - ``sleep``: sleep for an hour (a hung rank).
+    - ``pause``: sleep ``arg`` seconds (default 5) in that forward only (a long compilation of the first step).
     - ``kill``: ``SIGKILL`` this process.
     - ``losegpu``: this rank's GPU falls off the bus, as the tools report it: the stand-in nvidia-smi
       (tests/fake_gpus) reports it lost (its bus id is added to ``$FAKE_NVIDIA_SMI_DIR/lost.csv``: nvidia-smi then
@@ -174,6 +175,8 @@ class FaultyLinear(nn.Module):
                 raise RuntimeError("CUDA error: unspecified launch failure")
             if kind == "sleep":
                 time.sleep(3600)
+            if kind == "pause":
+                time.sleep(5.0 if arg is None else arg)
             if kind == "hold":
                 _hold(120.0 if arg is None else arg)
             if kind == "losegpu":

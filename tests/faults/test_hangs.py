@@ -1,8 +1,9 @@
 """Hangs against the real CLI (docs/how-to/hangs.md): a rank stuck in its data loader, in a collective the other
 rank never joins, or SIGSTOPped ends the job within the hang watch's window, with the stuck frame named and every
-rank's stacks in hang_<time>.txt; a slow but live rank and a long evaluation are not reported; `ignite-mgpu
-stacks` prints both ranks of a live job that goes on. The window's floor is dist.hang_seconds=3 here (60 by
-default). Run: `python -m pytest tests/faults/test_hangs.py -q`.
+rank's stacks in hang_<time>.txt; a rank stuck in its first read is named before the first iteration (after
+2 x dist.hang_seconds), or ends on dist.timeout with the watch off; a slow but live rank, a long evaluation and a
+first step slow on every rank are not reported; `ignite-mgpu stacks` prints both ranks of a live job that goes on.
+The window's floor is dist.hang_seconds=3 here (60 by default). Run: `python -m pytest tests/faults/test_hangs.py -q`.
 """
 
 from __future__ import annotations
@@ -62,6 +63,52 @@ def test_rank_stuck_in_its_data_loader_is_named(h: Harness) -> None:
     assert re.search(r"rank 0 .* waits in backward", r.stderr), str(r)
     assert "__getitem__" in hang_file(out)
     assert r.stderr.count("the job hung") == 1, str(r)  # one report
+    h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(120)
+def test_rank_stuck_in_its_first_data_read_is_named_before_the_first_iteration(h: Harness) -> None:
+    """Rank 1's first read (the model's example input) never returns; rank 0 built its model and waits in DDP's
+    broadcast. Judged after 2 x dist.hang_seconds (6 s here; 120 s by default, tests/hangs/test_watch.py), not after
+    torch's 30 minutes."""
+    out = h.root / "out"
+    r = h.run([*HANGS, "data.args={hang: '1:1'}", "--output-dir", str(out)], timeout=60)
+    assert r.rc == 1, str(r)
+    assert "the job hung before its first iteration: rank(s) 1 stayed behind the others" in r.stderr, str(r)
+    assert re.search(
+        r"rank 1 \(pid \d+, last completed iteration 0\) is in \S*hangdata\.py:\d+ in __getitem__", r.stderr
+    ), str(r)
+    assert "Where each rank was (rank(s) 1 stuck)" in r.stderr, str(r)
+    assert re.search(r"rank 0 .* waits in DistributedDataParallel's construction", r.stderr), str(r)
+    assert "__getitem__" in hang_file(out)
+    assert r.elapsed < 45, str(r)  # 6 s after rank 0 built its model
+    h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(120)
+def test_first_step_hang_ends_on_dist_timeout_with_the_watch_off(h: Harness) -> None:
+    """dist.timeout bounds the first step's collectives too (the job's group is made with it): with the watch off,
+    rank 0's all-reduce gives up after 5 s and the report still names rank 1's line."""
+    out = h.root / "out"
+    args = [*HANGS, "dist.hang_seconds=0", "--timeout", "5", "data.args={hang: '1:1'}", "--output-dir", str(out)]
+    r = h.run(args, timeout=60)
+    assert r.rc == 1, str(r)
+    assert re.search(r"rank 0 timed out after 5 s \(dist.timeout\).*rank\(s\) 1 stopped answering", r.stderr), str(r)
+    assert re.search(r"rank 1 \(pid \d+\) is in \S*hangdata\.py:\d+ in __getitem__", r.stderr), str(r)
+    hang_file(out)
+    assert r.elapsed < 45, str(r)  # 5 s after rank 0 began to wait, not torch's 30 minutes
+    h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(120)
+def test_first_step_slow_on_every_rank_is_no_hang(h: Harness) -> None:
+    """A long compilation, as every rank sees it: 8 s in the first forward on both ranks, longer than the first
+    step's window (6 s) and than dist.timeout (6 s): the ranks wait for each other only as long as they differ."""
+    out = h.root / "out"
+    args = [*HANGS, "--timeout", "6", "--output-dir", str(out)]
+    r = h.run(args, timeout=90, fault="pause:*:1:8")
+    assert r.rc == 0, str(r)
+    assert "hung" not in r.stderr and not list(out.glob("hang_*")), str(r)
     h.assert_no_leftovers()
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from ignite_mgpu.hangs.watch import HangWatch
+from pathlib import Path
+
+from ignite_mgpu.config.schema import DistConfig
+from ignite_mgpu.hangs.watch import FIRST_STEP, HangWatch, hang_cause
 
 
 def feed(watch: HangWatch, rows: list[tuple[float, dict]]):
@@ -70,3 +73,61 @@ def test_zero_turns_the_watch_off():
     watch = HangWatch(0.0)
     rows = [(0.0, {0: (0, False, 1)}), (1.0, {0: (1, False, 1)}), (1000.0, {0: (1, False, 1)})]
     assert feed(watch, rows) is None
+
+
+def set_up(t: float, waypoints: dict[int, int]) -> tuple[float, dict]:
+    """No rank completed an iteration; each rank's waypoints passed (1: the model built, 2: the trainer started,
+    3: the first batch in hand), its activity 1 once its trainer started."""
+    return t, {rank: (0, False, int(w >= 2), w) for rank, w in waypoints.items()}
+
+
+def test_before_the_first_iteration_a_rank_behind_is_judged_at_twice_the_floor():
+    """Rank 1's first read (the model's example input) is stuck; rank 0 built its model and waits in DDP's
+    broadcast."""
+    watch = HangWatch(3.0)
+    rows = [set_up(0.0, {0: 0, 1: 0}), set_up(1.0, {0: 1, 1: 0})]
+    rows += [set_up(1.0 + 0.5 * i, {0: 1, 1: 0}) for i in range(1, 20)]
+    found = feed(watch, rows)
+    assert found is not None
+    now, silence = found
+    assert now == 7.5 and silence.window == 6.0 and silence.behind == (1,), silence  # 6 s after rank 0 moved
+    assert silence.iterations == {0: 0, 1: 0}
+    assert "before its first iteration: rank(s) 1 stayed behind the others" in hang_cause(silence)
+    assert "2 x dist.hang_seconds, 6 s" in hang_cause(silence)
+
+
+def test_a_rank_without_its_first_batch_is_judged_the_same_way():
+    watch = HangWatch(3.0)
+    rows = [set_up(0.0, {0: 2, 1: 2}), set_up(2.0, {0: 3, 1: 2}), set_up(8.0, {0: 3, 1: 2})]
+    assert feed(watch, rows) is None
+    found = feed(watch, [set_up(8.5, {0: 3, 1: 2})])
+    assert found is not None and found[1].behind == (1,)
+
+
+def test_set_up_or_a_first_step_slow_on_every_rank_is_not_judged():
+    """A long model build, then a long compilation: the ranks pass each waypoint together; nobody waits long."""
+    watch = HangWatch(3.0)
+    rows = [set_up(float(t), {0: 0, 1: 0}) for t in range(0, 600, 10)]
+    rows += [set_up(600.0, {0: 1, 1: 0}), set_up(601.0, {0: 1, 1: 1}), set_up(602.0, {0: 2, 1: 2})]
+    rows += [set_up(float(t), {0: 3, 1: 3}) for t in range(603, 3600, 10)]
+    assert feed(watch, rows) is None
+    # Its first iteration then counts as the job's pace (an interval of almost an hour): no alarm after it either.
+    assert feed(watch, [(3600.0, {0: (1, False, 1, 3), 1: (1, False, 1, 3)}), (3700.0, {0: None})]) is None
+
+
+def test_a_rank_that_catches_up_within_the_window_is_not_judged():
+    watch = HangWatch(3.0)
+    rows = [set_up(0.0, {0: 1, 1: 0}), set_up(5.5, {0: 1, 1: 0})]
+    rows += [set_up(t, {0: 1, 1: 1}) for t in (6.0, 30.0, 60.0)]
+    assert feed(watch, rows) is None
+    assert feed(HangWatch(0.0), [set_up(t, {0: 1, 1: 0}) for t in (0.0, 100.0, 1000.0)]) is None  # off
+
+
+def test_the_default_bounds_are_two_and_five_minutes():
+    """A rank behind the others before the first iteration is reported after 2 x dist.hang_seconds (120 s) by
+    default; any collective, the set-up's and the first step's included, ends the job after dist.timeout (300 s);
+    the how-to page says so."""
+    dist = DistConfig()
+    assert (FIRST_STEP * dist.hang_seconds, dist.timeout) == (120.0, 300.0)
+    page = (Path(__file__).parents[2] / "docs" / "how-to" / "hangs.md").read_text()
+    assert "2 x dist.hang_seconds" in page and "120 s" in page and "300 s" in page

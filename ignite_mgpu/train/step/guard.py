@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from datetime import timedelta
 from typing import Any, NamedTuple
 
 import ignite.distributed as idist
@@ -152,7 +151,6 @@ class TrainingGuard:
         self._stacked: list[torch.Tensor] = []  # STACK_EVERY losses each, since the last check
         self._epoch_sum = 0.0
         self._epoch_count = 0.0
-        self._timeout_set = False
         self._engine: weakref.ref[Engine] | None = None
 
     def attach(self, engine: Engine) -> None:
@@ -168,6 +166,7 @@ class TrainingGuard:
         engine.add_event_handler(Events.STARTED, self._started)
         engine.add_event_handler(GuardEvents.CHECKPOINT, self._checkpointed)
         engine.add_event_handler(Events.EPOCH_STARTED, self._epoch_started)
+        engine.add_event_handler(Events.ITERATION_STARTED, self._first_batch)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self._on_iteration)
         engine.add_event_handler(Events.EPOCH_COMPLETED, self._on_epoch_completed)
 
@@ -175,10 +174,16 @@ class TrainingGuard:
         self._next, self._losses, self._stacked = 0, [], []
         self._saved_at, self._at_epoch_end = time.monotonic(), (False, 0)
         stop.note_activity()  # the hang watch starts here: the time before the first iteration counts as its work
+        stop.note_waypoint()
         # Attached now, so it runs after every epoch-end handler attached before run()
         if not self._late:
             self._late = True
             engine.add_event_handler(Events.EPOCH_COMPLETED, self._after_epoch_end)
+
+    def _first_batch(self, engine: Engine) -> None:
+        # Once: the hang watch judges a rank still without its first batch while the others have theirs.
+        stop.note_waypoint()
+        engine.remove_event_handler(self._first_batch, Events.ITERATION_STARTED)
 
     def _checkpointed(self, engine: Engine) -> None:
         self._saved_at, self._saved_iteration = time.monotonic(), engine.state.iteration
@@ -230,8 +235,6 @@ class TrainingGuard:
         if len(losses) == self.STACK_EVERY:
             self._stacked.append(torch.stack(losses))
             losses.clear()
-        if not self._timeout_set:
-            self._shorten_timeout()
         iteration = state.iteration
         stop.note_iteration(iteration)  # one store into a shared page: how much a restart would lose
         if iteration >= self._next or (self.checkpoint_every_iters and self._sync_due(iteration, state.epoch_length)):
@@ -245,17 +248,6 @@ class TrainingGuard:
         self.check(engine)
         if self._epoch_count:
             engine.state.metrics["train_loss"] = self._epoch_sum / self._epoch_count
-
-    def _shorten_timeout(self) -> None:
-        # The first iteration may be slow (data set building, compilation); after it, a rank that stops
-        # answering should fail the job in minutes, not after the process group's 10-30 minute default.
-        self._timeout_set = True
-        timeout = stop.collective_timeout()
-        if timeout is not None and idist.get_world_size() > 1:
-            c10d = torch.distributed.distributed_c10d
-            # Public in torch 2.14; before, only the private name (tests/test_private_apis.py guards it).
-            set_timeout = getattr(c10d, "set_timeout", None) or c10d._set_pg_timeout
-            set_timeout(timedelta(seconds=timeout))
 
     def check(self, engine: Engine) -> None:
         """Run the collective check now (on every rank at the same iteration). Raises TrainingStopped."""

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from ignite.engine import Engine
 from torch import nn
 
+from ignite_mgpu.env import stop
 from ignite_mgpu.parallel.fsdp import FSDPModule, find_fsdp
 from ignite_mgpu.parallel.strategy import find_ddp, unwrap
 from ignite_mgpu.train.data import batches
@@ -126,7 +127,11 @@ class _Trial:
         self.empty = any(isinstance(m, BATCH_NORMS) for m in step.model.modules())
         self.agree = sizing.auto and world > 1 and self.in_place
         # The ranks agree on host integers: over gloo, so that a CUDA job does not wait for its device there.
-        self.group = dist.new_group(backend="gloo") if self.agree and idist.backend() != "gloo" else None
+        self.group = (
+            dist.new_group(backend="gloo", timeout=stop.group_timeout())
+            if self.agree and idist.backend() != "gloo"
+            else None
+        )
 
     def __call__(
         self,

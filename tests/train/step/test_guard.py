@@ -252,6 +252,24 @@ def test_every_check_tells_the_supervisor_how_far_training_got(tmp_path):
     assert stop.read_status(tmp_path / "missing") is None
 
 
+def test_the_trainers_start_and_its_first_batch_are_waypoints(tmp_path):
+    """Before the first iteration the hang watch judges a rank behind the others' waypoints (hangs/watch.py)."""
+    from ignite.engine import Engine, Events
+
+    stop.set_status_file(tmp_path / "status0")
+    trainer = Engine(lambda e, b: torch.tensor(1.0))
+    TrainingGuard(check_every=4).attach(trainer)
+    seen = []
+
+    @trainer.on(Events.STARTED)
+    @trainer.on(Events.ITERATION_STARTED)
+    def look() -> None:
+        seen.append(stop.read_status(tmp_path / "status0"))
+
+    trainer.run(range(3), max_epochs=1)
+    assert [(s.waypoints, s.activity) for s in seen] == [(1, 1), (2, 1), (2, 1), (2, 1)]
+
+
 def test_an_epoch_whose_process_count_changed_reports_the_mean_over_its_samples():
     """An epoch of 20 iterations, lent 4 -> 2 processes after iteration 11: each check adds the global batch's mean
     losses and the iterations (``epoch_sums``), so the epoch's train_loss is the uninterrupted run's (the sums of
