@@ -53,6 +53,15 @@ def test_no_page_includes_a_file():
             assert not re.match(r"\s*;?-+8<-+", line), f"{page.relative_to(REPO)}:{number}: write the code out"
 
 
+def test_no_page_shows_the_folder_of_a_checkout():
+    """Outputs recorded from a run show the reader's kind of paths (an installed package, a project of theirs),
+    never the folder that this repository or a copy of it was checked out in."""
+    where = f"{REPO.parent}/"
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            assert where not in line, f"{page.relative_to(REPO)}:{number}: {line.strip()[:100]}"
+
+
 @pytest.mark.parametrize("block", COPIES, ids=[b.id for b in COPIES])
 def test_a_copy_is_its_file(block):
     """A block ``<!-- same as: PATH -->`` is that file of examples/ or configs/ (run by the suite), whole and
