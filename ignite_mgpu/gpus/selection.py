@@ -149,7 +149,10 @@ def plan_gpus(
         )
     _pci_order(environ, messages)
     env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": wanted}
-    env.update(_nccl_env([g for g in gpus if g.index in selected], environ, messages))
+    # A range that may grow is set for every GPU it may take (its workers inherit this process's environment).
+    elastic = parse_range(spec.strip().lower())
+    reach = gpus if isinstance(elastic, GpuRange) and elastic.high > 1 else [g for g in gpus if g.index in selected]
+    env.update(_nccl_env(reach, environ, messages))
     names = {g.index: claim_name(g.uuid, g.pci_bus_id) for g in gpus if g.index in selected}
     return GpuPlan(selected, env, messages, names)
 
@@ -290,13 +293,14 @@ def _refuse_mig(spec: str, selected: list[GpuInfo]) -> None:
 
 
 def _nccl_env(selected: list[GpuInfo], environ: Mapping[str, str], messages: list[str]) -> dict[str, str]:
-    """Disable NCCL P2P/IB for several RTX 40xx cards, unless the user exported the variable already."""
+    """Disable NCCL P2P/IB for several RTX 40xx cards (those a job uses, or an elastic job may grow onto), unless
+    the user exported the variable already."""
     if len(selected) < 2 or not any(_P2P_BROKEN.search(g.name) for g in selected):
         return {}
     env = {k: "1" for k in ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE") if k not in environ}
     if env:
         messages.append(
-            f"GeForce RTX 40xx GPUs selected: NCCL peer-to-peer hangs on these cards, so setting "
+            f"GeForce RTX 40xx GPUs for this job: NCCL peer-to-peer hangs on these cards, so setting "
             f"{' '.join(f'{k}=1' for k in env)} (export a value yourself to override)."
         )
     return env

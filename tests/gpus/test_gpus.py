@@ -340,6 +340,15 @@ def test_plan_rtx_40xx_disables_nccl_p2p(rtx):
     assert "NCCL_P2P_DISABLE" in plan_gpus(None, rtx, {}).env
 
 
+def test_plan_rtx_40xx_range_that_may_grow_disables_nccl_p2p_from_its_first_gpu(rtx):
+    # Started on one card of auto:1-2, the job may take the second: its workers then run NCCL over both with the
+    # environment of this start (a change of size plans the rest again, not the launcher's environment).
+    plan = plan_gpus("auto:1-2", rtx, {}, unavailable={1: "is claimed by bob"})
+    assert plan.physical_ids == [0]
+    assert plan.env["NCCL_P2P_DISABLE"] == "1" and plan.env["NCCL_IB_DISABLE"] == "1"
+    assert "NCCL_P2P_DISABLE" not in plan_gpus("auto:1-1", rtx, {}).env
+
+
 def test_plan_rtx_40xx_keeps_the_users_nccl_setting(rtx):
     plan = plan_gpus("0,1", rtx, {"NCCL_P2P_DISABLE": "0"})
     assert "NCCL_P2P_DISABLE" not in plan.env
