@@ -291,6 +291,53 @@ def check_cpu_load_of_files(folder: Path, cpu: bool) -> str:
     return f"{out.stdout.strip()} files loaded without CUDA, every tensor on the CPU"
 
 
+def check_sticky_cuda_error(folder: Path, cpu: bool) -> str:
+    """A sticky CUDA error in a rank (a device-side assert in its 2nd step, #50): the job ends with exit 1 within
+    the check's time, naming rank 0 and the CUDA error once, no traceback storm and no hang. (Under NCCL it takes
+    two GPUs: one GPU holds one NCCL rank.)"""
+    if cpu:
+        return "SKIP: CUDA only"
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests' / 'faults'}{os.pathsep}{REPO}", "FAULT": "devassert:0:2"}
+    env["PIDS_DIR"] = str(folder)
+    cmd = [sys.executable, "-m", "ignite_mgpu", "train", "--gpus", "0", *TINY, "data.image_size=32"]  # faultmod's
+    cmd += ["model.name=faultmod:make"]
+    cmd += ["--output-dir", str(folder / "run")]
+    start = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 1, f"exit {out.returncode}: {out.stderr[-400:]}"
+    assert "device-side assert" in out.stderr, out.stderr[-600:]
+    said = [line for line in out.stderr.splitlines() if "rank 0" in line] or ["(no line names rank 0)"]
+    return f"exit 1 in {time.monotonic() - start:.0f} s: {said[0][:120]}"
+
+
+def check_lost_gpu_nvml(folder: Path, cpu: bool) -> str:
+    """NVML's real error for a GPU that fell off the bus (NVML_ERROR_GPU_IS_LOST, raised for device 0 by a patched
+    nvmlDeviceGetHandleByIndex of the real pynvml) leaves that device out of the snapshot without failing it (#50;
+    with one GPU nothing else is left to show)."""
+    if cpu:
+        return "SKIP: CUDA only (NVML)"
+    import pynvml
+
+    from ignite_mgpu.gpus import inventory
+
+    before = inventory.query_gpus()
+    real = pynvml.nvmlDeviceGetHandleByIndex
+
+    def handle(index: int):
+        if index == 0:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return real(index)
+
+    pynvml.nvmlDeviceGetHandleByIndex = handle
+    try:
+        after = inventory.query_gpus()
+    finally:
+        pynvml.nvmlDeviceGetHandleByIndex = real
+    assert before and before[0].index == 0 and 0 not in [g.index for g in after], (before, after)
+    lost = type(pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)).__name__
+    return f"{len(before)} GPU(s) before, {len(after)} with GPU 0 lost ({lost})"
+
+
 CHECKS: dict[str, Callable[[Path, bool], str]] = {
     "nccl_ddp": check_nccl_ddp,
     "fsdp_offload": check_fsdp_offload,
@@ -300,6 +347,8 @@ CHECKS: dict[str, Callable[[Path, bool], str]] = {
     "micro_batch_oom": check_micro_batch_oom,
     "memory_plan": check_memory_plan,
     "cpu_load_of_files": check_cpu_load_of_files,
+    "sticky_cuda_error": check_sticky_cuda_error,
+    "lost_gpu_nvml": check_lost_gpu_nvml,
 }
 
 

@@ -19,6 +19,8 @@ needs no hooks. Environment variables, read in every worker:
       and aborts (SIGABRT, no Python clean-up, no failure file), as the watchdog does.
     - ``deverror``: ``RuntimeError("CUDA error: unspecified launch failure")`` in forward, what a rank whose GPU
       failed raises (the GPU itself stays listed).
+    - ``devassert``: a device-side assert (an index out of range inside a kernel), on the GPU a sticky CUDA error
+      that every later CUDA call of the process repeats; on the CPU an ``IndexError``.
     - ``nan``: return NaN logits (a poisoned batch).
     - ``slow``: from that iteration on, sleep ``arg`` seconds (default 0.2) in every training forward.
     - ``hold``: wait in forward until ``PIDS_DIR/release`` exists (at most ``arg`` seconds, default 120): a job
@@ -167,7 +169,7 @@ class FaultyLinear(nn.Module):
             if self.calls != iteration or kind in ("slowwrite", "nospace", "slowsave"):
                 continue
             kind = _fire(kind)
-            if kind in ("raise", "kill", "losegpu", "deverror"):
+            if kind in ("raise", "kill", "losegpu", "deverror", "devassert"):
                 _append(f"fault{_rank()}", f"{kind} {time.time()}")
             if kind == "raise":
                 raise RuntimeError("boom")
@@ -183,6 +185,9 @@ class FaultyLinear(nn.Module):
                 _lose_my_gpu()
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "devassert":
+                x = x + torch.zeros(1, device=x.device)[torch.tensor([x.shape[0] + 7], device=x.device)].sum()
+                torch.cuda.synchronize() if x.is_cuda else None
             if kind == "nan":
                 poison = True
         logits = self.fc(x.flatten(1))

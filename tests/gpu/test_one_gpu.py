@@ -25,6 +25,8 @@ CHECKS = [
     "micro_batch_oom",
     "memory_plan",
     "cpu_load_of_files",
+    "sticky_cuda_error",
+    "lost_gpu_nvml",
 ]
 
 
