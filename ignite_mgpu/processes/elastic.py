@@ -27,6 +27,7 @@ from ignite_mgpu.text import format_ids, plural
 # Seconds between two looks at the line (as often as a waiting job looks, acquire.POLL): a waiter's GPUs are lent
 # within about this long plus one check and the stop's checkpoint.
 LOOK_EVERY = 5.0
+KERNEL_LOG_BEFORE = 300.0  # seconds of the kernel log read before the first failure (faults come before deaths)
 
 
 @dataclass(frozen=True)
@@ -45,13 +46,16 @@ def leave_out(
     plan: LaunchPlan,
     failures: list[Failure],
     query: Callable[[], list[inventory.GpuInfo]] = inventory.query_gpus,
+    kernel: Callable[[float], dict[str, str]] = health.kernel_faults,
 ) -> LeftOut | None:
     """After a failure that a restart can cure: None when none of the job's GPUs failed (or it chose none), else
     the GPUs the restart runs on, or the message saying what a range would have done."""
     if not plan.gpus or plan.external:
         return None
+    # The kernel's log of the minutes around the first failure (an older fault may be on a GPU since reset).
+    since = min((f.get("time", time.time()) for f in failures), default=time.time()) - KERNEL_LOG_BEFORE
     lost = health.lost_gpus(
-        plan.gpus, plan.gpu_names, failures, query(), plan.first_rank, one_per_rank=plan.strategy != "dp"
+        plan.gpus, plan.gpu_names, failures, query(), plan.first_rank, plan.strategy != "dp", kernel(since)
     )
     if not lost:
         return None

@@ -120,3 +120,50 @@ def test_the_stand_in_can_lose_a_gpu_and_report_one_lost(fake_gpus):  # noqa: F8
         (2, "nvidia-smi reports it lost"),
         (3, "nvidia-smi no longer lists it"),
     ]
+
+
+def kmsg_records(now_boot: float) -> str:
+    """/dev/kmsg's records as the driver writes them (``priority,sequence,microseconds,flags;text``), a record's
+    dictionary lines indented: an old Xid 79, an application's Xid 13, a fresh Xid 79 on GPU 2's bus, and the
+    several-record form of newer drivers for GPU 3."""
+    old, fresh = 1_000_000, int((now_boot - 5) * 1e6)
+    return (
+        f"3,100,{old},-;NVRM: Xid (PCI:0000:08:00): 79, pid=0, GPU has fallen off the bus.\n"
+        f"4,101,{fresh},-;NVRM: Xid (PCI:0000:07:00): 13, pid=4242, name=python, Graphics Exception\n"
+        " SUBSYSTEM=pci\n DEVICE=+pci:0000:07:00.0\n"
+        f"4,102,{fresh},-;NVRM: Xid (PCI:0000:09:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off "
+        "the bus.\n"
+        f"3,103,{fresh},-;NVRM: The NVIDIA GPU 0000:0a:00.0\n"
+        f"3,104,{fresh},-;NVRM: (PCI ID: 10de:20b2) installed in this system has\n"
+        f"3,105,{fresh},-;NVRM: fallen off the bus and is not responding to commands.\n"
+    )
+
+
+def test_the_kernels_log_names_a_gpus_hardware_fault_since_the_failure(tmp_path):
+    import time
+
+    log = tmp_path / "kmsg"
+    log.write_text(kmsg_records(time.clock_gettime(time.CLOCK_MONOTONIC)))
+    faults = health.kernel_faults(time.time() - 60, str(log))
+    assert faults == {"0:9:0": "Xid 79 (GPU has fallen off the bus)", "0:a:0": "that it has fallen off the bus"}
+    found = health.lost_gpus([0, 1, 2, 3], plan().gpu_names, [], [gpu(i) for i in range(4)], kernel=faults)
+    assert [(x.physical_id, x.reason) for x in found] == [
+        (2, "the kernel's log reports Xid 79 (GPU has fallen off the bus)"),
+        (3, "the kernel's log reports that it has fallen off the bus"),
+    ]  # GPU 1's old Xid 79 (before the minutes read) and GPU 0's program error (Xid 13) blame nothing
+    change = leave_out(plan(), [], lambda: [gpu(i) for i in range(4)], lambda since: faults)
+    assert change is not None and change.plan is not None and change.plan.gpus == [0, 1]
+
+
+def test_the_kernels_log_is_read_without_blocking_or_filling_memory(tmp_path):
+    import os
+    import time
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    start = time.monotonic()
+    assert health.kernel_faults(0.0, str(fifo)) == {}  # a FIFO with no writer: not a log, never waited on
+    assert health.kernel_faults(0.0, "/dev/zero") == {}  # a device without end: not read
+    assert health.kernel_faults(0.0, str(tmp_path / "missing")) == {}
+    assert isinstance(health.kernel_faults(time.time() - 3600), dict)  # the real log: read, or not readable
+    assert time.monotonic() - start < 5
