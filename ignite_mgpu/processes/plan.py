@@ -87,10 +87,13 @@ class LaunchPlan:
 
     def on_gpus(self, names: Mapping[int, str]) -> LaunchPlan:
         """This plan on the GPUs ``names`` (physical id -> claim name): one process each (one in all for ``dp``),
-        the group's backend when there are several, the threads and the CPU binding planned again for them."""
+        the group's backend when there are several, the threads and the CPU binding planned again for them. The
+        workers find their GPUs by UUID (``GPU-...``), where the claim names one: after a GPU fell off the bus, the
+        others' indices may not be CUDA's any more."""
         ids = sorted(names)
         nproc = 1 if self.strategy == "dp" else len(ids)
-        env = {**self.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))}
+        visible = [names[i] if names[i].startswith("GPU-") else str(i) for i in ids]
+        env = {**self.env, "CUDA_VISIBLE_DEVICES": ",".join(visible)}
         if self.cpu_share:  # OMP_NUM_THREADS is the plan's: the CPUs shared by the new number of processes
             env["OMP_NUM_THREADS"] = str(max(1, self.cpu_share // nproc))
         binding = self.binding

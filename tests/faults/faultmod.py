@@ -15,8 +15,8 @@ needs no hooks. Environment variables, read in every worker:
     - ``losegpu``: this rank's GPU falls off the bus, as the tools report it: the stand-in nvidia-smi
       (tests/fake_gpus) reports it lost (its bus id is added to ``$FAKE_NVIDIA_SMI_DIR/lost.csv``: nvidia-smi then
       prints the other rows, "Unable to determine the device handle for GPU...: GPU is lost" and exits 15; the GPU
-      is ``CUDA_VISIBLE_DEVICES``'s entry ``LOCAL_RANK``); then the rank writes what NCCL's watchdog writes of it
-      and aborts (SIGABRT, no Python clean-up, no failure file), as the watchdog does.
+      is ``CUDA_VISIBLE_DEVICES``'s entry ``LOCAL_RANK``, an index or a UUID); then the rank writes what NCCL's
+      watchdog writes of it and aborts (SIGABRT, no Python clean-up, no failure file), as the watchdog does.
     - ``deverror``: ``RuntimeError("CUDA error: unspecified launch failure")`` in forward, what a rank whose GPU
       failed raises (the GPU itself stays listed).
     - ``devassert``: a device-side assert (an index out of range inside a kernel), on the GPU a sticky CUDA error
@@ -118,7 +118,7 @@ def _lose_my_gpu() -> None:
     mine = os.environ["CUDA_VISIBLE_DEVICES"].split(",")[int(os.environ.get("LOCAL_RANK", "0"))]
     folder = Path(os.environ["FAKE_NVIDIA_SMI_DIR"])
     rows = [line.split(",") for line in (folder / "gpus.csv").read_text().splitlines()]
-    (bus,) = [row[1].strip() for row in rows if row[0].strip() == mine]
+    (bus,) = [row[1].strip() for row in rows if mine in (row[0].strip(), row[-1].strip())]  # an index or a UUID
     lost = folder / "lost.csv"
     tmp = folder / ".lost.csv.tmp"
     tmp.write_text((lost.read_text() if lost.exists() else "") + f"{bus}\n")

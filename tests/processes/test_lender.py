@@ -35,8 +35,8 @@ def plan_on(gpus: list[int], backend: str | None = "gloo", strategy: str = "ddp"
 @pytest.mark.parametrize(
     "start, backend, to, want",
     [
-        ([0], None, {0: G[0], 3: G[3]}, (2, "gloo", "0,3", "4")),  # grows from one process: the group's backend
-        ([0, 1, 2], "gloo", {1: G[1]}, (1, None, "1", "8")),  # one process needs no group
+        ([0], None, {0: G[0], 3: G[3]}, (2, "gloo", f"{G[0]},{G[3]}", "4")),  # grows from one: the group's backend
+        ([0, 1, 2], "gloo", {1: G[1]}, (1, None, G[1], "8")),  # one process needs no group
     ],
 )
 def test_on_gpus_plans_the_processes_backend_and_threads_of_the_new_gpus(start, backend, to, want):
@@ -44,6 +44,7 @@ def test_on_gpus_plans_the_processes_backend_and_threads_of_the_new_gpus(start, 
     assert (new.nproc, new.backend, new.env["CUDA_VISIBLE_DEVICES"], new.env["OMP_NUM_THREADS"]) == want
     assert new.gpus == sorted(to) and new.gpu_names == to
     assert plan_on([0, 1], strategy="dp").on_gpus({0: G[0], 1: G[1], 2: G[2]}).nproc == 1
+    assert plan_on([0]).on_gpus({0: "pci-00000000_07_00.0", 2: G[2]}).env["CUDA_VISIBLE_DEVICES"] == f"0,{G[2]}"
 
 
 def test_only_the_default_job_on_a_range_with_claims_lends():
