@@ -19,9 +19,11 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing import forkserver, resource_tracker
+from multiprocessing import util as mp_util
 from typing import Any
 
 from ignite_mgpu.processes.job import Job
@@ -80,6 +82,7 @@ def start(preload: list[str], preempt_signal: int | None = None) -> int:
         # as multiprocessing's resource tracker is started (started first here: it unblocks them after its own
         # start); in this process they wait for the unblock, none is lost.
         resource_tracker.ensure_running()
+        _socket_folder_that_binds()
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, ignores)
         try:
             with _environment_for_the_server({"PYTHONPATH": paths, _IGNORES: told}):
@@ -92,6 +95,25 @@ def start(preload: list[str], preempt_signal: int | None = None) -> int:
         # Ours, alive; or another part's, which multiprocessing restarts if it died.
         forkserver.ensure_running()
     return int(server._forkserver_pid)
+
+
+def _socket_folder_that_binds() -> None:
+    """multiprocessing's folder for the server's socket (``pymp-*``), made in /tmp where TMPDIR is too long for it.
+
+    A Unix socket's path holds at most 107 bytes; multiprocessing makes its folder in TMPDIR and its socket in that
+    (``TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX``), so a TMPDIR past about 70 bytes (a SLURM job's scratch folder, a
+    per-user folder on macOS, a test's temporary folder) made the job fail with ``OSError: AF_UNIX path too long``.
+    The folder is made once per process and kept for it; removed with it."""
+    base = tempfile.gettempdir()
+    if len(os.fsencode(os.path.join(base, "pymp-xxxxxxxx", "listener-xxxxxxxx"))) < 100 or not os.access(
+        "/tmp", os.W_OK
+    ):
+        return
+    previous, tempfile.tempdir = tempfile.tempdir, "/tmp"
+    try:
+        mp_util.get_temp_dir()  # made now, in /tmp, and kept by multiprocessing for this process
+    finally:
+        tempfile.tempdir = previous
 
 
 def how_it_ended(wait: float = 0.0) -> str | None:

@@ -172,6 +172,21 @@ def test_ctrl_c_while_the_server_imports_stops_the_job_at_once_with_130_and_no_t
         pytest.fail("a process of the command outlived it")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_tmpdir_too_long_for_a_unix_socket_still_starts_the_server(tmp_path):
+    """A TMPDIR as SLURM's per-job scratch folders or macOS's per-user ones can be, past the 107 bytes of a Unix
+    socket's path once multiprocessing adds its folder and socket to it: the job runs (the socket's folder in /tmp),
+    not ``OSError: AF_UNIX path too long``."""
+    long = tmp_path / ("scratch-" + "x" * 80)
+    long.mkdir()
+    cmd = [sys.executable, "-m", "ignite_mgpu", "train", *TINY, "train.epochs=1", "--nproc", "2"]
+    env = os.environ | {"PYTHONPATH": str(REPO), "TMPDIR": str(long)}
+    done = subprocess.run([*cmd, "--output-dir", str(tmp_path / "run")], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(os.fsencode(long / "pymp-xxxxxxxx" / "listener-xxxxxxxx")) > 107
+
+
 def test_ctrl_c_before_the_supervisor_ends_the_command_with_130_and_one_line(monkeypatch):
     """A Ctrl-C in the checks before anything starts: 130 and one line, not click's "Aborted!" and 1."""
     from click.testing import CliRunner

@@ -49,7 +49,10 @@ def run_bounded(args: list[str], cwd: Path, timeout: float = 90) -> subprocess.C
         pytest.fail(f"{args} did not finish in {timeout} s\n{out[-2000:]}\n{err[-2000:]}")
     result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     result.seconds = time.monotonic() - start  # type: ignore[attr-defined]
-    result.left = left_in_session(proc.pid)  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 5  # a process that is exiting (the resource tracker, at its pipe's end) may linger
+    while (left := left_in_session(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    result.left = left  # type: ignore[attr-defined]
     return result
 
 

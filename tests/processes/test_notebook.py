@@ -28,8 +28,9 @@ def defined_in(main, source, name):
     return vars(main)[name]
 
 
-def test_a_script_always_spawns():
-    assert notebook.main_is_importable()  # pytest's own __main__ is a file
+def test_a_script_always_spawns(notebook_main):
+    notebook_main.__file__ = __file__  # a script's __main__ is a file (not a pytest-xdist worker's)
+    assert notebook.main_is_importable()
     assert notebook.start_method(json.dumps, ()) == "spawn"
     assert notebook.start_method(lambda local_rank: None, ()) == "spawn"  # scripts keep today's behaviour
 
