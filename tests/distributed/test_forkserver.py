@@ -58,6 +58,9 @@ def job(local_rank: int, folder: str) -> dict:
     marker = Path(folder, "killed")
     if rank == 1 and not marker.exists():
         marker.write_text("once")
+        end = time.monotonic() + 60  # rank 0 has noted what it found first (on a loaded machine it may lag)
+        while not Path(folder, "rank0.jsonl").exists() and time.monotonic() < end:
+            time.sleep(0.05)
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
     return seen
