@@ -14,6 +14,10 @@ While any rank writes a checkpoint nobody is judged, and a save's length does no
 never write a status (a script under ``ignite-mgpu run`` that uses no ignite-mgpu trainer) is never judged;
 ``dist.timeout`` still bounds every collective.
 
+After the first iteration, once no rank moved for ``max(PROBE_AFTER, PROBE_FACTOR x the slowest interval)``, the
+ranks' stacks are looked at once per quiet spell: ranks that all wait in collectives, not all in the same one, never
+meet (their calls do not match), and the job is judged hung then.
+
 ``HangWatch`` is pure over what it is shown (statuses and times); ``HangChecks`` is one attempt's side: the watch
 over the attempt's status files, and the hang's report (``hang_report.collect``) taken before the ranks are killed,
 whether the watch found the hang, a collective timed out or the ranks did not answer a stop. Torch-free.
@@ -26,12 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ignite_mgpu.env.stop import Status, read_status
-from ignite_mgpu.hangs import hang_report
+from ignite_mgpu.hangs import hang_report, stacks
 
 FACTOR = 10.0  # how many times its slowest interval a job may stay silent
 # Before the first iteration, how many times dist.hang_seconds a rank may stay behind another's waypoint with no rank
 # moving (120 s by default): the ranks pass them seconds apart, and the first to pass waits in a collective.
 FIRST_STEP = 2.0
+# After the first iteration, when no rank moved for max(PROBE_AFTER, PROBE_FACTOR x the slowest interval), the ranks'
+# stacks are looked at once (until the next move): ranks that all wait in collectives, not all the same one, never
+# meet, and the job is ended then, not a window later.
+PROBE_AFTER = 5.0
+PROBE_FACTOR = 3.0
 
 
 @dataclass
@@ -98,7 +107,15 @@ class HangWatch:
         silent = now - max(p.changed_at for p in armed)
         if silent <= window:
             return None
-        return Silence(silent, window, slowest, self._iterations())
+        return Silence(silent, window, slowest, self.iterations())
+
+    def quiet(self) -> tuple[float, float] | None:
+        """After the first iteration, while no rank saves: (when a rank last moved, the slowest interval); None
+        otherwise."""
+        armed = [p for p in self.paces.values() if p.armed]
+        if self.floor <= 0 or not any(p.seen[0] > 0 for p in armed) or any(p.was_saving for p in armed):
+            return None
+        return max(p.changed_at for p in armed), max(p.slowest for p in armed)
 
     def _first_step(self, now: float) -> Silence | None:
         """Before the first iteration: hung when a rank is behind another's waypoint and no rank moved for
@@ -112,9 +129,9 @@ class HangWatch:
         if silent <= window:
             return None
         slowest = max(p.slowest for p in self.paces.values())
-        return Silence(silent, window, slowest, self._iterations(), behind)
+        return Silence(silent, window, slowest, self.iterations(), behind)
 
-    def _iterations(self) -> dict[int, int]:
+    def iterations(self) -> dict[int, int]:
         return {rank: p.seen[0] for rank, p in self.paces.items()}
 
 
@@ -159,6 +176,7 @@ class HangChecks:
         self.watch = HangWatch(hang_seconds)
         self.hang: hang_report.Hang | None = None
         self.iterations: dict[int, int] = {}
+        self.probed: float | None = None  # the quiet spell whose stacks were looked at (its start)
 
     def hung(self, now: float) -> bool:
         """Whether the watch finds the job hung now (its report is then taken: kill the ranks)."""
@@ -167,9 +185,28 @@ class HangChecks:
         statuses = {rank: read_status(self.folder / f"status{rank}") for rank in self.ranks}
         silence = self.watch.observe(statuses, now)
         if silence is None:
-            return False
+            return self._mismatched(now)
         self.iterations = silence.iterations
         self._collect(hang_cause(silence), watched=True, behind=silence.behind)
+        return True
+
+    def _mismatched(self, now: float) -> bool:
+        """Once per quiet spell of ``PROBE_AFTER`` seconds or more: whether the ranks' stacks show them waiting in
+        different collectives (their calls do not match: they never meet). The report is then taken."""
+        quiet = self.watch.quiet()
+        if quiet is None or now - quiet[0] < max(PROBE_AFTER, PROBE_FACTOR * quiet[1]) or self.probed == quiet[0]:
+            return False
+        self.probed = quiet[0]
+        texts = stacks.dump(stacks.ranks_in(self.folder))
+        called = hang_report.mismatch({rank: hang_report.where(text) for rank, text in texts.items()})
+        if not called or len(texts) < len(self.ranks):
+            return False
+        self.iterations = self.watch.iterations()
+        cause = (
+            f"the ranks wait in different collectives after {now - quiet[0]:.0f} s without progress: their calls do "
+            "not match, and they would wait until dist.timeout; every rank was stopped."
+        )
+        self._collect(cause, watched=True)
         return True
 
     def after_timeout(self) -> None:

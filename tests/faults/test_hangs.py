@@ -126,6 +126,20 @@ def test_rank_stuck_in_a_collective_the_other_never_joins(h: Harness) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_ranks_in_different_collectives_are_named_within_seconds_not_a_window_later(h: Harness) -> None:
+    # With the default hang window (60 s): rank 1 in an all-reduce that rank 0 never joins, rank 0 in backward's.
+    out = h.root / "out"
+    job = [arg for arg in HANGS if not arg.startswith("dist.hang_seconds")]
+    r = h.run([*job, "data.args={collective: '1:200'}", "--output-dir", str(out)], timeout=60)
+    assert r.rc == 1, str(r)
+    assert "the ranks wait in different collectives after" in r.stderr and "their calls do not match" in r.stderr
+    assert re.search(r"rank 1 .* waits in the collective all_reduce", r.stderr), str(r)
+    assert r.elapsed < 45, str(r)  # PROBE_AFTER (5 s) after its last step, not dist.hang_seconds (60 s)
+    hang_file(out)
+    h.assert_no_leftovers()
+
+
+@pytest.mark.timeout(120)
 def test_sigstopped_rank_is_found_and_named(h: Harness) -> None:
     out = h.root / "out"
     # 100 iterations (6400 samples, 2 ms a sample read on rank 1): the job is still training when rank 1 is stopped.

@@ -131,3 +131,17 @@ def test_the_default_bounds_are_two_and_five_minutes():
     assert (FIRST_STEP * dist.hang_seconds, dist.timeout) == (120.0, 300.0)
     page = (Path(__file__).parents[2] / "docs" / "how-to" / "hangs.md").read_text()
     assert "2 x dist.hang_seconds" in page and "120 s" in page and "300 s" in page
+
+
+def test_quiet_tells_when_a_rank_last_moved_after_the_first_iteration_and_not_while_one_saves():
+    # The start of a quiet spell: once per spell the supervisor looks at the ranks' stacks (HangChecks._mismatched).
+    watch = HangWatch(60.0)
+    watch.observe({0: (0, False, 1), 1: (0, False, 1)}, 0.0)
+    assert watch.quiet() is None  # before the first iteration: the waypoints' rule
+    feed(watch, steps(1.0, 3, 0.5))
+    assert watch.quiet() == (2.0, 1.0)  # the last move at 2.0; the slowest interval: the start to the first, 1 s
+    watch.observe({0: (3, False, 1), 1: (3, False, 1)}, 9.0)
+    assert watch.quiet() == (2.0, 1.0)  # no move since
+    watch.observe({0: (3, True, 1), 1: (3, False, 1)}, 10.0)
+    assert watch.quiet() is None  # rank 0 saves: the others wait for it
+    assert HangWatch(0.0).quiet() is None  # the watch is off
