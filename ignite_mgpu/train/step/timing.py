@@ -25,10 +25,11 @@ def _event() -> torch.cuda.Event:
 
 class StepTimes:
     """This rank's step split since the epoch started, in seconds: ``compute`` (forward and backward), ``comm`` (the
-    end of backward spent waiting for the gradient all-reduce after the last gradient was handed to it; None where
-    it is not measured: FSDP, DataParallel, a comm hook of the user's) and ``optimizer`` (unscale, clip, step, zero
-    the gradients, schedule). The step calls ``clock()`` at its start, after backward and after the optimizer step,
-    then ``add``: on the CPU three ``perf_counter`` calls and one method call per iteration."""
+    end of backward spent waiting for the gradient all-reduce after the last gradient was handed to it; not measured
+    under FSDP, DataParallel or a comm hook of the user's: ``measured`` is False, ``seconds()`` gives NaN, and the
+    wait is in ``compute``) and ``optimizer`` (unscale, clip, step, zero the gradients, schedule). The step calls
+    ``clock()`` at its start, after backward and after the optimizer step, then ``add``: on the CPU three
+    ``perf_counter`` calls and one method call per iteration."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
