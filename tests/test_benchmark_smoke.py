@@ -387,3 +387,15 @@ def test_the_startup_tracer_times_every_event_of_a_ddp_step_in_order(tmp_path):
     events = ["interpreter", "torch", "process group", "torch._dynamo", "model wrapped", "loop", "first backward"]
     assert [f"rank 0 {e}" for e in [*events, "first step"]] == list(found), found
     assert 0 < found["rank 0 interpreter"] < found["rank 0 torch"] < found["rank 0 first step"] < 100
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_step_split_benchmark_prints_its_row():
+    """bench_step_split.py --quick: one size on 2 gloo processes, its split held against the unsynced step."""
+    script = BENCHMARKS / "step_split" / "bench_step_split.py"
+    result = run_in_session([sys.executable, str(script), "--quick"], 110)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| 19,210 | 16 |")]
+    assert len(rows) == 1 and all(float(cell) >= 0 for cell in rows[0].strip("| ").split(" | ")[2:5]), result.stdout

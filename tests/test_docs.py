@@ -400,3 +400,28 @@ def test_the_built_reference_reads_as_a_page(tmp_path):
             lines = unescape(re.sub(r"<[^>]+>", "", body)).splitlines()
             if any(len(line) > FITS for line in lines):
                 assert kind in WRAPS and 'id="__span-' in body, (page, kind, max(lines, key=len))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_the_scaling_how_to_prints_each_ranks_split(tmp_path):
+    result = run_block(doc_block("scaling"), sandbox(tmp_path), timeout=140)
+    lines = result.stdout.splitlines()[-3:]
+    number = r"[\d.]+"
+    for rank, line in enumerate(lines[:2]):
+        parts = ", ".join(f"{k} {number}" for k in ("data", "compute", "comm", "optimizer"))
+        assert re.fullmatch(rf"rank {rank}: {parts} ms of {number} ms per iteration", line), lines
+    assert re.fullmatch(r"slowest rank: [01], bound by: (None|communication|data|slowest_rank)", lines[2]), lines
+
+
+def test_the_scaling_how_to_shows_what_the_rule_says_of_its_numbers():
+    """The slow rank's recorded split, judged by today's rule, says what the page shows."""
+    from ignite_mgpu.runs.bottleneck import Split, judge
+
+    text = (REPO / "docs" / "how-to" / "scaling.md").read_text()
+    split = Split([0.336, 170.073], [21.374, 3.195], [158.622, 3.462], [0.391, 0.352], 181.91)
+    verdict = judge(split)
+    assert verdict.bound_by == "slowest_rank" and f"WARNING step time: {verdict.words}\n" in text
+    small = judge(Split([0.21, 0.21], [4.86, 3.59], [2.45, 5.39], [0.62, 0.37], 9.27))
+    assert small.bound_by is None and "slowest rank: 0, bound by: None" in text

@@ -1,6 +1,6 @@
 """The picture of one or several runs for ``ignite-mgpu report``: loss, accuracy, throughput and data wait per epoch,
-and the peak memory of each GPU or process in the last epoch, written to an image file. matplotlib is the optional
-extra ``plot``, imported only when drawing."""
+the peak memory of each GPU or process and where each rank's step went in the last epoch, written to an image file.
+matplotlib is the optional extra ``plot``, imported only when drawing."""
 
 from __future__ import annotations
 
@@ -25,7 +25,10 @@ TITLES = {
     "wait": "Data-loader wait",
     "memory": "Peak memory",  # the figure's title adds the epoch and max/min
     "goodput": "Goodput: where the wall time went",
+    "step": "Where each rank's step went, last epoch",
 }
+# The step's parts per rank (metrics.jsonl's time_<part>_ms), in the bars' order.
+STEP_PARTS = {"data": "data wait", "compute": "forward + backward", "comm": "all-reduce wait", "optimizer": "optimizer"}
 PART_NAMES = {
     "startup": "start-up",
     "train": "training",
@@ -83,8 +86,9 @@ def draw_report(runs: list[Run]) -> Figure:
     from matplotlib.lines import Line2D
 
     goodput = any(run.goodput for run in runs)
-    fig = Figure(figsize=(10, 13.5 if goodput else 10.5), layout="constrained")
-    axes = _panels(fig, goodput)
+    step = any(_has_split(run) for run in runs)
+    fig = Figure(figsize=(10, 10.5 + 3 * goodput + 2.5 * step), layout="constrained")
+    axes = _panels(fig, goodput, step)
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for run, color in zip(runs, colors, strict=True):
         epochs = run.series("epoch")
@@ -112,6 +116,8 @@ def draw_report(runs: list[Run]) -> Figure:
     _memory_bars(axes["memory"], runs, colors)
     if goodput:
         _goodput_bars(axes["goodput"], runs)
+    if step:
+        _step_bars(axes["step"], runs)
     handles = [Line2D([], [], color=c, lw=6) for c in colors]
     fig.legend(handles, [r.label for r in runs], loc="outside upper center", ncols=min(len(runs), 2))
     return fig
@@ -142,11 +148,12 @@ def _memory_bars(ax: Axes, runs: list[Run], colors: list[str]) -> None:
         ax.set_title(f"{TITLES['memory']}, {when} (max/min: {shown})")
 
 
-def _panels(fig: Figure, goodput: bool) -> dict[str, Axes]:
-    """The figure's axes by name, titled and labelled; a goodput row where a run has goodput figures."""
+def _panels(fig: Figure, goodput: bool, step: bool) -> dict[str, Axes]:
+    """The figure's axes by name, titled and labelled; a goodput row where a run has goodput figures, a row of the
+    step's split where one has it."""
     from matplotlib.ticker import MaxNLocator
 
-    grid = fig.add_gridspec(4 if goodput else 3, 2, height_ratios=[1, 1, 1, 0.7] if goodput else None)
+    grid = fig.add_gridspec(3 + goodput + step, 2, height_ratios=[1, 1, 1] + [0.7] * (goodput + step))
     axes = {
         "loss": fig.add_subplot(grid[0, 0]),
         "accuracy": fig.add_subplot(grid[0, 1]),
@@ -168,7 +175,30 @@ def _panels(fig: Figure, goodput: bool) -> dict[str, Axes]:
             ax.grid(alpha=0.3)
     if goodput:
         axes["goodput"] = fig.add_subplot(grid[3, :])
+    if step:
+        axes["step"] = fig.add_subplot(grid[3 + goodput, :])
     return axes
+
+
+def _has_split(run: Run) -> bool:
+    return isinstance(run.last.get("time_compute_ms"), list)
+
+
+def _step_bars(ax: Axes, runs: list[Run]) -> None:
+    """One horizontal bar per rank of each run's last epoch, stacked by where its iterations went (milliseconds per
+    iteration; an unmeasured all-reduce wait is inside forward + backward)."""
+    ax.set_title(TITLES["step"])
+    rows = [(r, k) for r in runs if _has_split(r) for k in range(len(r.last["time_compute_ms"]))]
+    names = [f"{r.name}, rank {k}" if len(runs) > 1 else f"rank {k}" for r, k in rows]
+    left = [0.0] * len(rows)
+    for i, (part, label) in enumerate(STEP_PARTS.items()):
+        widths = [float(r.last[f"time_{part}_ms"][k] or 0.0) for r, k in rows]
+        ax.barh(names, widths, left=left, color=f"C{i}", label=label)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.invert_yaxis()  # rank 0 on top
+    ax.set_xlabel("milliseconds per iteration")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), fontsize="small", ncols=len(STEP_PARTS))
 
 
 def _goodput_bars(ax: Axes, runs: list[Run]) -> None:

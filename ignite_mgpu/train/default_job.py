@@ -139,11 +139,14 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
     except TrainingInterrupted as stopped:
         raise _with_checkpoint(stopped, cfg, out) from None
     if rank == 0:  # three lines for a person; the figures are in metrics.jsonl
-        _say_finished(out, best.last_checkpoint, trainer.state.epoch, epoch_log.last.get("run_time_s") or 0.0)
+        _say_finished(out, best.last_checkpoint, trainer.state.epoch, epoch_log)
 
 
-def _say_finished(out: Path, best_model: str | Path | None, epochs: int, run_time_s: float) -> None:
-    for line in closing_lines(out, best_model, epochs, run_time_s):
+def _say_finished(out: Path, best_model: str | Path | None, epochs: int, epoch_log: EpochLog) -> None:
+    # Where the step's time went, when something stands out (runs/bottleneck.py), before the three closing lines.
+    if (verdict := epoch_log.verdict()) is not None and verdict.words:
+        logger.warning("step time: %s", verdict.words)
+    for line in closing_lines(out, best_model, epochs, epoch_log.last.get("run_time_s") or 0.0):
         logger.info(line)
 
 

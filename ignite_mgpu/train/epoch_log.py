@@ -1,6 +1,6 @@
 """The epoch log: after each epoch (and its validation) one JSON line in ``metrics.jsonl`` and a short table on rank 0
-(losses, accuracy, throughput, data-wait share, peak memory per GPU or process), what ``ignite-mgpu report`` reads
-back (``runs/``); the experiment trackers log the same numbers (``trackers.py``)."""
+(losses, accuracy, throughput, data-wait share, peak memory per GPU or process, each rank's step split), what
+``ignite-mgpu report`` reads back (``runs/``); the experiment trackers log the same numbers (``trackers.py``)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import ignite.distributed as idist
 import torch
 from ignite.engine import Engine, Events
 
+from ignite_mgpu.runs.bottleneck import Split, Verdict, judge, slowest_rank
 from ignite_mgpu.train.goodput import Goodput
 from ignite_mgpu.train.step.trainer import Trainer
 
@@ -67,7 +68,9 @@ class EpochLog:
     waiting for the data loader / training time, worst rank),
     peak_memory_mb (one entry per GPU, or per process on the CPU), peak_memory_per ("gpu": CUDA's peak allocated
     memory of each GPU; "process": each process's peak RSS), memory_imbalance (max/min) and restarts (how often
-    the job had been restarted when it trained the epoch).
+    the job had been restarted when it trained the epoch); with ``create_trainer``'s engine, where each rank's step
+    went (time_data_ms, time_compute_ms, time_comm_ms, time_optimizer_ms: per rank, ms per iteration), slowest_rank
+    and bound_by (``runs/bottleneck.py``); ``verdict()`` judges every epoch of the run so far.
     """
 
     def __init__(
@@ -87,6 +90,9 @@ class EpochLog:
         # (loader, its wait_seconds) when the epoch started.
         self._timed: tuple[Any, float] | None = None
         self._timer_attached = False
+        # The run's split so far in this process: per rank, seconds of data, compute, comm, optimizer; then the
+        # training seconds and iterations (the verdict at the run's end).
+        self._run: tuple[torch.Tensor, float, int] | None = None
 
     def memory_tags(self) -> list[str]:
         """The trackers' names of the same entries: ``memory/rank<k>`` for processes, ``memory/gpu<k>`` for the GPUs
@@ -132,6 +138,8 @@ class EpochLog:
         for d in self.devices:
             if d.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(d)
+        if isinstance(engine, Trainer):
+            engine.step.times.reset()
 
     # No engine argument: ignite then calls it without resolving a weak reference.
     def _fetch_started(self) -> None:
@@ -154,13 +162,15 @@ class EpochLog:
         seconds = engine.state.times["EPOCH_COMPLETED"] or 1e-9
         iterations = engine.state.iteration - self._first_iteration
         wait = self._epoch_wait(engine)
-        local = torch.tensor([wait / seconds, wait, *_peak_memory_mb(self.devices)], dtype=torch.float64)
+        split = engine.step.times.seconds() if isinstance(engine, Trainer) else (math.nan,) * 3
+        # One gather per epoch carries every rank's numbers: no collective per iteration.
+        local = torch.tensor([wait / seconds, wait, *split, *_peak_memory_mb(self.devices)], dtype=torch.float64)
         rows = (
             torch.as_tensor(idist.all_gather(local)).view(idist.get_world_size(), -1).cpu()
             if idist.get_world_size() > 1
             else local[None]
         )
-        memory = [round(float(m), 1) for m in rows[:, 2:].flatten()]
+        memory = [round(float(m), 1) for m in rows[:, 5:].flatten()]
         metrics = self.evaluator.state.metrics
         self.last = {
             "epoch": engine.state.epoch,
@@ -178,6 +188,8 @@ class EpochLog:
             "restarts": self.restarts,
             "processes": idist.get_world_size(),  # an elastic job's changes with the GPUs it runs on
         }
+        if isinstance(engine, Trainer):
+            self.last |= self._split_fields(rows[:, 1:5], seconds, iterations)
         if self.goodput is not None:
             self.last |= self.goodput.line(float(rows[:, 1].max()), engine.state.iteration)
         # train.micro_batch: the part size at the epoch's end.
@@ -204,3 +216,33 @@ class EpochLog:
                 " | ".join(f"{name}: {mb:.0f}" for name, mb in zip(labels, memory, strict=False)),
                 r["memory_imbalance"],
             )  # fmt: skip
+
+    def _split_fields(self, parts: torch.Tensor, seconds: float, iterations: int) -> dict[str, Any]:
+        """The epoch's step split per rank (milliseconds per iteration) and its verdict; the run's sums go on."""
+        if self._run is None or self._run[0].shape != parts.shape:
+            self._run = (torch.zeros_like(parts), 0.0, 0)
+        run, run_seconds, run_iterations = self._run
+        self._run = (run + parts, run_seconds + seconds, run_iterations + iterations)
+        split = _split(parts, seconds, iterations)
+        verdict = judge(split)
+        return {
+            "time_data_ms": split.data,
+            "time_compute_ms": split.compute,
+            "time_comm_ms": [None if math.isnan(c) else c for c in split.comm],
+            "time_optimizer_ms": split.optimizer,
+            "slowest_rank": slowest_rank(split),
+            "bound_by": verdict.bound_by,
+        }
+
+    def verdict(self) -> Verdict | None:
+        """Where the run's step time went, judged over every epoch this process trained (None before one)."""
+        if self._run is None or not self._run[2]:
+            return None
+        return judge(_split(*self._run))
+
+
+def _split(parts: torch.Tensor, seconds: float, iterations: int) -> Split:
+    """Each rank's seconds (data, compute, comm, optimizer) as milliseconds per iteration."""
+    per = 1000 / max(1, iterations)
+    data, compute, comm, optimizer = ([round(float(v) * per, 3) for v in parts[:, k]] for k in range(4))
+    return Split(data, compute, comm, optimizer, step_ms=seconds * per)

@@ -2,12 +2,14 @@
 rank never joins, or SIGSTOPped ends the job within the hang watch's window, with the stuck frame named and every
 rank's stacks in hang_<time>.txt; a rank stuck in its first read is named before the first iteration (after
 2 x dist.hang_seconds), or ends on dist.timeout with the watch off; a slow but live rank, a long evaluation and a
-first step slow on every rank are not reported; `ignite-mgpu stacks` prints both ranks of a live job that goes on.
+first step slow on every rank are not reported (the slow rank is named at the run's end, with its data as the cause);
+`ignite-mgpu stacks` prints both ranks of a live job that goes on.
 The window's floor is dist.hang_seconds=3 here (60 by default). Run: `python -m pytest tests/faults/test_hangs.py -q`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -197,6 +199,18 @@ def test_slow_live_rank_and_long_evaluation_are_not_reported(live: Live) -> None
     """Rank 1 reads 16x slower than rank 0; the evaluation (10 s) lasts longer than the window (3 s)."""
     assert live.result.rc == 0, str(live.result)
     assert "hung" not in live.result.stderr and not list(live.out.glob("hang_*")), str(live.result)
+
+
+@pytest.mark.timeout(150)
+def test_the_slow_rank_is_named_with_its_cause_at_the_end(live: Live) -> None:
+    """Rank 1 reads 16x slower than rank 0: the run ends saying so, and rank 0 waits for it in the all-reduce."""
+    said = [line for line in live.result.stderr.splitlines() if "step time:" in line]
+    assert len(said) == 1, str(live.result)
+    assert re.search(r"rank 1 is the slowest: it waits \d+% of its steps for data \(raise data.num_workers", said[0])
+    assert "the other ranks wait for it in the all-reduce" in said[0], said[0]
+    (line,) = [json.loads(text) for text in (live.out / "metrics.jsonl").read_text().splitlines()]
+    assert line["slowest_rank"] == 1 and line["bound_by"] == "slowest_rank", line
+    assert line["time_data_ms"][1] > 10 * line["time_data_ms"][0] and line["time_comm_ms"][0] > line["time_comm_ms"][1]
 
 
 @pytest.mark.timeout(150)

@@ -76,3 +76,25 @@ def test_accuracy_where_there_is_one_and_nan_as_gaps(tmp_path):
     alone = panels(draw_report(runs.read_runs([without])))
     assert not alone["Validation"].lines
     assert [t.get_text() for t in alone["Validation"].texts] == ["no validation accuracy in these runs"]
+
+
+def test_where_each_ranks_step_went_is_a_row_of_stacked_bars(tmp_path):
+    split = {
+        "time_data_ms": [0.3, 170.1],
+        "time_compute_ms": [21.4, 3.2],
+        "time_comm_ms": [158.6, 3.5],
+        "time_optimizer_ms": [0.4, 0.4],
+    }
+    older = make_run(tmp_path / "older", [epoch(1)])  # a metrics.jsonl without the split: no bars of its own
+    fig = draw_report(runs.read_runs([make_run(tmp_path / "slow", [epoch(1, **split)]), older]))
+    step = fig.axes[-1]
+    assert step.get_title() == TITLES["step"]
+    assert [t.get_text() for t in step.get_yticklabels()] == ["slow, rank 0", "slow, rank 1"]
+    labels = ["data wait", "forward + backward", "all-reduce wait", "optimizer"]
+    assert [c.get_label() for c in step.containers] == labels
+    widths = [[p.get_width() for p in c] for c in step.containers]
+    assert widths == [pytest.approx(v) for v in split.values()]
+    unmeasured = {**split, "time_comm_ms": [None, None]}  # FSDP: inside forward + backward
+    fig = draw_report(runs.read_runs([make_run(tmp_path / "fsdp", [epoch(1, **unmeasured)])]))
+    assert [p.get_width() for p in fig.axes[-1].containers[2]] == [0.0, 0.0]
+    assert [t.get_text() for t in fig.axes[-1].get_yticklabels()] == ["rank 0", "rank 1"]

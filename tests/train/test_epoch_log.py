@@ -121,3 +121,19 @@ def test_a_resumed_run_records_each_epoch_once(tmp_path):
     assert path.read_text() == "" and not list(tmp_path.glob(".*tmp"))
     EpochLog(tmp_path / "none.jsonl", 8, None, [torch.device("cpu")]).drop_epochs_after(3)  # nothing to do
     assert not (tmp_path / "none.jsonl").exists()
+
+
+def test_the_step_split_and_its_verdict_in_one_process(tmp_path):
+    """A loader that sleeps 80 ms per batch around a trivial step: the split's data part is most of the step, the
+    job is judged bound by data, and one plain process waits for no gradient sync."""
+    from ignite_mgpu.train.data.loaders import timed
+
+    _, _, epoch_log, rows = train_with_report(tmp_path, timed(DataLoader(SlowItems(), batch_size=8)))
+    last = rows[-1]
+    assert last["time_data_ms"][0] > 60 and last["time_comm_ms"] == [0.0]
+    assert last["time_compute_ms"][0] > 0 and last["time_optimizer_ms"][0] > 0
+    parts = sum(last[f"time_{k}_ms"][0] for k in ("data", "compute", "comm", "optimizer"))
+    assert parts <= last["time_per_iter_ms"] * 1.01
+    assert last["slowest_rank"] is None and last["bound_by"] == "data"
+    verdict = epoch_log.verdict()
+    assert verdict is not None and verdict.words.startswith("bound by data: the ranks wait")

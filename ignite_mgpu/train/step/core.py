@@ -13,6 +13,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from ignite_mgpu.train.data.batches import Batch
 from ignite_mgpu.train.step.micro_batch import MicroBatching
+from ignite_mgpu.train.step.timing import StepTimes
 
 
 class Shares:
@@ -62,6 +63,8 @@ class Step:
     no_sync: Callable[[], AbstractContextManager[None]]
     # train.micro_batch's part size (micro_step.py runs the step); None: whole batches (trainer.py's step).
     micro_batching: MicroBatching | None
+    # Where this rank's step time goes (compute, the wait for the gradient sync, the optimizer), summed per epoch.
+    times: StepTimes = field(repr=False)
     # Uneven shares of the global batch (more processes than divide it): each rank's loss weight per batch.
     shares: Shares = field(default_factory=Shares, repr=False)
 

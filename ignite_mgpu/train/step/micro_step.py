@@ -71,10 +71,12 @@ def micro_batch_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
     inner, move = unwrap(model), device.type != "cpu"
     keep_window = sizing.auto and grad_accum_steps > 1
     shares, lockstep = step.shares, trial.lockstep
+    clock, add = step.times.clock, step.times.add  # where the step goes (timing.py)
 
     def train_step(engine: Engine, batch: Batch) -> torch.Tensor:
         if not inner.training:
             model.train()
+        start = clock()
         # Counted before the batch moves: on the device, int() would wait for the GPU at every iteration.
         items = counted_items(batch) if trial.pass_items else None
         if move:
@@ -101,8 +103,10 @@ def micro_batch_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
             _undo(model, parameters)
             sizing.shrink(result, n, write=idist.get_rank() == 0)
         sizing.stable += 1
+        backward_end = clock()
         if last:
             finish()
+        add(start, backward_end, clock() if last else None)
         return result * weight if weight != 1.0 else result
 
     return train_step

@@ -27,6 +27,7 @@ from ignite_mgpu.train.step.deterministic import PortableDeterministicEngine, us
 from ignite_mgpu.train.step.guard import TrainingGuard, accumulation_window
 from ignite_mgpu.train.step.micro_batch import MicroBatching
 from ignite_mgpu.train.step.micro_step import micro_batch_step
+from ignite_mgpu.train.step.timing import StepTimes, watch_gradient_sync
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ def create_trainer(
         grad_accum_steps=grad_accum_steps, clip_grad_norm=clip_grad_norm, lr_scheduler=lr_scheduler,
         parameters=tuple(p for p in model.parameters() if p.requires_grad), no_sync=no_sync(model),
         micro_batching=MicroBatching(micro_batch, micro_batch_file) if micro_batch is not None else None,
+        times=StepTimes(device),
     )  # fmt: skip
     return _engine(step, deterministic, check_every, checkpoint_every_iters, checkpoint_every_minutes)
 
@@ -128,6 +130,8 @@ def _engine(
     # Failures are reported once by the launcher, not by every rank's engine.
     trainer.logger.setLevel("CRITICAL")
     trainer.add_event_handler(Events.EPOCH_STARTED, _set_sampler_epoch)
+    # At the start of run(), not here: a comm hook the user registers after create_trainer comes first (DDP takes one).
+    trainer.add_event_handler(Events.STARTED, watch_gradient_sync, step.model, step.times, idist.get_world_size())
     _attach_guard(trainer, check_every, step.grad_accum_steps, every_iters, every_minutes)
     return trainer
 
@@ -181,6 +185,8 @@ def _train_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
     device, non_blocking, grad_accum_steps = step.device, step.non_blocking, step.grad_accum_steps
     fp16, shares = scaler.is_enabled(), step.shares
     finish = optimizer_step(step)
+    # Where the step goes: the clock read at its start, after backward, after the optimizer step (timing.py).
+    clock, add = step.times.clock, step.times.add
     inner = unwrap(model)  # the evaluator switches the unwrapped module to eval mode
     # A CPU job's batches are in CPU memory already: no per-step walk to find that out.
     move = device.type != "cpu"
@@ -200,6 +206,7 @@ def _train_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
         # model.train() walks every submodule: only do it after an evaluation.
         if not inner.training:
             model.train()
+        start = clock()
         if move:
             batch = batches.to_device(batch, device, non_blocking)
         if grad_accum_steps == 1:
@@ -214,9 +221,13 @@ def _train_step(step: Step) -> Callable[[Engine, Batch], torch.Tensor]:
             if not last:
                 # An accumulation step: gradients stay local until the last micro-batch.
                 with no_sync():
-                    return forward_backward(batch, window, engine.state.iteration).detach()
+                    loss = forward_backward(batch, window, engine.state.iteration)
+                add(start, clock())
+                return loss.detach()
             loss = forward_backward(batch, window, engine.state.iteration)
+        backward_end = clock()
         finish()
+        add(start, backward_end, clock())
         return loss.detach()
 
     return train_step
