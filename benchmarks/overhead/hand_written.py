@@ -78,6 +78,7 @@ def train(rank: int, world_size: int, workload: str, out: str) -> None:
     if rank == 0:
         print(f"val_acc {correct[0] / correct[1]:.4f}")
         torch.save(model.module.state_dict(), Path(out, "model.pt"))
+    dist.barrier()  # neither rank tears gloo down while the other may still send ("terminate called ...": SIGABRT)
     dist.destroy_process_group()
 
 
