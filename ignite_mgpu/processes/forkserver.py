@@ -101,13 +101,11 @@ def _socket_folder_that_binds() -> None:
     """multiprocessing's folder for the server's socket (``pymp-*``), made in /tmp where TMPDIR is too long for it.
 
     A Unix socket's path holds at most 107 bytes; multiprocessing makes its folder in TMPDIR and its socket in that
-    (``TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX``), so a TMPDIR past about 70 bytes (a SLURM job's scratch folder, a
-    per-user folder on macOS, a test's temporary folder) made the job fail with ``OSError: AF_UNIX path too long``.
-    The folder is made once per process and kept for it; removed with it."""
-    base = tempfile.gettempdir()
-    if len(os.fsencode(os.path.join(base, "pymp-xxxxxxxx", "listener-xxxxxxxx"))) < 100 or not os.access(
-        "/tmp", os.W_OK
-    ):
+    (``TMPDIR/pymp-<8 characters>/listener-<8 more>``), so a TMPDIR past about 70 bytes (a SLURM job's scratch
+    folder, a per-user folder on macOS, a test's temporary folder) made the job fail with ``OSError: AF_UNIX path
+    too long``. The folder is made once per process and kept for it; removed with it."""
+    socket = os.path.join(tempfile.gettempdir(), "pymp-12345678", "listener-12345678")
+    if len(os.fsencode(socket)) < 100 or not os.access("/tmp", os.W_OK):
         return
     previous, tempfile.tempdir = tempfile.tempdir, "/tmp"
     try:
