@@ -49,7 +49,7 @@ def said(message: str) -> str:
     return message if text.ON_COMMAND_LINE.get() else text.as_settings(message, dotted_keys())
 
 
-def _refused(err: ConfigError | CheckpointError) -> int:
+def refused(err: ConfigError | CheckpointError) -> int:
     if detail := getattr(err, "detail", ""):
         print(detail.rstrip(), file=sys.stderr)  # e.g. the traceback of the user's own factory
     print(f"ignite-mgpu: error: {said(str(err))}", file=sys.stderr)
@@ -112,7 +112,7 @@ def fit(cfg: Config | None = None) -> FitResult:
             ended = launcher.run_job(plan, Job(TRAINING, (resolved,)), claims, restart, run_dir=str(out))
             code = ended.outcome.code
     except (ConfigError, CheckpointError) as err:
-        return FitResult(_refused(err))
+        return FitResult(refused(err))
     return FitResult(code, out, last_epoch(out), best_model(out))
 
 
@@ -263,7 +263,7 @@ def evaluate(cfg: Config, checkpoint: str | Path, as_json: bool = False) -> int:
             finally:
                 forkserver.stop()
     except (ConfigError, CheckpointError) as err:
-        return _refused(err)
+        return refused(err)
 
 
 def check_checkpoint_fits(cfg: Config, checkpoint: str | Path) -> None:
@@ -292,7 +292,7 @@ def plan_memory(cfg: Config, as_json: bool = False) -> int:
             raise
         import torch
 
-        return _refused(
+        return refused(
             ConfigError(
                 f"ignite-mgpu plan measures a step with PyTorch's memory trackers ({err.name}), which torch "
                 f"{torch.__version__} does not have. Upgrade torch to plan (pip install -U torch); training works "
@@ -304,6 +304,6 @@ def plan_memory(cfg: Config, as_json: bool = False) -> int:
         check_job(cfg)
         plan = make_memory_plan(cfg, capacity(cfg))
     except ConfigError as err:
-        return _refused(err)
+        return refused(err)
     print(to_json(plan) if as_json else format_plan(plan))
     return NOTHING_FITS if plan.nothing_fits else SUCCESS

@@ -30,6 +30,7 @@ TORCH_FREE_ENTRIES = (
     "ignite_mgpu.cli.commands",
     "ignite_mgpu.cli.readers",
     "ignite_mgpu.jobs",
+    "ignite_mgpu.scaling",
     "ignite_mgpu.preflight",
     "ignite_mgpu.text",
 )
@@ -67,10 +68,12 @@ RANKS: list[tuple[str, ...]] = [
     ),
     ("ignite_mgpu.train.tracking",),
     ("ignite_mgpu.train.default_job",),
+    ("ignite_mgpu.train.measuring",),  # `ignite-mgpu scale`'s job: the default job's step, measured
     ("ignite_mgpu.memory",),  # `ignite-mgpu plan`, in the launching process
     ("ignite_mgpu.processes",),
     ("ignite_mgpu.preflight",),
     ("ignite_mgpu.jobs",),
+    ("ignite_mgpu.scaling",),
     ("ignite_mgpu.cli.options",),
     ("ignite_mgpu.cli.readers",),
     ("ignite_mgpu.cli", "ignite_mgpu.__main__"),

@@ -248,5 +248,43 @@ def plan(args: tuple[str, ...], config_path: str | None, as_json: bool, **flags:
     sys.exit(plan_memory(cfg, as_json))
 
 
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1)
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="YAML file over the defaults.")
+@dist_options
+@click.option("--iters", "iterations", type=int, default=20, help="Iterations measured at each size, after as many "
+              "of warm-up [20].")  # fmt: skip
+@click.option(
+    "--batch",
+    type=click.Choice(["per-process", "global"]),
+    default="per-process",
+    help="per-process: each process keeps the batch it has at the largest size (the global batch grows, as "
+    "published figures measure); global: data.batch_size at every size [per-process].",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def scale(
+    args: tuple[str, ...], config_path: str | None, iterations: int, batch: str, as_json: bool, **flags: Any
+) -> None:
+    """Measure how the job's step scales over 1, 2, ... GPUs (or --nproc CPU processes).
+
+    Prints each size's samples/s, speed-up, scaling efficiency and where the step's time goes, then a verdict: what
+    lost the most time, and what helps.
+
+    \b
+        ignite-mgpu scale my.yaml --gpus 0,1,2,3         # 1, 2, 3 and 4 GPUs
+        ignite-mgpu scale --nproc 2 --iters 50           # 1 and 2 CPU processes
+
+    Each size runs the job's own training step (model, strategy, precision, batch) for --iters iterations of warm-up,
+    then --iters measured, in processes started for it: no validation, no checkpoint, no tracker, nothing written to
+    a run folder. The GPUs are claimed once for every size, as train claims them (--wait, --share).
+    """
+    refuse_unknown_options(args)
+    with errors_to_exit():
+        cfg = _load(args, config_path, flags)
+    from ignite_mgpu.scaling import scale as scale_job
+
+    sys.exit(scale_job(cfg, iterations, batch, as_json))
+
+
 for _command in (devices, stacks, report, checkpoint):
     main.add_command(_command)

@@ -91,24 +91,31 @@ class LaunchPlan:
         workers find their GPUs by UUID (``GPU-...``), where the claim names one: after a GPU fell off the bus, the
         others' indices may not be CUDA's any more."""
         ids = sorted(names)
-        nproc = 1 if self.strategy == "dp" else len(ids)
         visible = [names[i] if names[i].startswith("GPU-") else str(i) for i in ids]
         env = {**self.env, "CUDA_VISIBLE_DEVICES": ",".join(visible)}
+        return self._resized(1 if self.strategy == "dp" else len(ids), env, ids, dict(sorted(names.items())))
+
+    def with_processes(self, nproc: int) -> LaunchPlan:
+        """This plan with ``nproc`` processes on this node, on the CPU or on the GPUs as the environment has them
+        (local rank k on cuda:k); the threads and the CPU binding planned again. For chosen GPUs: ``on_gpus``."""
+        return self._resized(nproc, dict(self.env), self.gpus, dict(self.gpu_names))
+
+    def _resized(self, nproc: int, env: dict[str, str], gpus: list[int] | None, names: dict[int, str]) -> LaunchPlan:
         if self.cpu_share:  # OMP_NUM_THREADS is the plan's: the CPUs shared by the new number of processes
             env["OMP_NUM_THREADS"] = str(max(1, self.cpu_share // nproc))
         binding = self.binding
         if binding.mode != "none":
             try:
-                binding = plan_for_job(binding.mode, nproc, ids, self.device == "cuda", self.strategy, os.environ)
+                binding = plan_for_job(binding.mode, nproc, gpus, self.device == "cuda", self.strategy, os.environ)
             except ConfigError:
                 binding = BindingPlan()  # the new size cannot be bound as asked: unbound, as --cpu-binding none
         return dataclasses.replace(
             self,
-            gpus=ids,
+            gpus=gpus,
             nproc=nproc,
             backend=(self.backend or self.group_backend) if nproc * self.nnodes > 1 else None,
             env=env,
-            gpu_names=dict(sorted(names.items())),
+            gpu_names=names,
             binding=binding,
         )
 

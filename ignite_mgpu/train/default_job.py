@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,15 +86,11 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
     """Train ``cfg`` in this process (one of ``idist.get_world_size()``), then say how it ended on rank 0.
     ``restarts``: how often the job was restarted before (None: as torchrun or SLURM say), for metrics.jsonl."""
     rank, world_size = idist.get_rank(), idist.get_world_size()
-    out = _start(cfg, rank, world_size)
+    out = start_process(cfg, rank, world_size)
     t = cfg.train
-    train_loader, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
-    model = _create_model(cfg, train_loader)
-    # After prepare_model: FSDP2's parameters are the sharded ones.
-    optimizer = create_optimizer(model, **optim_options(cfg.optim))
-    lr_scheduler = _create_lr_scheduler(cfg, optimizer, len(train_loader))
-    loss_fn = create_loss(t.loss, t.loss_args)
-    trainer = _create_trainer(cfg, model, optimizer, lr_scheduler, loss_fn, out)
+    built = build(cfg, out)
+    train_loader, val_loader, model, optimizer = built.train_loader, built.val_loader, built.model, built.optimizer
+    lr_scheduler, loss_fn, trainer = built.lr_scheduler, built.loss_fn, built.trainer
     metrics = validation_metrics(loss_fn, idist.device(), cfg.eval.metrics, cfg.eval.metric_args)
     parts = trainer.step.micro_batching  # the evaluation's parts follow the training's
     evaluator = create_evaluator(model, metrics, model_loss=loss_fn is None, precision=t.precision, micro_batch=parts)
@@ -140,6 +137,34 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
         raise _with_checkpoint(stopped, cfg, out) from None
     if rank == 0:  # three lines for a person; the figures are in metrics.jsonl
         _say_finished(out, best.last_checkpoint, trainer.state.epoch, epoch_log)
+
+
+@dataclass(frozen=True)
+class Built:
+    """What one training job is made of, built the same way by ``training`` and by ``ignite-mgpu scale``'s
+    ``measuring``."""
+
+    train_loader: DataLoader
+    val_loader: DataLoader
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: LRScheduler
+    loss_fn: Any
+    trainer: Trainer
+
+
+def build(cfg: Config, out: Path) -> Built:
+    """The data, the model placed for the strategy, the optimizer, its schedule, the loss and the trainer (its step)
+    of ``cfg``, in this process; ``out``: the run's folder (the remembered micro-batch size)."""
+    t = cfg.train
+    train_loader, val_loader = create_dataloaders(cfg.data, cfg.model.num_classes, cfg.seed)
+    model = _create_model(cfg, train_loader)
+    # After prepare_model: FSDP2's parameters are the sharded ones.
+    optimizer = create_optimizer(model, **optim_options(cfg.optim))
+    lr_scheduler = _create_lr_scheduler(cfg, optimizer, len(train_loader))
+    loss_fn = create_loss(t.loss, t.loss_args)
+    trainer = _create_trainer(cfg, model, optimizer, lr_scheduler, loss_fn, out)
+    return Built(train_loader, val_loader, model, optimizer, lr_scheduler, loss_fn, trainer)
 
 
 def _say_finished(out: Path, best_model: str | Path | None, epochs: int, epoch_log: EpochLog) -> None:
@@ -208,7 +233,7 @@ def _create_trainer(
     )
 
 
-def _start(cfg: Config, rank: int, world_size: int) -> Path:
+def start_process(cfg: Config, rank: int, world_size: int) -> Path:
     """This process's logging, allocator, seed and determinism; rank 0 writes the resolved config. Returns the
     run's folder."""
     setup_logging(rank)

@@ -263,3 +263,21 @@ def test_nccl_timeout_names_the_rank_that_never_arrived(tmp_path):
     result = run_cli(args, tmp_path, timeout=200, env=env)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "rank(s) 1" in result.stderr and ("never arrived" in result.stderr or "stopped answering" in result.stderr)
+
+
+@pytest.mark.timeout(300)
+def test_scale_measures_the_step_on_gpus_with_cuda_events(tmp_path):
+    # ignite-mgpu scale on the GPUs there are (up to 2): the CUDA-event path of the step split, every size's claims.
+    from ignite_mgpu.processes.machine import probe_machine
+
+    gpus = min(2, probe_machine().cuda_devices)
+    needs_gpus(1)
+    ids = ",".join(map(str, range(gpus)))
+    out = run_cli(["scale", *TINY, "--gpus", ids, "--iters", "10", "--json"], tmp_path, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["device"] == "cuda" and [s["devices"] for s in report["sizes"]] == list(range(1, gpus + 1))
+    one = report["sizes"][0]
+    assert one["samples_per_s"] > 0 and one["step_ms"]["compute"] > 0  # read from CUDA events, not zero
+    assert (report["published"] is not None) == (gpus > 1)
+    assert list(tmp_path.iterdir()) == []

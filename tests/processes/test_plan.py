@@ -175,3 +175,15 @@ def test_deciding_is_pure_over_the_config_and_a_machine_snapshot():
     assert dict(os.environ) == before  # nothing applied while deciding
     with pytest.raises(ConfigError, match="--backend nccl needs CUDA"):
         decide(DistConfig(backend="nccl"), None, Machine(cuda_devices=0), {})
+
+
+def test_a_plan_with_fewer_processes_shares_the_cpus_again_and_needs_no_group_alone():
+    # What `ignite-mgpu scale` measures at each size on the CPU (LaunchPlan.with_processes).
+    from ignite_mgpu.processes.machine import Machine
+    from ignite_mgpu.processes.plan import decide
+
+    plan = decide(DistConfig(nproc=4), None, Machine(cuda_devices=0, cpu_count=8), {})
+    two, one = plan.with_processes(2), plan.with_processes(1)
+    assert (two.nproc, two.backend, two.env["OMP_NUM_THREADS"]) == (2, "gloo", "4")
+    assert (one.nproc, one.backend, one.env["OMP_NUM_THREADS"]) == (1, None, "8")
+    assert plan.env["OMP_NUM_THREADS"] == "2" and plan.nproc == 4  # the plan itself never changes
