@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TINY, needs_gpus, run_cli, run_fresh
+from tests.conftest import REPO, TINY, cuda_device_count, needs_gpus, run_cli, run_fresh
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]  # they start processes: not in the fast tier
 FAULTS = REPO / "tests" / "faults"
@@ -268,10 +268,8 @@ def test_nccl_timeout_names_the_rank_that_never_arrived(tmp_path):
 @pytest.mark.timeout(300)
 def test_scale_measures_the_step_on_gpus_with_cuda_events(tmp_path):
     # ignite-mgpu scale on the GPUs there are (up to 2): the CUDA-event path of the step split, every size's claims.
-    from ignite_mgpu.processes.machine import probe_machine
-
-    gpus = min(2, probe_machine().cuda_devices)
     needs_gpus(1)
+    gpus = min(2, cuda_device_count())
     ids = ",".join(map(str, range(gpus)))
     out = run_cli(["scale", *TINY, "--gpus", ids, "--iters", "10", "--json"], tmp_path, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
