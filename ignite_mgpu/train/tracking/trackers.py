@@ -7,8 +7,8 @@ What every tracker gets, under the same names:
   groups) every ``train.log_every`` iterations, at step = the iteration;
 - ``val/<name>`` for every metric of the evaluator, after each validation;
 - the epoch log's numbers, as metrics.jsonl names them (``train_loss``, ``samples_per_s``, ``data_wait_share``,
-  ``memory/rank<k>``, ...), after each epoch; these and the validation metrics at step = the epoch (W&B: at the
-  iteration, with ``epoch`` beside them);
+  ``memory/rank<k>``, each rank's step split ``time_compute_ms/rank<k>``, ...), after each epoch; these and the
+  validation metrics at step = the epoch (W&B: at the iteration, with ``epoch`` beside them);
 - at each start, the resolved config and the run's facts (``run_facts.py``: GPUs, processes, restarts, version).
 """
 
@@ -76,11 +76,18 @@ class Tracker:
         return log
 
 
+# The step's split as each rank's own number: time_compute_ms/rank1 (None where not measured: left out).
+SPLIT_FIELDS = ("time_data_ms", "time_compute_ms", "time_comm_ms", "time_optimizer_ms")
+
+
 def epoch_numbers(epoch_log: EpochLog) -> dict[str, float]:
-    """The numbers of the epoch log's last row, and the peak memory of each rank (or GPU) as one number each."""
+    """The numbers of the epoch log's last row, the peak memory of each rank (or GPU) and each rank's step split
+    (``time_compute_ms/rank<k>``, ...) as one number each."""
     last = epoch_log.last
     numbers = {k: v for k, v in last.items() if isinstance(v, (int, float)) and k not in ("epoch", "iteration")}
     numbers.update(zip(epoch_log.memory_tags(), last.get("peak_memory_mb", []), strict=False))
+    for field in SPLIT_FIELDS:
+        numbers.update({f"{field}/rank{k}": v for k, v in enumerate(last.get(field) or []) if v is not None})
     return numbers
 
 

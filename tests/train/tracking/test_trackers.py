@@ -86,6 +86,11 @@ def test_the_csv_file_has_every_number_in_long_format(tmp_path):
     epoch = {r["name"]: float(r["value"]) for r in rows if r["kind"] == "epoch" and r["epoch"] == "2"}
     assert epoch["train_loss"] == pytest.approx(last["train_loss"]) and epoch["samples_per_s"] == last["samples_per_s"]
     assert epoch["memory/rank0"] == last["peak_memory_mb"][0] and "data_wait_share" in epoch
+    # Each rank's step split, one number each (one process: rank 0; nothing to wait for, 0 ms)
+    assert (
+        epoch["time_compute_ms/rank0"] == pytest.approx(last["time_compute_ms"][0]) and last["time_compute_ms"][0] > 0
+    )
+    assert {"time_data_ms/rank0", "time_comm_ms/rank0", "time_optimizer_ms/rank0"} <= set(epoch)
 
 
 def test_a_resumed_run_drops_the_rows_after_its_checkpoint(tmp_path):
