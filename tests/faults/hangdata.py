@@ -2,7 +2,7 @@
 ``__getitem__`` hangs or slows down on request. Passed as ``data.name=hangdata:images`` with ``data.args``:
 
 - ``hang="R:N"``: on global rank R, the N-th training item this process reads sleeps for an hour (a stuck read).
-- ``slow="R:S"``: on global rank R, every training item sleeps S seconds (a slow but live rank).
+- ``slow="R:S"``: on global rank R (``*``: every rank), every training item sleeps S seconds (a slow but live rank).
 - ``collective="R:N"``: on global rank R, the N-th training item calls an all-reduce on a group that the other
   ranks created too but never use (a rank-dependent collective).
 - ``val_slow=S``: every validation item sleeps S seconds, on every rank (a long evaluation).
@@ -49,7 +49,7 @@ def _on_this_rank(spec: str) -> float:
     if not spec:
         return 0.0
     rank, value = spec.split(":")
-    return float(value) if int(rank) == _rank() else 0.0
+    return float(value) if rank == "*" or int(rank) == _rank() else 0.0
 
 
 def images(

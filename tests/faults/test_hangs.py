@@ -115,6 +115,19 @@ def test_first_step_slow_on_every_rank_is_no_hang(h: Harness) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_every_rank_starved_of_data_is_judged_bound_by_data(h: Harness) -> None:
+    """Both ranks read each item 2 ms late (32 items per process and step): no rank holds the other back, and the
+    run ends saying that the job is bound by data."""
+    out = h.root / "out"
+    r = h.run([*HANGS, "data.args={slow: '*:0.002', val: 20}", "--output-dir", str(out)], timeout=90)
+    assert r.rc == 0, str(r)
+    said = [line for line in r.stderr.splitlines() if "step time:" in line]
+    assert len(said) == 1 and "bound by data: the ranks wait" in said[0], str(r)
+    (line,) = [json.loads(text) for text in (out / "metrics.jsonl").read_text().splitlines()]
+    assert line["bound_by"] == "data" and min(line["time_data_ms"]) > 50, line
+
+
+@pytest.mark.timeout(120)
 def test_rank_stuck_in_a_collective_the_other_never_joins(h: Harness) -> None:
     out = h.root / "out"
     r = h.run([*HANGS, "data.args={collective: '1:200'}", "--output-dir", str(out)], timeout=60)
