@@ -97,7 +97,9 @@ def _numa(rank_gpus: list[list[int]], allowed: list[int], topo: Topology, thread
         found = [topo.gpu_nodes.get(g) for g in ids]
         if None in found:
             unknown = ids[found.index(None)]
-            raise _Impossible(f"the NUMA node of GPU {unknown} is unknown (neither /sys nor nvidia-smi topo -m says)")
+            raise _Impossible(
+                f"the NUMA node of GPU {unknown} is unknown (neither /sys nor nvidia-smi topo -m nor NVML says)"
+            )
         nodes_of.append(tuple(sorted({n for n in found if n is not None})))
     ranks, usable = [], set(allowed)
     for ids, nodes in zip(rank_gpus, nodes_of, strict=True):
@@ -220,7 +222,7 @@ def plan_for_job(
     allowed: set[int] | None = None,
 ) -> BindingPlan:
     """``plan_binding`` for this machine: reads the affinity (unless ``allowed`` is given), /sys and, for GPU jobs,
-    the GPU snapshot.
+    the GPU snapshot (each GPU's NUMA node where /sys does not say it).
 
     ``gpu_ids`` are the physical GPUs in CUDA order (None: as CUDA_VISIBLE_DEVICES has them); local rank k drives
     cuda:k, or every GPU with ``strategy="dp"``.
@@ -229,6 +231,7 @@ def plan_for_job(
     if mode == "none" or external:
         return plan_binding(mode, nproc, allowed, environ, None, None, external)
     rank_gpus, buses = None, {}
+    snapshot: list[inventory.GpuInfo] = []
     if on_gpu:
         snapshot = inventory.query_gpus()
         ids = gpu_ids if gpu_ids is not None else selection.plan_gpus(None, snapshot, environ).physical_ids or []
@@ -239,7 +242,8 @@ def plan_for_job(
         buses = {g.index: g.pci_bus_id for g in snapshot if g.index in ids}
     topology = read_topology(allowed, buses)
     if any(node is None for node in topology.gpu_nodes.values()):
-        asked = inventory.query_numa_affinity()  # nvidia-smi topo -m, where /sys does not say
+        # Where /sys does not say: the node the snapshot read (nvidia-smi topo -m or NVML), not asked again.
+        asked = {g.index: g.numa_node for g in snapshot}
         known = {g: topology.gpu_nodes[g] if topology.gpu_nodes[g] is not None else asked.get(g) for g in buses}
         topology = Topology(topology.online, topology.nodes, topology.core_of, known)
     return plan_binding(mode, nproc, allowed, environ, topology, rank_gpus)

@@ -1,7 +1,8 @@
 """The machine's GPUs and who has them, torch-free (imports nothing here):
 
-- ``inventory``: GPU discovery (NVML, nvidia-smi) and each GPU's NUMA node and links, as a snapshot;
+- ``inventory``: GPU discovery (NVML, nvidia-smi) and each GPU's NUMA node, links, P2P and PCIe link, as a snapshot;
 - ``links``: how the GPUs are linked (``nvidia-smi topo -m``, NVML), ranked, and the best-linked set of candidates;
+- ``pcie``: P2P between each pair (``nvidia-smi topo -p2p r``, NVML) and each GPU's PCIe link, narrowed or not;
 - ``ranges``: ``--gpus auto:MIN-MAX``, an elastic job's range, and how many GPUs it takes from a snapshot;
 - ``selection``: the ``--gpus`` grammar and the physical ids a job uses, pure over the snapshot;
 - ``choice``: ``--gpus auto``'s choice: the idlest GPUs, the best linked among equals, and the line saying why;

@@ -1,7 +1,8 @@
 """``--gpus auto``'s choice among the GPUs a job may take (``auto``, ``auto:N``, ``auto:MIN-MAX``): the idlest first (no
 processes, then unknown, then busy); among equally idle ones the best-linked set (``links.py``: NVLink, one PCIe
-switch, ... across CPU sockets); then the most free memory, the least load, the lowest id. Also the lines that say
-what it chose and, where the links decided, why. Pure and torch-free."""
+switch, ... across CPU sockets, a pair without P2P half a step below its kind); then the most free memory, the least
+load, the lowest id. Also the lines that say what it chose, where the links decided why, and which chosen GPU runs on
+a narrowed PCIe link. Pure and torch-free."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def choose(spec: str, left: list[GpuInfo], count: int, every: list[GpuInfo]) -> 
     by_id = {g.index: g for g in every}
 
     def link(a: int, b: int) -> str | None:
-        return by_id[a].link_to(b)
+        return by_id[a].path_to(b)
 
     ids = [*sure, *links.best_set(sure, pool, count - len(sure), link)]
     chosen = [g for g in ranked if g.index in ids]
@@ -60,7 +61,17 @@ def choose(spec: str, left: list[GpuInfo], count: int, every: list[GpuInfo]) -> 
         messages.append(worse)
     if busy := [g for g in chosen if g.n_processes > 0]:
         messages.append(f"Not enough idle GPUs: GPU {format_ids([g.index for g in busy])} already runs other work.")
+    messages += [_narrowed(g) for g in chosen if g.pcie is not None and g.pcie.narrowed]
     return sorted(ids), messages
+
+
+def _narrowed(g: GpuInfo) -> str:
+    """The warning for a GPU on fewer PCIe lanes than it has (chosen anyway: the choice never avoids it)."""
+    assert g.pcie is not None
+    return (
+        f"GPU {g.index} runs on a narrowed PCIe link, {g.pcie.describe()} (a smaller slot or a riser): its copies to "
+        "the host and to GPUs without NVLink are slower."
+    )
 
 
 def _named(ids: list[int], link: links.LinkOf[int]) -> str:

@@ -1,5 +1,6 @@
 """The ``ignite-mgpu devices`` table: every GPU of the snapshot, what runs on it and whose it is, the job that
-claims it, its CUDA index under this environment's CUDA_VISIBLE_DEVICES, and how the GPUs are linked. Torch-free."""
+claims it, its CUDA index under this environment's CUDA_VISIBLE_DEVICES, how the GPUs are linked (with P2P) and
+each one's PCIe link. Torch-free."""
 
 from __future__ import annotations
 
@@ -77,6 +78,8 @@ def _as_json(
         {
             **asdict(g),
             "links": {str(other): cell for other, cell in g.links},  # physical id -> as nvidia-smi topo -m prints it
+            "p2p": {str(other): status for other, status in g.p2p},  # physical id -> as topo -p2p r prints it
+            "pcie": None if g.pcie is None else {**asdict(g.pcie), "narrowed": g.pcie.narrowed},
             "cuda_index": cuda[g.index],
             "claim": held.claims[g.index].as_json() if g.index in held.claims else None,
             "process_users": {str(pid): held.users[pid] for pid in g.pids if pid in held.users},
@@ -93,23 +96,46 @@ def _as_json(
 
 
 def link_lines(gpus: list[GpuInfo]) -> list[str]:
-    """Each GPU's links, grouped by kind, best first ("GPU 0 (NUMA 0): NV4 to 1; SYS to 2,3"), and what the kinds
-    shown mean; none when no link is known (a single GPU, or nvidia-smi topo -m could not tell)."""
-    if not any(g.links for g in gpus):
+    """Each GPU's NUMA node, PCIe link and links, grouped by kind, best first ("GPU 0 (NUMA 0, PCIe 4.0 x16): NV4 to
+    1; SYS to 2,3"), the pairs without P2P ("no P2P to 2,3 (CNS)"), and what the kinds shown mean; none when nothing
+    is known (a single GPU, or neither nvidia-smi nor NVML could tell)."""
+    linked = any(g.links for g in gpus)
+    if not linked and not any(g.pcie for g in gpus):
         return []
     seen: dict[str, None] = {}
-    lines = ["Links (nvidia-smi topo -m), best first:"]
-    for g in gpus:
-        kinds: dict[str, list[int]] = {}
-        for other, cell in sorted(g.links, key=lambda link: (links.score(link[1]), link[0])):
-            kinds.setdefault(cell, []).append(other)
-            seen[cell] = None
-        numa = "" if g.numa_node is None else f" (NUMA {g.numa_node})"
-        found = "; ".join(f"{cell} to {format_ids(ids)}" for cell, ids in kinds.items()) or "unknown"
-        lines.append(f"  GPU {g.index}{numa}: {found}")
-    kinds_shown = sorted(seen, key=links.score)
-    lines.append(f"  {'; '.join(f'{cell}: {links.meaning(cell)}' for cell in kinds_shown)}.")
+    lines = ["Links (nvidia-smi topo -m), best first:" if linked else "PCIe links:"]
+    lines += [_gpu_links(g, seen, linked) for g in gpus]
+    if seen:
+        kinds_shown = sorted(seen, key=links.score)
+        lines.append(f"  {'; '.join(f'{cell}: {links.meaning(cell)}' for cell in kinds_shown)}.")
+    statuses = sorted({status for g in gpus for _, status in g.p2p} - {"OK"})
+    if statuses:
+        why = "; ".join(f"{status}: {links.P2P_WORDS[status]}" for status in statuses)
+        lines.append(f"  No P2P: copies between those GPUs go through host memory; {why}.")
+    elif any(g.p2p for g in gpus):
+        lines.append("  P2P (direct copies between GPUs): OK between every pair.")
+    if any(g.pcie and g.pcie.narrowed for g in gpus):
+        lines.append("  Narrowed: fewer PCIe lanes than the card has (a smaller slot or a riser): copies are slower.")
     return lines
+
+
+def _gpu_links(g: GpuInfo, seen: dict[str, None], linked: bool) -> str:
+    """One GPU's line of ``link_lines``; the kinds of link it names are added to ``seen``."""
+    kinds: dict[str, list[int]] = {}
+    for other, cell in sorted(g.links, key=lambda link: (links.score(link[1]), link[0])):
+        kinds.setdefault(cell, []).append(other)
+        seen[cell] = None
+    no_p2p: dict[str, list[int]] = {}
+    for other, status in g.p2p:
+        if status != "OK":
+            no_p2p.setdefault(status, []).append(other)
+    found = [f"{cell} to {format_ids(ids)}" for cell, ids in kinds.items()]
+    found += [f"no P2P to {format_ids(ids)} ({status})" for status, ids in no_p2p.items()]
+    where = [] if g.numa_node is None else [f"NUMA {g.numa_node}"]
+    if g.pcie is not None:
+        where.append(g.pcie.describe() + (", narrowed" if g.pcie.narrowed else ""))
+    head = f"  GPU {g.index}" + (f" ({', '.join(where)})" if where else "")
+    return f"{head}: {'; '.join(found) or 'unknown'}" if linked else head
 
 
 def format_devices(

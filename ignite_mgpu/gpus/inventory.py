@@ -1,6 +1,6 @@
 """GPU discovery: a snapshot of the machine's NVIDIA GPUs (NVML, else nvidia-smi), how they are linked
-(``links.py``) and their NUMA nodes. Which of them a job uses is ``selection.py``'s. Stdlib only: torch is never
-imported, so the CLI starts fast.
+(``links.py``), whether each pair has P2P and each GPU's PCIe link (``pcie.py``), and their NUMA nodes. Which of them
+a job uses is ``selection.py``'s. Stdlib only: torch is never imported, so the CLI starts fast.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ignite_mgpu.gpus import links as gpu_links
+from ignite_mgpu.gpus import pcie as gpu_pcie
 
 _QUERY_GPUS = "--query-gpu=index,pci.bus_id,name,memory.used,memory.total,utilization.gpu"
 # The UUID comes last, where a recording without it (older answers) leaves the other columns as they were.
@@ -42,11 +43,18 @@ class GpuInfo:
     pids: tuple[int, ...] = ()  # its compute processes, as far as listed
     # Its link to each other GPU (physical id, as nvidia-smi topo -m prints it: "NV12", "PIX", "SYS"); () unknown
     links: tuple[tuple[int, str], ...] = ()
-    numa_node: int | None = None  # the NUMA node nvidia-smi topo -m gives it; None if unknown
+    numa_node: int | None = None  # the NUMA node nvidia-smi topo -m (or NVML) gives it; None if unknown
+    # Whether it may read each other GPU's memory directly, as topo -p2p r prints it ("OK", "CNS"); () unknown
+    p2p: tuple[tuple[int, str], ...] = ()
+    pcie: gpu_pcie.PcieLink | None = None  # its PCIe link: generation and width, now and at most; None if unknown
 
     def link_to(self, other: int) -> str | None:
         """The link to GPU ``other`` as topo -m prints it; None if unknown."""
         return dict(self.links).get(other)
+
+    def path_to(self, other: int) -> str | None:
+        """The link to GPU ``other`` as the choice ranks it: with the P2P status where that is not OK ("PIX CNS")."""
+        return gpu_links.with_p2p(self.link_to(other), dict(self.p2p).get(other))
 
 
 def _bus(bus_id: str) -> str:
@@ -118,24 +126,57 @@ def _query_nvml() -> list[GpuInfo] | None:
 
 
 def _nvml_links(pynvml: Any, gpus: list[GpuInfo], handles: dict[int, Any]) -> list[GpuInfo]:
-    """The snapshot with each GPU's links as NVML gives them (none for a single GPU)."""
-    if len(gpus) < 2:
-        return gpus
-    at = {g.pci_bus_id: g.index for g in gpus}
-    found = gpu_links.read_nvml(
-        pynvml, handles, lambda bus: at.get(_bus(bus.decode() if isinstance(bus, bytes) else bus))
-    )
-    return [dataclasses.replace(g, links=tuple(sorted(found.get(g.index, {}).items()))) for g in gpus]
+    """The snapshot with what NVML tells of each GPU's place: its PCIe link and NUMA node, and with two GPUs or
+    more each pair's link and P2P status."""
+    found: dict[int, dict[int, str]] = {}
+    p2p: dict[int, dict[int, str]] = {}
+    if len(gpus) > 1:
+        at = {g.pci_bus_id: g.index for g in gpus}
+        found = gpu_links.read_nvml(
+            pynvml, handles, lambda bus: at.get(_bus(bus.decode() if isinstance(bus, bytes) else bus))
+        )
+        p2p = gpu_pcie.read_nvml_p2p(pynvml, handles)
+    return [
+        dataclasses.replace(
+            g,
+            links=tuple(sorted(found.get(g.index, {}).items())),
+            p2p=tuple(sorted(p2p.get(g.index, {}).items())),
+            pcie=gpu_pcie.read_nvml_pcie(pynvml, handles[g.index]),
+            numa_node=_nvml_numa(pynvml, handles[g.index]),
+        )
+        for g in gpus
+    ]
+
+
+def _nvml_numa(pynvml: Any, handle: Any) -> int | None:
+    """The NUMA node whose memory is nearest the GPU (what topo -m calls its NUMA Affinity); None unless one."""
+    affinity = getattr(pynvml, "nvmlDeviceGetMemoryAffinity", None)
+    if affinity is None:
+        return None
+    try:
+        words = affinity(handle, 4, 0)  # 4 x 64 bits: up to 256 nodes; scope 0 = NVML_AFFINITY_SCOPE_NODE
+    except pynvml.NVMLError:
+        return None
+    nodes = [64 * i + bit for i, word in enumerate(words) for bit in range(64) if int(word) >> bit & 1]
+    return nodes[0] if len(nodes) == 1 else None
 
 
 def _with_links(gpus: list[GpuInfo], run: Callable[[list[str]], str]) -> list[GpuInfo]:
-    """The snapshot with each GPU's links and NUMA node from ``nvidia-smi topo -m`` (a single GPU: not asked)."""
+    """The snapshot with each GPU's links and NUMA node (``nvidia-smi topo -m``), P2P (``topo -p2p r``) and PCIe link
+    (``--query-gpu``), where NVML did not tell them; a single GPU: nothing asked."""
     if len(gpus) < 2:
         return gpus
     matrix = gpu_links.read_matrix(run)
+    # A driver that cannot answer topo -m knows no topo -p2p either.
+    p2p = gpu_pcie.read_p2p(run) if matrix.links and not any(g.p2p for g in gpus) else {}
+    pcie = gpu_pcie.read_pcie(run) if all(g.pcie is None for g in gpus) else {}
     return [
         dataclasses.replace(
-            g, links=tuple(sorted(matrix.links.get(g.index, {}).items())), numa_node=matrix.numa.get(g.index)
+            g,
+            links=tuple(sorted(matrix.links.get(g.index, {}).items())),
+            numa_node=g.numa_node if g.numa_node is not None else matrix.numa.get(g.index),
+            p2p=g.p2p or tuple(sorted(p2p.get(g.index, {}).items())),
+            pcie=g.pcie or pcie.get(g.index),
         )
         for g in gpus
     ]
@@ -192,13 +233,3 @@ def _compute_apps(run: Callable[[list[str]], str]) -> dict[str, list[int]] | Non
         if sep:
             procs.setdefault(_bus(bus), []).append(int(pid) if pid.strip().isdigit() else -1)
     return procs
-
-
-def query_numa_affinity(run: Callable[[list[str]], str] | None = None) -> dict[int, int | None]:
-    """Each GPU's NUMA node from the "NUMA Affinity" column of ``nvidia-smi topo -m`` (None where it says N/A or a
-    range); {} when nvidia-smi is missing, fails or prints no such column (older drivers).
-
-    Args:
-        run: takes an argv and returns its stdout; tests pass a recorded answer.
-    """
-    return gpu_links.read_matrix(run or _run_nvidia_smi).numa

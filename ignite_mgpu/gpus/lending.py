@@ -109,7 +109,7 @@ def look(
     )
     coming = tuple(name for name, who in held.items() if name in who.lent)
     line = waiting.waiting(dir_fd) if waiters is None else waiters
-    linked = {names[g.index]: {names[i]: cell for i, cell in g.links if i in names} for g in snapshot}
+    linked = {names[g.index]: {names[i]: g.path_to(i) or cell for i, cell in g.links if i in names} for g in snapshot}
     return Line(free, coming, tuple(line), frozenset(held), linked)
 
 

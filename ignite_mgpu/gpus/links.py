@@ -1,6 +1,7 @@
 """How the GPUs are linked: read from ``nvidia-smi topo -m`` (or NVML), ranked best first (NVLink, one PCIe switch,
-several, a host bridge, one NUMA node, across CPU sockets), and the best-linked set among candidates, the one rule
-that ``--gpus auto`` and an elastic job taking GPUs back both follow. Stdlib only; imports nothing of the package.
+several, a host bridge, one NUMA node, across CPU sockets; a pair without P2P half a step below its kind), and the
+best-linked set among candidates, the one rule that ``--gpus auto`` and an elastic job taking GPUs back both follow.
+Stdlib only; imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 # The link between two GPUs as topo -m prints it ("NV12", "SYS"), None if unknown; GPUs named by id or claim name.
+# Where P2P is known and not OK, its status follows ("PIX CNS": ``with_p2p``).
 LinkOf = Callable[[K, K], "str | None"]
 # nvidia-smi's legend, best link first; SOC is what drivers before 2017 printed for SYS.
 _PCIE = {"PIX": 200, "PXB": 300, "PHB": 400, "NODE": 500, "SYS": 600, "SOC": 600}
@@ -29,6 +31,21 @@ _WORDS = {
 }
 # NVML's nvmlGpuTopologyLevel_t (INTERNAL: two GPUs of one board) as topo -m prints it.
 _NVML_LEVELS = {0: "PIX", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
+# nvidia-smi topo -p2p's legend: may one GPU read the other's memory directly (OK), or why not. DR is printed by
+# newer drivers only; NVML's nvmlGpuP2PStatus_t has the same seven, OK (0) to U (6) in the order of P2P_NVML.
+P2P_WORDS = {
+    "OK": "P2P works",
+    "CNS": "not supported by the chipset",
+    "GNS": "not supported by the GPU",
+    "TNS": "not supported by the topology",
+    "DR": "disabled by a registry key",
+    "NS": "not supported",
+    "U": "unknown",
+}
+P2P_NVML = ("OK", "CNS", "GNS", "TNS", "DR", "NS", "U")
+# Without P2P, copies between the two go through host memory: half a step worse than the same kind of PCIe link with
+# it, never past the next kind (and an NVLink pair without it still before any PCIe pair).
+_NO_P2P = 50
 # More combinations than this are searched greedily (16 GPUs, 8 wanted: 12,870 sets).
 _EXHAUSTIVE = 5000
 
@@ -42,32 +59,47 @@ class Matrix:
     numa: dict[int, int | None] = field(default_factory=dict)
 
 
+def with_p2p(cell: str | None, p2p: str | None) -> str | None:
+    """A pair's link as the choice ranks it: the topo -m cell, followed by the P2P status where that is known and
+    not OK ("PIX CNS"); None while the link is unknown."""
+    return cell if cell is None or p2p in (None, "OK") else f"{cell} {p2p}"
+
+
 def score(cell: str | None) -> int:
-    """How good a link is, lower is better: NV# by its count of links, then PIX ... SYS; unknown last."""
+    """How good a link is, lower is better: NV# by its count of links, then PIX ... SYS, each half a step worse
+    without P2P ("PIX CNS"); unknown last."""
     if cell is None:
         return _UNKNOWN
-    if m := re.fullmatch(r"NV(\d+)", cell):
-        return 100 - min(int(m[1]), 99)
-    return _PCIE.get(cell, _UNKNOWN)
+    kind, _, p2p = cell.partition(" ")
+    if m := re.fullmatch(r"NV(\d+)", kind):
+        found = 100 - min(int(m[1]), 99)
+    else:
+        found = _PCIE.get(kind, _UNKNOWN)
+    return found + (_NO_P2P if p2p and found != _UNKNOWN else 0)
 
 
 def meaning(cell: str) -> str:
-    """What a kind of link is: "12 NVLinks", "across CPU sockets"; "unknown" for what the legend does not have."""
-    if score(cell) == _UNKNOWN:
+    """What a kind of link is: "12 NVLinks", "across CPU sockets"; "unknown" for what the legend does not have. A
+    P2P status after the kind is not part of it."""
+    kind = cell.partition(" ")[0]
+    if score(kind) == _UNKNOWN:
         return "unknown"
-    if cell.startswith("NV"):
-        return f"{100 - score(cell)} NVLink{'s' if score(cell) != 99 else ''}"
-    return _WORDS[cell]
+    if kind.startswith("NV"):
+        return f"{100 - score(kind)} NVLink{'s' if score(kind) != 99 else ''}"
+    return _WORDS[kind]
 
 
 def words(cell: str | None) -> str:
-    """A link for a message: "NVLink NV12", "across CPU sockets, SYS", "links unknown"."""
+    """A link for a message: "NVLink NV12", "across CPU sockets, SYS", "one PCIe switch, PIX, without P2P (CNS: not
+    supported by the chipset)", "links unknown"."""
     if cell is None or score(cell) == _UNKNOWN:
         return "links unknown"
-    return f"NVLink {cell}" if cell.startswith("NV") else f"{_WORDS[cell]}, {cell}"
+    kind, _, p2p = cell.partition(" ")
+    found = f"NVLink {kind}" if kind.startswith("NV") else f"{_WORDS[kind]}, {kind}"
+    return f"{found}, without P2P ({p2p}: {P2P_WORDS.get(p2p, 'unknown')})" if p2p else found
 
 
-def _cells(line: str) -> list[str]:
+def split_row(line: str) -> list[str]:
     """A row's cells: tab-separated as printed (padded with extra tabs), or by two spaces in a copy."""
     return [c.strip() for c in re.split(r"\t" if "\t" in line else r"\s{2,}", line) if c.strip()]
 
@@ -77,14 +109,14 @@ def parse_matrix(text: str) -> Matrix:
     "CPU Affinity", "NUMA Affinity" and "GPU NUMA ID" (the last two on newer drivers); each GPU row gives X for
     itself. Anything else (an error, an empty answer) is an empty Matrix."""
     lines = re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines()  # underlined headers when written to a terminal
-    header = next((_cells(ln) for ln in lines if re.match(r"\s+GPU0\b", ln)), None)
+    header = next((split_row(ln) for ln in lines if re.match(r"\s+GPU0\b", ln)), None)
     if header is None:
         return Matrix()
     gpus = {j: int(m[1]) for j, name in enumerate(header) if (m := re.fullmatch(r"GPU(\d+)", name))}
     numa_at = header.index("NUMA Affinity") if "NUMA Affinity" in header else None
     found = Matrix()
     for line in lines:
-        cells = _cells(line)
+        cells = split_row(line)
         if not cells or not (m := re.fullmatch(r"GPU(\d+)", cells[0])) or len(cells) < len(gpus) + 1:
             continue
         row = int(m[1])

@@ -4,6 +4,7 @@ and recorded GPU snapshots stand in for real machines; applying a binding in thi
 Run: python -m pytest tests/cpus/test_binding.py -q   (spawns nothing)
 """
 
+import dataclasses
 import os
 import threading
 
@@ -17,6 +18,7 @@ from ignite_mgpu.cpus.binding import RankBinding, plan_binding, plan_for_job
 from ignite_mgpu.cpus.topology import Topology, parse_cpulist, read_topology
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.gpus import inventory
+from ignite_mgpu.gpus.links import read_matrix
 from ignite_mgpu.processes.plan import make_plan
 from ignite_mgpu.text import format_ids
 from tests.gpus.test_gpus import TOPO
@@ -232,20 +234,27 @@ def test_auto_on_a_gpu_machine_with_several_nodes_is_numa(two_sockets):
     )
 
 
-def test_unknown_gpu_node_falls_back_to_nvidia_smi_topo(tmp_path, monkeypatch):
+def test_unknown_gpu_node_falls_back_to_the_snapshot_s_node_without_asking_again(tmp_path, monkeypatch):
+    """Where /sys does not say, the node nvidia-smi topo -m gave the snapshot (or NVML) is used: no second call."""
     unknown = {bus: "-1" for bus in GPU_NODES}  # the firmware does not say
     monkeypatch.setattr(topology, "SYS", str(fake_sys(tmp_path, gpu_nodes=unknown)))
-    monkeypatch.setattr(inventory, "query_gpus", lambda run=None: FOUR_A100)
-    recorded = inventory.query_numa_affinity
-    monkeypatch.setattr(inventory, "query_numa_affinity", lambda run=None: recorded(lambda argv: TOPO))
-    assert cpus_of(job("numa", [3], set(range(32)), nproc=1)) == ["8-15,24-31"]
-    monkeypatch.setattr(inventory, "query_numa_affinity", lambda run=None: {})  # nvidia-smi cannot tell either
+    numa = read_matrix(lambda argv: TOPO).numa
+    snapshots = []
+
+    def snapshot(run=None, nodes=True):
+        snapshots.append(run)
+        return [dataclasses.replace(g, numa_node=numa[g.index] if nodes else None) for g in FOUR_A100]
+
+    monkeypatch.setattr(inventory, "query_gpus", snapshot)
+    monkeypatch.setattr(inventory, "_run_nvidia_smi", lambda argv: pytest.fail(f"asked again: {argv}"))
+    assert cpus_of(job("numa", [3], set(range(32)), nproc=1)) == ["8-15,24-31"] and len(snapshots) == 1
+    monkeypatch.setattr(inventory, "query_gpus", lambda run=None: snapshot(run, nodes=False))  # nor can they tell
     with pytest.raises(ConfigError) as err:
         job("numa", [3], set(range(32)), nproc=1)
     assert str(err.value) == (
         "--cpu-binding numa (dist.cpu_binding) cannot apply here: the NUMA node of GPU 3 is unknown (neither /sys "
-        "nor nvidia-smi topo -m says). Fix: use --cpu-binding cores (each process its own share of the CPUs) or "
-        "--cpu-binding none."
+        "nor nvidia-smi topo -m nor NVML says). Fix: use --cpu-binding cores (each process its own share of the CPUs) "
+        "or --cpu-binding none."
     )
     auto = job("auto", [3], set(range(32)), nproc=1)
     assert auto.mode == "none" and "auto: the NUMA node of GPU 3 is unknown" in auto.reason

@@ -17,7 +17,8 @@ import pytest
 from ignite_mgpu.errors import ConfigError
 from ignite_mgpu.gpus import inventory
 from ignite_mgpu.gpus.devices import cuda_index_map, format_devices
-from ignite_mgpu.gpus.inventory import GpuInfo, query_gpus, query_numa_affinity
+from ignite_mgpu.gpus.inventory import GpuInfo, query_gpus
+from ignite_mgpu.gpus.links import read_matrix
 from ignite_mgpu.gpus.selection import GpuPlan, check_cuda_not_initialized, parse_gpus, plan_gpus
 
 REAL_NVIDIA_SMI = inventory._run_nvidia_smi  # as imported, before the hermetic fixture hides nvidia-smi
@@ -423,6 +424,8 @@ def test_format_devices_json_round_trip(a100):
         "pids": [],
         "links": {},  # the recording has no topo -m
         "numa_node": None,
+        "p2p": {},  # nor topo -p2p r
+        "pcie": None,  # nor the PCIe fields
         "cuda_index": 0,
         "claim": None,
         "process_users": {},
@@ -498,13 +501,15 @@ def test_query_reads_the_mig_mode_and_falls_back_on_drivers_without_it():
 
     def old_driver(argv):
         calls.append(argv[1])
-        if "mig.mode.current" in argv[1]:
-            raise subprocess.CalledProcessError(2, argv, 'Field "mig.mode.current" is not a valid field to query.')
-        return A100_GPUS if argv[1].startswith("--query-gpu=") else ""
+        if unknown := next((f for f in ("mig.mode.current", "pcie.link.gen.gpucurrent") if f in argv[1]), None):
+            raise subprocess.CalledProcessError(2, argv, f'Field "{unknown}" is not a valid field to query.')
+        return A100_GPUS if argv[1] == inventory._GPU_ARGV_NO_MIG[1] else ""
 
     assert [g.index for g in query_gpus(old_driver)] == [0, 1, 2, 3] and calls[2:] == [
         "--query-compute-apps=gpu_bus_id,pid",
-        "topo",  # how they are linked (nothing known here)
+        "topo",  # how they are linked: topo -m (nothing known here, so no topo -p2p r)
+        "--query-gpu=index,pcie.link.gen.gpucurrent,pcie.link.gen.max,pcie.link.width.current,pcie.link.width.max",
+        "--query-gpu=index,pcie.link.gen.current,pcie.link.gen.max,pcie.link.width.current,pcie.link.width.max",
     ]
 
 
@@ -540,5 +545,5 @@ def test_query_reads_the_mig_mode_from_nvml(monkeypatch):
 
 
 def test_nvidia_smi_topo_gives_the_numa_affinity():
-    assert query_numa_affinity(lambda argv: TOPO) == {0: 0, 1: 0, 2: 1, 3: 1}
-    assert query_numa_affinity(lambda argv: "\tGPU0\tCPU Affinity\nGPU0\t X \t0-7\n") == {}  # old driver
+    assert read_matrix(lambda argv: TOPO).numa == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert read_matrix(lambda argv: "\tGPU0\tCPU Affinity\nGPU0\t X \t0-7\n").numa == {}  # old driver

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from ignite_mgpu.cli.commands import main
 from ignite_mgpu.config.schema import DistConfig
-from ignite_mgpu.gpus import inventory, links
+from ignite_mgpu.gpus import links
 from ignite_mgpu.gpus.acquire import acquire
 from ignite_mgpu.gpus.devices import format_devices
 from ignite_mgpu.gpus.holders import Holder
@@ -307,12 +307,13 @@ def test_devices_shows_each_gpu_s_links_in_a_hundred_columns(fake_gpus):  # noqa
     table = CliRunner().invoke(main, ["devices"]).output
     lines = table.splitlines()
     at = lines.index("Links (nvidia-smi topo -m), best first:")
-    assert lines[at + 1 : at + 6] == [
-        "  GPU 0 (NUMA 0): NV4 to 1; SYS to 2,3",
-        "  GPU 1 (NUMA 0): NV4 to 0; SYS to 2,3",
-        "  GPU 2 (NUMA 1): NV4 to 3; SYS to 0,1",
-        "  GPU 3 (NUMA 1): NV4 to 2; SYS to 0,1",
+    assert lines[at + 1 :] == [
+        "  GPU 0 (NUMA 0, PCIe 4.0 x16): NV4 to 1; SYS to 2,3",
+        "  GPU 1 (NUMA 0, PCIe 4.0 x16): NV4 to 0; SYS to 2,3",
+        "  GPU 2 (NUMA 1, PCIe 4.0 x16): NV4 to 3; SYS to 0,1",  # at gen 1 while idle: said nowhere
+        "  GPU 3 (NUMA 1, PCIe 4.0 x16): NV4 to 2; SYS to 0,1",
         "  NV4: 4 NVLinks; SYS: across CPU sockets.",
+        "  P2P (direct copies between GPUs): OK between every pair.",
     ]
     assert max(len(line) for line in lines[at:]) <= 100
     data = json.loads(CliRunner().invoke(main, ["devices", "--json"]).output)
@@ -326,6 +327,6 @@ def test_devices_of_an_eight_gpu_node_stays_compact_and_unknown_links_say_nothin
     assert "Links" not in format_devices(query_gpus(recorded(csv({}), "", TOO_OLD)), {})
 
 
-def test_numa_affinity_is_read_by_the_same_parser():
-    assert inventory.query_numa_affinity(recorded("", matrix=topo("pcie_4gpu"))) == {0: 0, 1: 0, 2: 0, 3: 1}
-    assert inventory.query_numa_affinity(recorded("", matrix=OLD_DRIVER)) == {}
+def test_the_snapshot_s_numa_nodes_are_read_by_the_same_parser():
+    assert [g.numa_node for g in query_gpus(recorded(csv({}), matrix=topo("pcie_4gpu")))] == [0, 0, 0, 1]
+    assert [g.numa_node for g in query_gpus(recorded(csv({}), matrix=OLD_DRIVER))] == [None] * 4
