@@ -164,12 +164,15 @@ def run_in_session(cmd: list[str], timeout: float, cwd: Path | None = None, env:
     return result
 
 
-def run_cli(args: list[str], cwd: Path, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m ignite_mgpu ARGS` in its own session; kill the whole group if it outlives `timeout`."""
+def run_cli(
+    args: list[str], cwd: Path, timeout: float = 120, env: dict | None = None, prefix: list[str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run `python -m ignite_mgpu ARGS` in its own session; kill the whole group if it outlives `timeout`.
+    ``prefix``: a command that runs it (``tests/slow_link.py``'s namespace)."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         full_env.pop(var, None)
-    return run_in_session([sys.executable, "-m", "ignite_mgpu", *args], timeout, cwd, full_env)
+    return run_in_session([*(prefix or []), sys.executable, "-m", "ignite_mgpu", *args], timeout, cwd, full_env)
 
 
 def run_fresh(target: str, *args: str, timeout: float = 240) -> Any:

@@ -166,3 +166,16 @@ def capped_mlp(
     num_classes: int = 10, capped_rank: int = -1, headroom_mb: int = 6000, mb_per_sample: int = 512, log: str = ""
 ) -> nn.Module:
     return CappedMLP(capped_rank, headroom_mb, mb_per_sample, log or None)
+
+
+def wide_mlp(num_classes: int = 10, hidden: int = 2048, second: int = 1200) -> nn.Module:
+    """An MLP of 4.0 M parameters on 16x16 RGB images (768 inputs): 16 MB of gradients to all-reduce per step, for
+    little compute at a small batch."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.LazyLinear(hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, second),
+        nn.ReLU(),
+        nn.Linear(second, num_classes),
+    )
