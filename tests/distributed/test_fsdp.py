@@ -109,8 +109,8 @@ def test_fsdp_trains_like_ddp_and_like_one_process_and_evaluates_uneven_shards_e
     assert last["val_accuracy"] == pytest.approx((logits.argmax(1) == y).float().mean().item(), abs=1e-6)
     assert last["val_loss"] == pytest.approx(nn.functional.cross_entropy(logits, y).item(), rel=1e-5)
     assert len(last["peak_memory_mb"]) == 2
-    # FSDP's gathers and reduce-scatters run inside forward and backward: no all-reduce wait of its own.
-    assert last["time_comm_ms"] == [None, None] and min(last["time_compute_ms"]) > 0
+    # FSDP's all-gathers before each block's forward and backward are its communication (reduce-scatters: compute).
+    assert min(last["time_comm_ms"]) > 0 and min(last["time_compute_ms"]) > 0
 
     # `ignite-mgpu evaluate` with FSDP on 2 processes scores the best model as one process does.
     args = [*JOB, "--checkpoint", str(best), "--json"]

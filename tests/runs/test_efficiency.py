@@ -78,13 +78,13 @@ def test_a_size_that_scales_well_names_no_loss():
 
 
 def test_the_table_has_a_line_per_size_and_marks_an_all_reduce_not_measured():
-    fsdp = Size.from_line(2, 64, line(12.0, [1.0, 1.0], [10.0, 10.0], [None, None], [0.5, 0.5], batch=64))
-    assert not fsdp.comm_measured and fsdp.mean("comm") == 0.0
-    lines = efficiency.table([ONE, fsdp], "cpu").splitlines()
+    dp = Size.from_line(2, 64, line(12.0, [1.0, 1.0], [10.0, 10.0], [None, None], [0.5, 0.5], batch=64))
+    assert not dp.comm_measured and dp.mean("comm") == 0.0
+    lines = efficiency.table([ONE, dp], "cpu").splitlines()
     assert lines[0].split()[:5] == ["processes", "batch", "samples/s", "speed-up", "efficiency"]
     assert lines[1].split()[:5] == ["1", "32", "3200", "1.00x", "100%"]
     assert lines[2].split()[:7] == ["2", "64", "5333", "1.67x", "83%", "10.00", "-"]
-    rows = efficiency.as_json([ONE, fsdp])
+    rows = efficiency.as_json([ONE, dp])
     assert rows[1]["efficiency"] == pytest.approx(5333.333 / 3200 / 2, abs=1e-4)
     assert set(rows[1]["lost_ms"]) == set(efficiency.PARTS)
 

@@ -1,5 +1,6 @@
-"""Where this rank's step goes (``StepTimes``): per epoch, the seconds of forward and backward compute, of the gradient
-all-reduce that backward waits for at its end (DDP's, not hidden behind backward), and of the optimizer step; the host
+"""Where this rank's step goes (``StepTimes``): per epoch, the seconds of forward and backward compute, of the
+communication the step waits for (DDP's gradient all-reduce at the end of backward, not hidden behind it; FSDP's
+all-gathers of each block's parameters before its forward and its backward), and of the optimizer step; the host
 clock on the CPU, CUDA events read later on a GPU (never a synchronize per iteration). The epoch log gathers the sums
 once per epoch, in the reduction it already makes (``epoch_log.py``); ``runs/bottleneck.py`` judges them."""
 
@@ -25,11 +26,11 @@ def _event() -> torch.cuda.Event:
 
 class StepTimes:
     """This rank's step split since the epoch started, in seconds: ``compute`` (forward and backward), ``comm`` (the
-    end of backward spent waiting for the gradient all-reduce after the last gradient was handed to it; not measured
-    under FSDP, DataParallel or a comm hook of the user's: ``measured`` is False, ``seconds()`` gives NaN, and the
-    wait is in ``compute``) and ``optimizer`` (unscale, clip, step, zero the gradients, schedule). The step calls
-    ``clock()`` at its start, after backward and after the optimizer step, then ``add``: on the CPU three
-    ``perf_counter`` calls and one method call per iteration."""
+    end of backward spent waiting for the gradient all-reduce after the last gradient was handed to it; under FSDP
+    the all-gathers its blocks wait for (``note``); not measured under DataParallel or a comm hook of the user's:
+    ``measured`` is False, ``seconds()`` gives NaN, and the wait is in ``compute``) and ``optimizer`` (unscale, clip,
+    step, zero the gradients, schedule). The step calls ``clock()`` at its start, after backward and after the
+    optimizer step, then ``add``: on the CPU three ``perf_counter`` calls and one method call per iteration."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -45,18 +46,28 @@ class StepTimes:
 
     def reset(self) -> None:
         self.compute = self.comm = self.optimizer = 0.0
+        # The waits noted in the step so far (FSDP's gathers): host seconds, or (start, end) CUDA events.
+        self.gathered: Any = [] if self.cuda else 0.0
+
+    def note(self, start: Any, end: Any) -> None:
+        """A wait for communication inside forward or backward, from ``start`` to ``end`` (two ``clock()``s)."""
+        if self.cuda:
+            self.gathered.append((start, end))
+        else:
+            self.gathered += end - start
 
     def _add(self, start: float, backward_end: float, end: float | None = None) -> None:
         # The all-reduce of the last bucket starts when backward's compute ends; the rest of backward is its wait.
-        wait = backward_end - self.ready if self.ready > start else 0.0
+        wait = (backward_end - self.ready if self.ready > start else 0.0) + self.gathered
+        self.gathered = 0.0
         self.compute += backward_end - start - wait
         self.comm += wait
         if end is not None:
             self.optimizer += end - backward_end
 
     def _add_events(self, start: Any, backward_end: Any, end: Any = None) -> None:
-        self._pending.append((start, backward_end, end, self.ready))
-        self.ready = None
+        self._pending.append((start, backward_end, end, self.ready, self.gathered))
+        self.ready, self.gathered = None, []
         # Read the iterations the GPU has finished (query() does not wait); the others at the epoch's end.
         while self._pending and self._last(self._pending[0]).query():
             self._read(self._pending.popleft())
@@ -66,8 +77,9 @@ class StepTimes:
         return events[2] if events[2] is not None else events[1]
 
     def _read(self, events: tuple[Any, ...]) -> None:
-        start, backward_end, end, ready = events
+        start, backward_end, end, ready, gathered = events
         wait = ready.elapsed_time(backward_end) / 1000 if ready is not None else 0.0
+        wait += sum(a.elapsed_time(b) for a, b in gathered) / 1000
         self.compute += start.elapsed_time(backward_end) / 1000 - wait
         self.comm += wait
         if end is not None:
@@ -99,7 +111,8 @@ def watch_gradient_sync(engine: Any, model: nn.Module, times: StepTimes, world_s
     times.watching = True
     ddp = find_ddp(model)
     if ddp is None:
-        times.measured = world_size == 1 and not isinstance(model, nn.DataParallel)
+        gathers = world_size > 1 and watch_fsdp_gathers(model, times)
+        times.measured = gathers or (world_size == 1 and not isinstance(model, nn.DataParallel))
         return
     clock, group = times.clock, ddp.process_group
     size = group.size()
@@ -116,3 +129,57 @@ def watch_gradient_sync(engine: Any, model: nn.Module, times: StepTimes, world_s
         ddp.register_comm_hook(state=group, hook=timed_allreduce)
     except RuntimeError:  # the user's own hook: DDP takes only one
         times.measured = False
+
+
+def watch_fsdp_gathers(model: nn.Module, times: StepTimes) -> bool:
+    """Time the all-gathers that FSDP2's blocks wait for (``times.note``): around FSDP's own pre-forward hook of
+    each block (its parameters gathered, waited for and copied out) and its pre-backward hook (gathered again where
+    forward resharded them), by hooks registered before it (``prepend``) and after it. The reduce-scatters of the
+    gradients stay in compute. False where the model has no FSDP2 block."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch before FSDP2's public module
+        return False
+    blocks = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for block in blocks:
+        _around_fsdp_hooks(block, times)
+    return bool(blocks)
+
+
+def _around_fsdp_hooks(block: nn.Module, times: StepTimes) -> None:
+    started: list[Any] = []  # a stack: a backward's several output tensors each run the pair
+
+    def before(*_: Any) -> None:
+        if block.training:
+            started.append(times.clock())
+
+    def after(*_: Any) -> None:
+        if started:
+            times.note(started.pop(), times.clock())
+
+    def on_gradients(hook: Any) -> Any:
+        # FSDP registers its pre-backward hook on the block's outputs in its forward hook; a tensor runs its hooks in
+        # the order they were registered.
+        def register(module: nn.Module, args: Any, output: Any) -> None:
+            if block.training and torch.is_grad_enabled():
+                for tensor in _tensors(output):
+                    if tensor.requires_grad:
+                        tensor.register_hook(hook)
+
+        return register
+
+    block.register_forward_pre_hook(before, prepend=True)
+    block.register_forward_pre_hook(after)
+    block.register_forward_hook(on_gradients(before), prepend=True)
+    block.register_forward_hook(on_gradients(after))
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    """The tensors of a block's output: a tensor, or those in its tuples, lists and mappings (a model output)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in _tensors(item)]
+    return []

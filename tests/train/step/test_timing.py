@@ -5,6 +5,7 @@ hook that notes that moment (and gives way to the user's own), and the CUDA even
 `python -m pytest tests/train/step/test_timing.py -q`."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -63,6 +64,39 @@ def test_the_comm_hook_notes_the_last_bucket_and_gives_way_to_the_users(one_rank
     watch_gradient_sync(None, nn.DataParallel(nn.Linear(6, 3)), parallel, 1)
     watch_gradient_sync(None, nn.Linear(6, 3), plain, 2)  # FSDP's case: several processes, no DDP
     assert not parallel.measured and not plain.measured
+
+
+def test_fsdp_gathers_are_timed_around_fsdps_own_hooks(one_rank):
+    # Our hooks read the clock just before FSDP gathers a block's parameters and just after: before, the block holds
+    # its shards (DTensors); after, the gathered parameters. In forward and again in backward (resharded after
+    # forward). The block is not the root: FSDP keeps a root's parameters gathered after forward.
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    model = nn.Sequential(nn.Linear(6, 64), nn.ReLU(), nn.Linear(64, 3))
+    block = fully_shard(model[0], reshard_after_forward=True)
+    fully_shard(model)
+    times, sharded = StepTimes(torch.device("cpu")), []
+    clock = times.clock
+
+    def noting_the_block():
+        sharded.append(isinstance(block.weight, DTensor))
+        return clock()
+
+    times.clock = noting_the_block
+    watch_gradient_sync(None, model, times, 2)  # as on 2 ranks: no DDP, FSDP's gathers
+    model(torch.randn(4, 6)).sum().backward()
+    # Pairs: the root's forward (nothing of the block's gathered), the block's forward (gathered after), the root's
+    # backward (the block still sharded), the block's backward (gathered again after).
+    assert sharded == [True, True, True, False, True, True, True, False]
+    assert times.measured and times.gathered > 0
+    start = time.perf_counter()
+    times.add(start - 1, start)
+    assert times.gathered == 0.0 and times.comm > 0 and times.compute == pytest.approx(1 - times.comm)
+    with torch.no_grad():
+        model.eval()
+        model(torch.randn(4, 6))  # an evaluation's forward: not the step's
+    assert times.gathered == 0.0
 
 
 def cuda_split() -> list[float]:
