@@ -425,5 +425,5 @@ def test_the_scaling_how_to_shows_what_the_rule_says_of_its_numbers():
     assert verdict.bound_by == "slowest_rank" and f"WARNING step time: {verdict.words}\n" in text
     small = judge(Split([0.21, 0.21], [4.86, 3.59], [2.45, 5.39], [0.62, 0.37], 9.27))
     assert small.bound_by is None and "slowest rank: 0, bound by: None" in text
-    link = judge(Split([0.236, 0.243], [10.319, 10.079], [263.034, 261.418], [12.046, 11.135], 286.344))
+    link = judge(Split([0.236, 0.243], [10.319, 10.079], [263.034, 261.418], [12.046, 11.135], 286.344), "cpu")
     assert link.bound_by == "communication" and f"WARNING step time: {link.words}\n" in text

@@ -46,8 +46,19 @@ def slowest_rank(split: Split) -> int | None:
     return max(range(ranks), key=split.own) if ranks > 1 else None
 
 
-def judge(split: Split) -> Verdict:
-    """The slowest rank and its cause when it holds the others back, else a job bound by data or communication."""
+def comm_help(device: str) -> str:
+    """What helps a job whose step waits for its gradient all-reduce, on GPUs (``"cuda"``) or CPU processes."""
+    if device == "cuda":
+        return (
+            "a larger batch per GPU, gradient accumulation (train.grad_accum_steps), or GPUs linked by NVLink would "
+            "help"
+        )
+    return "a larger batch per process or gradient accumulation (train.grad_accum_steps) would help"
+
+
+def judge(split: Split, device: str = "cuda") -> Verdict:
+    """The slowest rank and its cause when it holds the others back, else a job bound by data or communication;
+    ``device``: where the ranks train ("cuda" or "cpu"), for what helps."""
     step, slowest = max(split.step_ms, 1e-9), slowest_rank(split)
     if slowest is not None:
         others = [r for r in range(len(split.data)) if r != slowest]
@@ -70,8 +81,8 @@ def judge(split: Split) -> Verdict:
     return Verdict(
         slowest,
         "communication",
-        f"bound by communication: the gradient all-reduce not hidden behind backward takes {comm:.0%} of the step (a "
-        "larger batch per GPU, gradient accumulation (train.grad_accum_steps), or GPUs linked by NVLink would help)",
+        f"bound by communication: the gradient all-reduce not hidden behind backward takes {comm:.0%} of the step "
+        f"({comm_help(device)})",
     )
 
 

@@ -9,7 +9,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from ignite_mgpu.runs.bottleneck import Split, judge
+from ignite_mgpu.runs.bottleneck import Split, comm_help, judge
 
 # From this efficiency on, a size scales well: nothing is named as lost.
 SCALES_WELL = 0.9
@@ -110,12 +110,9 @@ def _units(at: Size, device: str) -> str:
 def _lost_words(part: str, at: Size, device: str) -> tuple[str, str]:
     """What a part is, and what helps, for the verdict."""
     if part == "communication":
-        helps = "a larger batch per GPU, gradient accumulation (train.grad_accum_steps), or GPUs linked by NVLink"
-        if device == "cpu":
-            helps = "a larger batch per process, or gradient accumulation (train.grad_accum_steps),"
-        return "the gradient all-reduce not hidden behind backward", f"{helps} would help"
+        return "the gradient all-reduce not hidden behind backward", comm_help(device)
     if part == "waiting":
-        return "waiting at the all-reduce for a slower rank", judge(at.split).words or "see each rank's split"
+        return "waiting at the all-reduce for a slower rank", judge(at.split, device).words or "see each rank's split"
     if part == "data":
         return (
             "the wait for batches",

@@ -224,7 +224,7 @@ class EpochLog:
         run, run_seconds, run_iterations = self._run
         self._run = (run + parts, run_seconds + seconds, run_iterations + iterations)
         split = _split(parts, seconds, iterations)
-        verdict = judge(split)
+        verdict = judge(split, self.devices[0].type)
         return {
             "time_data_ms": split.data,
             "time_compute_ms": split.compute,
@@ -238,7 +238,7 @@ class EpochLog:
         """Where the run's step time went, judged over every epoch this process trained (None before one)."""
         if self._run is None or not self._run[2]:
             return None
-        return judge(_split(*self._run))
+        return judge(_split(*self._run), self.devices[0].type)
 
 
 def _split(parts: torch.Tensor, seconds: float, iterations: int) -> Split:

@@ -39,6 +39,9 @@ def test_a_balanced_job_bound_by_communication_counts_the_rank_that_waits_least(
     assert "(a larger batch per GPU, gradient accumulation (train.grad_accum_steps), or GPUs linked by NVLink" in (
         verdict.words
     )
+    # CPU processes: no GPU to link; the batch per process and accumulation help.
+    on_cpu = judge(split(data=[1, 1], compute=[30, 31], comm=[62, 60]), "cpu").words
+    assert on_cpu.endswith("(a larger batch per process or gradient accumulation (train.grad_accum_steps) would help)")
 
 
 def test_a_balanced_job_bound_by_data_and_one_process():
