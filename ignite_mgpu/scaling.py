@@ -141,7 +141,8 @@ def _measure(steps: list[Step], claims: Any, iterations: int) -> list[Size] | in
             if ended.outcome.code or not isinstance(ended.value, dict):
                 print(said(f"ignite-mgpu scale: stopped at {step.devices}; its files are in {folder}"), file=sys.stderr)
                 return ended.outcome.code or 1
-            found.append(Size.from_line(step.devices, step.cfg.data.batch_size, ended.value))
+            sharded = step.cfg.dist.strategy == "fsdp" and step.plan.world_size > 1
+            found.append(Size.from_line(step.devices, step.cfg.data.batch_size, ended.value, sharded))
     finally:
         forkserver.stop()
     shutil.rmtree(folder, ignore_errors=True)

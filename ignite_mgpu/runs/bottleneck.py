@@ -28,6 +28,7 @@ class Split:
     comm: Sequence[float]
     optimizer: Sequence[float]
     step_ms: float
+    sharded: bool = False  # FSDP: the communication is its all-gathers (else DDP's gradient all-reduce)
 
     def own(self, rank: int) -> float:
         """A rank's own work: what the others wait for when it is the slowest."""
@@ -46,14 +47,30 @@ def slowest_rank(split: Split) -> int | None:
     return max(range(ranks), key=split.own) if ranks > 1 else None
 
 
-def comm_help(device: str) -> str:
-    """What helps a job whose step waits for its gradient all-reduce, on GPUs (``"cuda"``) or CPU processes."""
+def comm_words(sharded: bool) -> tuple[str, str]:
+    """The communication a step waits for, and the collective the other ranks wait in for a slow rank: DDP's
+    gradient all-reduce, or FSDP's all-gathers (``sharded``)."""
+    if sharded:
+        return "FSDP's all-gathers of the parameters not hidden behind compute", "the all-gathers"
+    return "the gradient all-reduce not hidden behind backward", "the all-reduce"
+
+
+def comm_help(device: str, sharded: bool = False) -> str:
+    """What helps a job whose step waits for its communication, on GPUs (``"cuda"``) or CPU processes."""
+    options = [
+        f"a larger batch per {'GPU' if device == 'cuda' else 'process'}",
+        "gradient accumulation (train.grad_accum_steps)",
+    ]
+    if sharded:
+        options.append("model.fsdp_reshard_after_forward=false (no gathers in backward, more memory)")
     if device == "cuda":
-        return (
-            "a larger batch per GPU, gradient accumulation (train.grad_accum_steps), or GPUs linked by NVLink would "
-            "help"
-        )
-    return "a larger batch per process or gradient accumulation (train.grad_accum_steps) would help"
+        options.append("GPUs linked by NVLink")
+    listed = (
+        options[0]
+        if len(options) == 1
+        else f"{', '.join(options[:-1])}{',' if len(options) > 2 else ''} or {options[-1]}"
+    )
+    return f"{listed} would help"
 
 
 def judge(split: Split, device: str = "cuda") -> Verdict:
@@ -81,8 +98,8 @@ def judge(split: Split, device: str = "cuda") -> Verdict:
     return Verdict(
         slowest,
         "communication",
-        f"bound by communication: the gradient all-reduce not hidden behind backward takes {comm:.0%} of the step "
-        f"({comm_help(device)})",
+        f"bound by communication: {comm_words(split.sharded)[0]} takes {comm:.0%} of the step "
+        f"({comm_help(device, split.sharded)})",
     )
 
 
@@ -105,4 +122,4 @@ def _slow_rank_words(split: Split, slowest: int, others: list[int]) -> str:
         )
     waits = [split.comm[r] for r in others if not math.isnan(split.comm[r])]
     where = f" ({statistics.mean(waits) / step:.0%} of their step)" if waits else ""
-    return f"rank {slowest} is the slowest: {why}; the other ranks wait for it in the all-reduce{where}"
+    return f"rank {slowest} is the slowest: {why}; the other ranks wait for it in {comm_words(split.sharded)[1]}{where}"

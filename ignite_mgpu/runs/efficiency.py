@@ -9,13 +9,13 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from ignite_mgpu.runs.bottleneck import Split, comm_help, judge
+from ignite_mgpu.runs.bottleneck import Split, comm_help, comm_words, judge
 
 # From this efficiency on, a size scales well: nothing is named as lost.
 SCALES_WELL = 0.9
 PARTS = ("compute", "communication", "waiting", "data", "optimizer", "other")
 # The table's columns of the step, ms per iteration (the mean of the ranks).
-_COLUMNS = (("compute", "compute"), ("all-reduce", "comm"), ("data", "data"), ("optimizer", "optimizer"))
+_COLUMNS = (("compute", "compute"), ("comm", "comm"), ("data", "data"), ("optimizer", "optimizer"))
 
 
 @dataclass(frozen=True)
@@ -30,12 +30,14 @@ class Size:
     bound_by: str | None = None
 
     @classmethod
-    def from_line(cls, devices: int, global_batch: int, line: dict[str, Any]) -> Size:
-        """From the epoch's line as ``metrics.jsonl`` has it (``EpochLog``)."""
+    def from_line(cls, devices: int, global_batch: int, line: dict[str, Any], sharded: bool = False) -> Size:
+        """From the epoch's line as ``metrics.jsonl`` has it (``EpochLog``); ``sharded``: FSDP's (its communication is
+        its all-gathers)."""
         ranks = line.get("processes", 1)
         parts = {k: line.get(f"time_{k}_ms") or [math.nan] * ranks for k in ("data", "compute", "comm", "optimizer")}
         comm = [math.nan if c is None else float(c) for c in parts["comm"]]
-        split = Split(parts["data"], parts["compute"], comm, parts["optimizer"], float(line["time_per_iter_ms"]))
+        step = float(line["time_per_iter_ms"])
+        split = Split(parts["data"], parts["compute"], comm, parts["optimizer"], step, sharded)
         return cls(devices, global_batch, float(line["samples_per_s"]), split, line.get("bound_by"))
 
     @property
@@ -110,9 +112,11 @@ def _units(at: Size, device: str) -> str:
 def _lost_words(part: str, at: Size, device: str) -> tuple[str, str]:
     """What a part is, and what helps, for the verdict."""
     if part == "communication":
-        return "the gradient all-reduce not hidden behind backward", comm_help(device)
+        return comm_words(at.split.sharded)[0], comm_help(device, at.split.sharded)
     if part == "waiting":
-        return "waiting at the all-reduce for a slower rank", judge(at.split, device).words or "see each rank's split"
+        return f"waiting in {comm_words(at.split.sharded)[1]} for a slower rank", judge(
+            at.split, device
+        ).words or "see each rank's split"
     if part == "data":
         return (
             "the wait for batches",
@@ -138,7 +142,10 @@ def table(sizes: list[Size], device: str) -> str:
     goes (ms per iteration, the mean of the ranks) and what bounds it."""
     unit = "GPUs" if device == "cuda" else "processes"
     head = f"{unit:>9}  {'batch':>6}  {'samples/s':>9}  {'speed-up':>8}  {'efficiency':>10}"
-    head += "".join(f"  {name:>10}" for name, _ in _COLUMNS) + f"  {'other':>7}  bound by"
+    comm = "all-gather" if any(at.split.sharded for at in sizes) else "all-reduce"  # FSDP's, or DDP's
+    head += (
+        "".join(f"  {comm if part == 'comm' else name:>10}" for name, part in _COLUMNS) + f"  {'other':>7}  bound by"
+    )
     lines = [head]
     for at in sizes:
         row = f"{at.devices:>9}  {at.global_batch:>6}  {at.samples_per_s:>9.0f}  {speedup(sizes[0], at):>7.2f}x"
@@ -148,7 +155,7 @@ def table(sizes: list[Size], device: str) -> str:
             row += f"  {shown:>10}"
         bound = at.bound_by.replace("slowest_rank", f"rank {_slowest(at)}") if at.bound_by else "-"
         lines.append(f"{row}  {at.other:>7.2f}  {bound}")
-    lines.append("(the step's parts in ms per iteration, the mean of the ranks; all-reduce: the wait for it)")
+    lines.append(f"(the step's parts in ms per iteration, the mean of the ranks; {comm}: the wait for it)")
     return "\n".join(lines)
 
 

@@ -93,6 +93,7 @@ class EpochLog:
         # The run's split so far in this process: per rank, seconds of data, compute, comm, optimizer; then the
         # training seconds and iterations (the verdict at the run's end).
         self._run: tuple[torch.Tensor, float, int] | None = None
+        self._sharded = False  # the trainer's communication is FSDP's all-gathers
 
     def memory_tags(self) -> list[str]:
         """The trackers' names of the same entries: ``memory/rank<k>`` for processes, ``memory/gpu<k>`` for the GPUs
@@ -189,6 +190,7 @@ class EpochLog:
             "processes": idist.get_world_size(),  # an elastic job's changes with the GPUs it runs on
         }
         if isinstance(engine, Trainer):
+            self._sharded = engine.step.times.sharded
             self.last |= self._split_fields(rows[:, 1:5], seconds, iterations)
         if self.goodput is not None:
             self.last |= self.goodput.line(float(rows[:, 1].max()), engine.state.iteration)
@@ -223,7 +225,7 @@ class EpochLog:
             self._run = (torch.zeros_like(parts), 0.0, 0)
         run, run_seconds, run_iterations = self._run
         self._run = (run + parts, run_seconds + seconds, run_iterations + iterations)
-        split = _split(parts, seconds, iterations)
+        split = _split(parts, seconds, iterations, self._sharded)
         verdict = judge(split, self.devices[0].type)
         return {
             "time_data_ms": split.data,
@@ -238,11 +240,11 @@ class EpochLog:
         """Where the run's step time went, judged over every epoch this process trained (None before one)."""
         if self._run is None or not self._run[2]:
             return None
-        return judge(_split(*self._run), self.devices[0].type)
+        return judge(_split(*self._run, self._sharded), self.devices[0].type)
 
 
-def _split(parts: torch.Tensor, seconds: float, iterations: int) -> Split:
+def _split(parts: torch.Tensor, seconds: float, iterations: int, sharded: bool = False) -> Split:
     """Each rank's seconds (data, compute, comm, optimizer) as milliseconds per iteration."""
     per = 1000 / max(1, iterations)
     data, compute, comm, optimizer = ([round(float(v) * per, 3) for v in parts[:, k]] for k in range(4))
-    return Split(data, compute, comm, optimizer, step_ms=seconds * per)
+    return Split(data, compute, comm, optimizer, step_ms=seconds * per, sharded=sharded)

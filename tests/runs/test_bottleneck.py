@@ -39,6 +39,14 @@ def test_a_balanced_job_bound_by_communication_counts_the_rank_that_waits_least(
     assert "(a larger batch per GPU, gradient accumulation (train.grad_accum_steps), or GPUs linked by NVLink" in (
         verdict.words
     )
+    # FSDP: its all-gathers are the communication, and its resharding one more way out.
+    fsdp = Split([1, 1], [30, 31], [62, 60], [1, 1], 94, sharded=True)
+    assert judge(fsdp).words.startswith("bound by communication: FSDP's all-gathers of the parameters not hidden")
+    assert "model.fsdp_reshard_after_forward=false (no gathers in backward, more memory), or GPUs linked" in (
+        judge(fsdp).words
+    )
+    slow = judge(Split([1, 45], [50, 50], [48, 4], [1, 1], 100, sharded=True)).words
+    assert "the other ranks wait for it in the all-gathers" in slow
     # CPU processes: no GPU to link; the batch per process and accumulation help.
     on_cpu = judge(split(data=[1, 1], compute=[30, 31], comm=[62, 60]), "cpu").words
     assert on_cpu.endswith("(a larger batch per process or gradient accumulation (train.grad_accum_steps) would help)")

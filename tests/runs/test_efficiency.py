@@ -65,7 +65,7 @@ def test_cpu_processes_sharing_the_cores_are_said_to_share_them():
 def test_a_slow_rank_is_named_with_its_cause_when_the_others_wait_for_it():
     two = Size.from_line(2, 64, line(30.0, [1.0, 20.0], [8.0, 8.0], [20.0, 1.0], [0.5, 0.5], batch=64))
     said = efficiency.verdict(ONE, two, "cpu")
-    assert "mostly waiting at the all-reduce for a slower rank" in said
+    assert "mostly waiting in the all-reduce for a slower rank" in said
     assert "rank 1 is the slowest: it waits 67% of its steps for data" in said
 
 
@@ -75,6 +75,15 @@ def test_a_size_that_scales_well_names_no_loss():
         efficiency.verdict(ONE, two, "cuda")
         == "2 GPUs: 1.90x the samples/s of 1 (95% scaling efficiency): it scales well"
     )
+
+
+def test_fsdp_sizes_name_their_all_gathers():
+    two = Size.from_line(2, 64, line(20.0, [1.0, 1.0], [8.0, 8.0], [10.0, 10.5], [0.5, 0.5], batch=64), sharded=True)
+    said = efficiency.verdict(ONE, two, "cuda")
+    assert "mostly FSDP's all-gathers of the parameters not hidden behind compute (10.0 ms" in said
+    assert "model.fsdp_reshard_after_forward=false" in said
+    lines = efficiency.table([ONE, two], "cuda").splitlines()
+    assert "all-gather" in lines[0] and lines[-1].endswith("all-gather: the wait for it)")
 
 
 def test_the_table_has_a_line_per_size_and_marks_an_all_reduce_not_measured():

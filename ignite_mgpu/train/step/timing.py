@@ -39,6 +39,7 @@ class StepTimes:
         self.ready: Any = None if self.cuda else 0.0
         self.measured = True  # False: the wait for the gradient sync is inside compute
         self.watching = False  # the comm hook's question asked (watch_gradient_sync)
+        self.sharded = False  # the communication is FSDP's all-gathers (else DDP's gradient all-reduce)
         self.clock: Any = _event if self.cuda else time.perf_counter
         self.add: Any = self._add_events if self.cuda else self._add
         self._pending: deque[tuple[Any, ...]] = deque()
@@ -112,6 +113,7 @@ def watch_gradient_sync(engine: Any, model: nn.Module, times: StepTimes, world_s
     ddp = find_ddp(model)
     if ddp is None:
         gathers = world_size > 1 and watch_fsdp_gathers(model, times)
+        times.sharded = gathers
         times.measured = gathers or (world_size == 1 and not isinstance(model, nn.DataParallel))
         return
     clock, group = times.clock, ddp.process_group
