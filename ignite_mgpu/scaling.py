@@ -124,7 +124,7 @@ def _measure(steps: list[Step], claims: Any, iterations: int) -> list[Size] | in
     """Run every size in turn; the sizes measured, or the exit code of the first that failed (its folder kept)."""
     folder = Path(tempfile.mkdtemp(prefix="ignite-mgpu-scale-"))
     found: list[Size] = []
-    try:
+    with forkserver.kept_between_jobs():  # one server for every size: torch imported once
         for step in steps:
             out = folder / f"size-{step.devices}"
             job = Job(MEASURING, (dataclasses.replace(step.cfg, output_dir=str(out)), iterations))
@@ -143,8 +143,6 @@ def _measure(steps: list[Step], claims: Any, iterations: int) -> list[Size] | in
                 return ended.outcome.code or 1
             sharded = step.cfg.dist.strategy == "fsdp" and step.plan.world_size > 1
             found.append(Size.from_line(step.devices, step.cfg.data.batch_size, ended.value, sharded))
-    finally:
-        forkserver.stop()
     shutil.rmtree(folder, ignore_errors=True)
     return found
 

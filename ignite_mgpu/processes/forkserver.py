@@ -39,6 +39,7 @@ DEFAULT_JOB = ("ignite_mgpu.train.default_job",)
 _OWN = "ignite_mgpu."
 _started: list[int] = []  # the pid of the server that this process started (and stops), if one runs
 _ended: list[str] = []  # how that server ended, once seen ("was killed by SIGKILL")
+_kept: list[bool] = []  # inside kept_between_jobs(): each job's stop leaves the server up
 
 
 def preload_for(job: Job) -> list[str]:
@@ -182,12 +183,24 @@ def _environment_for_the_server(changes: dict[str, str]) -> Iterator[None]:
                 os.environ[var] = value
 
 
+@contextlib.contextmanager
+def kept_between_jobs() -> Iterator[None]:
+    """The server that ``start`` starts inside stays up from one job to the next (``ignite-mgpu scale``'s sizes, where
+    each job's supervisor would stop it at the job's end: a new one imports torch again), and is stopped on leaving."""
+    _kept.append(True)
+    try:
+        yield
+    finally:
+        _kept.pop()
+        stop()
+
+
 def stop() -> None:
     """Stop the server that ``start`` started here, at once: SIGKILL (it holds nothing to save, and a Python exit
     with torch loaded takes seconds), which also ends, through their death signal, any worker it forked that
-    still runs."""
+    still runs. Inside ``kept_between_jobs``: nothing, until it is left."""
     server: Any = forkserver._forkserver  # the module's one server (private API)
-    if _started:  # (else none, or another part of the program's)
+    if _started and not _kept:  # (else none, or another part of the program's)
         _end(server)  # ours, or the plain one multiprocessing replaced it with
 
 

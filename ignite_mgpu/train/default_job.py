@@ -37,7 +37,7 @@ from ignite_mgpu.parallel.strategy import model_devices, prepare_model
 from ignite_mgpu.runs import folder
 from ignite_mgpu.runs.closing import closing_lines, stopped_line
 from ignite_mgpu.runs.folder import run_dir
-from ignite_mgpu.train.allocator import setup_cpu_memory
+from ignite_mgpu.train.allocator import frozen_heap, setup_cpu_memory
 from ignite_mgpu.train.checkpointing import attach_checkpoints
 from ignite_mgpu.train.data.datasets import example_inputs
 from ignite_mgpu.train.data.loaders import attach_skip_counter, create_dataloaders
@@ -131,7 +131,7 @@ def training(local_rank: int, cfg: Config, restarts: int | None = None) -> None:
 
     # The last write too.
     try:
-        with Trackers(cfg, trainer, evaluator, optimizer, epoch_log, out), writes_awaited(full):
+        with Trackers(cfg, trainer, evaluator, optimizer, epoch_log, out), writes_awaited(full), frozen_heap():
             trainer.run(train_loader, max_epochs=t.epochs, epoch_length=t.epoch_length)
     except TrainingInterrupted as stopped:
         raise _with_checkpoint(stopped, cfg, out) from None

@@ -15,6 +15,7 @@ from ignite.engine import Engine
 from ignite_mgpu.config.schema import Config
 from ignite_mgpu.parallel.strategy import model_devices
 from ignite_mgpu.runs import folder
+from ignite_mgpu.train.allocator import frozen_heap
 from ignite_mgpu.train.default_job import build, start_process
 from ignite_mgpu.train.epoch_log import EpochLog
 
@@ -33,5 +34,6 @@ def measuring(local_rank: int, cfg: Config, iterations: int) -> dict[str, Any] |
     no_validation = Engine(lambda engine, batch: None)  # the epoch log reads its (empty) metrics
     epoch_log = EpochLog(out / folder.METRICS, cfg.data.batch_size, no_validation, model_devices(built.model))
     epoch_log.attach(built.trainer)
-    built.trainer.run(built.train_loader, max_epochs=EPOCHS, epoch_length=iterations)
+    with frozen_heap():  # as a worker forked from the fork server: the 1-process size runs in this process
+        built.trainer.run(built.train_loader, max_epochs=EPOCHS, epoch_length=iterations)
     return epoch_log.last if rank == 0 else None

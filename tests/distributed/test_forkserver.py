@@ -282,3 +282,15 @@ def test_a_killed_fork_server_is_the_cause_said_not_its_workers_exit_codes(monke
         "continues from the last checkpoint.\n"
     ) in err, err
     assert "255" not in err and mp_forkserver._forkserver._forkserver_pid is None
+
+
+@pytest.mark.timeout(60)
+def test_a_server_kept_between_jobs_outlives_each_jobs_stop():
+    """`ignite-mgpu scale` runs a job per size: inside kept_between_jobs the supervisor's stop at each job's end
+    leaves the server up, and the next job's start finds it; leaving stops it."""
+    with forkserver.kept_between_jobs():
+        first = forkserver.start([forkserver.__name__])
+        forkserver.stop()  # what each job's supervisor does at its end
+        assert _state(first) not in ("Z", "gone")
+        assert forkserver.start([forkserver.__name__]) == first  # the same server: nothing imported again
+    assert mp_forkserver._forkserver._forkserver_pid is None and _state(first) == "gone"  # killed and waited for

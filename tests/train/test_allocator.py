@@ -76,3 +76,24 @@ def test_a_malloc_the_user_configured_is_left_alone(monkeypatch, variable, value
 def test_other_platforms_are_left_alone(monkeypatch):
     monkeypatch.setattr(platform, "system", lambda: "Darwin")
     assert keep_freed_memory() == "not Linux with glibc"
+
+
+def test_training_runs_with_the_heap_frozen_and_a_process_gets_it_back():
+    # Run in a fresh interpreter: gc.freeze is process-wide, and this pytest process may be frozen already.
+    code = """
+import gc
+from ignite_mgpu.train.allocator import frozen_heap
+import torch
+assert gc.get_freeze_count() == 0
+with frozen_heap():
+    inside = gc.get_freeze_count()
+assert inside > 10000, inside  # torch's objects among them
+assert gc.get_freeze_count() == 0  # a process that was not frozen gets its objects back
+gc.freeze()  # a worker forked from the fork server: frozen at its start, and stays so
+with frozen_heap():
+    again = gc.get_freeze_count()
+assert again > 10000 and gc.get_freeze_count() > again - 100  # not unfrozen (a few of its objects died)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
