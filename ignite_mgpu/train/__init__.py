@@ -6,6 +6,6 @@
 - ``evaluator``, ``metrics``: validation over all ranks, every sample once; ``eval.metrics``;
 - ``checkpointing``: the checkpoint handlers on the trainer (schedule, stop, best model);
 - ``epoch_log``: metrics.jsonl and the epoch's table; ``goodput``: where the wall time goes;
-- ``plugins``: the user's ``package.module:factory``; ``allocator``: glibc keeps freed memory on the CPU;
+- ``plugins``: the user's ``package.module:factory``; ``allocator``: glibc keeps freed memory, the heap frozen;
 - ``data/``: datasets, loaders, batches; ``step/``: the trainer and its step; ``tracking/``: experiment trackers.
 """
