@@ -20,6 +20,7 @@ from ignite_mgpu.gpus.devices import cuda_index_map, format_devices
 from ignite_mgpu.gpus.inventory import GpuInfo, query_gpus
 from ignite_mgpu.gpus.links import read_matrix
 from ignite_mgpu.gpus.selection import GpuPlan, check_cuda_not_initialized, parse_gpus, plan_gpus
+from tests.gpus.nvml import NVMLError, fake_pynvml
 
 REAL_NVIDIA_SMI = inventory._run_nvidia_smi  # as imported, before the hermetic fixture hides nvidia-smi
 # 4x A100 box: GPU 0 runs 2 jobs (70 GiB used), GPU 1 one job, GPUs 2 and 3 idle.
@@ -106,20 +107,15 @@ def test_query_no_devices_output_is_empty():
 
 
 def test_query_uses_nvml_when_available(monkeypatch):
-    class NVMLError(Exception):
-        pass
-
     def not_supported(handle):
         raise NVMLError("Not Supported")
 
-    fake = types.SimpleNamespace(
-        NVMLError=NVMLError,
-        nvmlInit=lambda: None,
-        nvmlShutdown=lambda: None,
-        nvmlDeviceGetCount=lambda: 1,
+    fake = fake_pynvml(
+        1,
+        b"NVIDIA GeForce RTX 4090",
+        lambda h: b"0000:01:00.0",
+        24564,
         nvmlDeviceGetHandleByIndex=lambda i: f"h{i}",
-        nvmlDeviceGetName=lambda h: b"NVIDIA GeForce RTX 4090",
-        nvmlDeviceGetPciInfo=lambda h: types.SimpleNamespace(busId=b"0000:01:00.0"),
         nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=512 * 2**20, total=24564 * 2**20),
         nvmlDeviceGetUtilizationRates=not_supported,
         nvmlDeviceGetComputeRunningProcesses=lambda h: [object()],
@@ -132,25 +128,13 @@ def test_a_lost_gpu_leaves_the_others_in_the_snapshot(monkeypatch, tmp_path):
     """As the tools report a GPU that fell off the bus: NVML raises NVML_ERROR_GPU_IS_LOST for that device alone;
     nvidia-smi prints the other rows, a line for the lost one, and exits 15. Neither empties the snapshot."""
 
-    class NVMLError(Exception):
-        pass
-
     def handle(i):
         if i == 1:
             raise NVMLError("GPU is lost")
         return f"h{i}"
 
-    fake = types.SimpleNamespace(
-        NVMLError=NVMLError,
-        nvmlInit=lambda: None,
-        nvmlShutdown=lambda: None,
-        nvmlDeviceGetCount=lambda: 3,
-        nvmlDeviceGetHandleByIndex=handle,
-        nvmlDeviceGetName=lambda h: "NVIDIA A100-SXM4-80GB",
-        nvmlDeviceGetPciInfo=lambda h: types.SimpleNamespace(busId=f"0000:0{h[1]}:00.0"),
-        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=0, total=81920 * 2**20),
-        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=0),
-        nvmlDeviceGetComputeRunningProcesses=lambda h: [],
+    fake = fake_pynvml(
+        3, "NVIDIA A100-SXM4-80GB", lambda h: f"0000:0{h[1]}:00.0", 81920, nvmlDeviceGetHandleByIndex=handle
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     assert [(g.index, g.pci_bus_id) for g in query_gpus()] == [(0, "00000000:00:00.0"), (2, "00000000:02:00.0")]
@@ -527,17 +511,11 @@ def test_mig_cards_are_refused_by_id_and_skipped_by_auto():
 
 
 def test_query_reads_the_mig_mode_from_nvml(monkeypatch):
-    fake = types.SimpleNamespace(
-        NVMLError=RuntimeError,
-        nvmlInit=lambda: None,
-        nvmlShutdown=lambda: None,
-        nvmlDeviceGetCount=lambda: 2,
-        nvmlDeviceGetHandleByIndex=lambda i: i,
-        nvmlDeviceGetName=lambda h: "NVIDIA A100-SXM4-40GB",
-        nvmlDeviceGetPciInfo=lambda h: types.SimpleNamespace(busId=f"0000:0{h}:00.0"),
-        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=0, total=40960 * 2**20),
-        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=0),
-        nvmlDeviceGetComputeRunningProcesses=lambda h: [],
+    fake = fake_pynvml(
+        2,
+        "NVIDIA A100-SXM4-40GB",
+        lambda h: f"0000:0{h}:00.0",
+        40960,
         nvmlDeviceGetMigMode=lambda h: (h, h),  # GPU 1 in MIG mode
     )
     monkeypatch.setitem(sys.modules, "pynvml", fake)

@@ -26,6 +26,7 @@ from ignite_mgpu.gpus.lending import Line, change_for
 from ignite_mgpu.gpus.links import best_set, parse_matrix, read_matrix
 from ignite_mgpu.gpus.selection import plan_gpus
 from ignite_mgpu.gpus.waiting import Waiter
+from tests.gpus.nvml import NVMLError, fake_pynvml
 from tests.gpus.test_claims import TABLE, fake_gpus  # noqa: F401  (a fixture)
 from tests.gpus.test_gpus import TOPO
 
@@ -151,9 +152,6 @@ def test_nvml_links_from_nvlinks_nvswitches_and_the_pcie_ancestor(monkeypatch):
     """As NVML answers: GPU 0-1 by 4 direct NVLinks, GPU 2-3 by 2 links each to an NVSwitch (a bus that is no GPU),
     the rest by their PCIe common ancestor (GPU 0-2 one NUMA node, 40; otherwise across sockets, 50)."""
 
-    class NVMLError(Exception):
-        pass
-
     buses = ["0000:07:00.0", "0000:0F:00.0", "0000:47:00.0", "0000:4E:00.0"]
     remote = {0: ["0000:0F:00.0"] * 4, 1: ["0000:07:00.0"] * 4, 2: ["0000:C0:00.0"] * 2, 3: ["0000:C1:00.0"] * 2}
 
@@ -162,17 +160,11 @@ def test_nvml_links_from_nvlinks_nvswitches_and_the_pcie_ancestor(monkeypatch):
             raise NVMLError("Invalid Argument")
         return 1
 
-    fake = types.SimpleNamespace(
-        NVMLError=NVMLError,
-        nvmlInit=lambda: None,
-        nvmlShutdown=lambda: None,
-        nvmlDeviceGetCount=lambda: 4,
-        nvmlDeviceGetHandleByIndex=lambda i: i,
-        nvmlDeviceGetName=lambda h: "NVIDIA H100",
-        nvmlDeviceGetPciInfo=lambda h: types.SimpleNamespace(busId=buses[h].encode()),
-        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=0, total=80 * 2**30),
-        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=0),
-        nvmlDeviceGetComputeRunningProcesses=lambda h: [],
+    fake = fake_pynvml(
+        4,
+        "NVIDIA H100",
+        lambda h: buses[h].encode(),
+        80 * 1024,
         nvmlDeviceGetNvLinkState=link_state,
         nvmlDeviceGetNvLinkRemotePciInfo=lambda h, link: types.SimpleNamespace(busId=remote[h][link]),
         nvmlDeviceGetTopologyCommonAncestor=lambda a, b: 40 if {a, b} == {0, 2} else 50,

@@ -14,7 +14,6 @@ Run: python -m pytest tests/gpus/test_pcie.py -q   (no GPU and no torch import n
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from ignite_mgpu.gpus.inventory import query_gpus
 from ignite_mgpu.gpus.lending import Line, change_for
 from ignite_mgpu.gpus.pcie import PcieLink, parse_p2p, parse_pcie, read_p2p, read_pcie
 from ignite_mgpu.gpus.selection import plan_gpus
+from tests.gpus.nvml import fake_pynvml
 from tests.gpus.test_claims import fake_gpus  # noqa: F401  (a fixture)
 
 TOPOS = Path(__file__).with_name("topo")
@@ -181,24 +181,15 @@ def test_nvml_gives_p2p_the_pcie_link_and_the_numa_node(monkeypatch):
     """As NVML answers: P2P read status 0 (OK) but 1 (chipset not supported) between GPU 0 and 2; GPU 1 on 4 of its
     16 lanes; memory affinity one NUMA node each (a bit mask of 64-bit words)."""
 
-    class NVMLError(Exception):
-        pass
-
     def p2p(a, b, index):
         assert index == 0 and isinstance(index, int)  # NVML_P2P_CAPS_INDEX_READ, not pynvml's tuple
         return 1 if {a, b} == {0, 2} else 0
 
-    fake = types.SimpleNamespace(
-        NVMLError=NVMLError,
-        nvmlInit=lambda: None,
-        nvmlShutdown=lambda: None,
-        nvmlDeviceGetCount=lambda: 3,
-        nvmlDeviceGetHandleByIndex=lambda i: i,
-        nvmlDeviceGetName=lambda h: "NVIDIA L40S",
-        nvmlDeviceGetPciInfo=lambda h: types.SimpleNamespace(busId=f"0000:{0x07 + 8 * h:02X}:00.0"),
-        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=0, total=45 * 2**30),
-        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=0),
-        nvmlDeviceGetComputeRunningProcesses=lambda h: [],
+    fake = fake_pynvml(
+        3,
+        "NVIDIA L40S",
+        lambda h: f"0000:{0x07 + 8 * h:02X}:00.0",
+        45 * 1024,
         nvmlDeviceGetTopologyCommonAncestor=lambda a, b: 30,
         nvmlDeviceGetP2PStatus=p2p,
         nvmlDeviceGetCurrPcieLinkGeneration=lambda h: 1,
