@@ -190,7 +190,7 @@ def measure(
             tracker.track_inputs(data)
         else:
             tracker = StepTracker()
-            tracker.track_external(model, *_tensors(data))
+            tracker.track_external(model, *batches.tensors(data))
         optimizer, outputs = _run_steps(cfg, model, tracker, data, cuda)
         found = _footprint(tracker, model, optimizer, batch, block, buckets=strategy == "ddp" and world_size > 1)
         workspaces = CUBLAS_WORKSPACES if cuda else 0
@@ -261,17 +261,6 @@ def _inputs(example: Any) -> Any:
     if isinstance(example, Mapping):
         return {k: v for k, v in example.items() if k not in batches.TARGET_KEYS}
     return example[0]
-
-
-def _tensors(data: Any) -> list[torch.Tensor]:
-    """The tensors of a batch as ``fake_batch`` builds it: in mappings, lists and tuples, at any depth."""
-    if isinstance(data, torch.Tensor):
-        return [data]
-    if isinstance(data, Mapping):
-        data = list(data.values())
-    if isinstance(data, (list, tuple)):
-        return [t for item in data for t in _tensors(item)]
-    return []
 
 
 class _AloneStore(dist.Store):

@@ -77,7 +77,7 @@ class EpochLog:
         self,
         path: str | Path,
         global_batch: int,
-        evaluator: Engine,
+        evaluator: Engine | None,
         devices: list[torch.device],
         restarts: int = 0,
         goodput: Goodput | None = None,
@@ -172,7 +172,7 @@ class EpochLog:
             else local[None]
         )
         memory = [round(float(m), 1) for m in rows[:, 5:].flatten()]
-        metrics = self.evaluator.state.metrics
+        metrics = self.evaluator.state.metrics if self.evaluator is not None else {}  # None: no validation
         self.last = {
             "epoch": engine.state.epoch,
             "iteration": engine.state.iteration,

@@ -10,7 +10,6 @@ import logging
 from typing import Any
 
 import ignite.distributed as idist
-from ignite.engine import Engine
 
 from ignite_mgpu.config.schema import Config
 from ignite_mgpu.parallel.strategy import model_devices
@@ -31,8 +30,7 @@ def measuring(local_rank: int, cfg: Config, iterations: int) -> dict[str, Any] |
     logging.getLogger("ignite_mgpu").setLevel(logging.WARNING)  # the scale command prints the table; warnings stay
     out = start_process(cfg, rank, world_size)
     built = build(cfg, out)
-    no_validation = Engine(lambda engine, batch: None)  # the epoch log reads its (empty) metrics
-    epoch_log = EpochLog(out / folder.METRICS, cfg.data.batch_size, no_validation, model_devices(built.model))
+    epoch_log = EpochLog(out / folder.METRICS, cfg.data.batch_size, None, model_devices(built.model))
     epoch_log.attach(built.trainer)
     with frozen_heap():  # as a worker forked from the fork server: the 1-process size runs in this process
         built.trainer.run(built.train_loader, max_epochs=EPOCHS, epoch_length=iterations)

@@ -257,11 +257,11 @@ def test_a_pytorch_without_the_fake_backend_is_one_paragraph(stack_cfg, monkeypa
 def test_the_tensors_of_a_batch_at_any_depth():
     import torch
 
-    from ignite_mgpu.memory.estimate import _tensors
+    from ignite_mgpu.train.data.batches import tensors
 
     a, b, c = torch.zeros(1), torch.ones(2), torch.ones(3)
-    assert _tensors({"x": [a, (b, "text")], "y": {"z": c}, "n": 3}) == [a, b, c]
-    assert _tensors(a) == [a] and _tensors("text") == []
+    assert tensors({"x": [a, (b, "text")], "y": {"z": c}, "n": 3}) == [a, b, c]
+    assert tensors(a) == [a] and tensors("text") == []
 
 
 def test_unknown_fsdp_block_is_a_config_error(stack_cfg):

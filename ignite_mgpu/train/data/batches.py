@@ -43,6 +43,18 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
     return batch
 
 
+def tensors(data: Any) -> list[torch.Tensor]:
+    """The tensors in ``data``: a tensor, or those in its mappings (a model's output too), lists and tuples, at any
+    depth."""
+    if isinstance(data, torch.Tensor):
+        return [data]
+    if isinstance(data, Mapping):
+        data = list(data.values())
+    if isinstance(data, (list, tuple)):
+        return [t for item in data for t in tensors(item)]
+    return []
+
+
 def split(batch: Any) -> tuple[Any, Any]:
     """(inputs, targets): a sequence's first two entries, or a mapping's targets and its other entries (keyword
     arguments of the model)."""

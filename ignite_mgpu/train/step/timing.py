@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ignite_mgpu.parallel.strategy import find_ddp
+from ignite_mgpu.train.data import batches
 
 
 def _event() -> torch.cuda.Event:
@@ -164,7 +165,7 @@ def _around_fsdp_hooks(block: nn.Module, times: StepTimes) -> None:
         # the order they were registered.
         def register(module: nn.Module, args: Any, output: Any) -> None:
             if block.training and torch.is_grad_enabled():
-                for tensor in _tensors(output):
+                for tensor in batches.tensors(output):
                     if tensor.requires_grad:
                         tensor.register_hook(hook)
 
@@ -174,14 +175,3 @@ def _around_fsdp_hooks(block: nn.Module, times: StepTimes) -> None:
     block.register_forward_pre_hook(after)
     block.register_forward_hook(on_gradients(before), prepend=True)
     block.register_forward_hook(on_gradients(after))
-
-
-def _tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors of a block's output: a tensor, or those in its tuples, lists and mappings (a model output)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors(item)]
-    return []
