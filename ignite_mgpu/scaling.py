@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -18,7 +19,7 @@ from ignite_mgpu import text
 from ignite_mgpu.config.checks import validate
 from ignite_mgpu.config.schema import Config
 from ignite_mgpu.env import cluster
-from ignite_mgpu.errors import CheckpointError, ConfigError
+from ignite_mgpu.errors import CheckpointError, ConfigError, signal_exit_code
 from ignite_mgpu.gpus.ranges import gpu_range
 from ignite_mgpu.jobs import checked_plan, refused, said
 from ignite_mgpu.preflight import check_datasets, check_job, check_model_options
@@ -31,6 +32,7 @@ from ignite_mgpu.runs.efficiency import Size
 MEASURING = "ignite_mgpu.train.measuring:measuring"
 ITERATIONS = 20  # measured at each size, after as many of warm-up
 BATCHES = ("per-process", "global")
+STOPPED = (signal_exit_code(signal.SIGINT), signal_exit_code(signal.SIGTERM))  # Ctrl-C, a scheduler's SIGTERM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +57,11 @@ def scale(cfg: Config, iterations: int = ITERATIONS, batch: str = "per-process",
     largest size (the global batch grows with the processes, as published scaling figures measure); "global" keeps
     ``data.batch_size`` at every size (what this config's job does on fewer GPUs; one process must hold it all).
 
+    A size that fails or is stopped (Ctrl-C, SIGTERM) ends the measure: the sizes measured before it are printed,
+    then its exit code is returned.
+
     Returns:
-        0; 2 with the reason when a check fails (before any process starts); a failed size's exit code.
+        0; 2 with the reason when a check fails (before any process starts); a failed or stopped size's exit code.
     """
     try:
         validate(cfg)
@@ -64,13 +69,12 @@ def scale(cfg: Config, iterations: int = ITERATIONS, batch: str = "per-process",
         check_job(cfg)
         with checked_plan(_measured(cfg, iterations)) as (plan, claims):
             steps = _steps(_measured(cfg, iterations), plan, batch)
-            found = _measure(steps, claims, iterations)
+            found, code = _measure(steps, claims, iterations)
     except (ConfigError, CheckpointError) as err:
         return refused(err)
-    if isinstance(found, int):
-        return found
-    print(_report(found, plan, cfg, batch, iterations, as_json))
-    return 0
+    if found:
+        print(_report(found, plan, cfg, batch, iterations, as_json))
+    return code
 
 
 def _check_request(cfg: Config, iterations: int, batch: str) -> None:
@@ -120,8 +124,9 @@ def _steps(cfg: Config, plan: LaunchPlan, batch: str) -> list[Step]:
     return steps
 
 
-def _measure(steps: list[Step], claims: Any, iterations: int) -> list[Size] | int:
-    """Run every size in turn; the sizes measured, or the exit code of the first that failed (its folder kept)."""
+def _measure(steps: list[Step], claims: Any, iterations: int) -> tuple[list[Size], int]:
+    """Run every size in turn, up to the first that fails (its folder kept and named) or is stopped by a signal; the
+    sizes measured and the exit code."""
     folder = Path(tempfile.mkdtemp(prefix="ignite-mgpu-scale-"))
     found: list[Size] = []
     with forkserver.kept_between_jobs():  # one server for every size: torch imported once
@@ -139,12 +144,22 @@ def _measure(steps: list[Step], claims: Any, iterations: int) -> list[Size] | in
             )
             ended = launcher.run_job(step.plan, job, claims, run_dir=str(out))
             if ended.outcome.code or not isinstance(ended.value, dict):
-                print(said(f"ignite-mgpu scale: stopped at {step.devices}; its files are in {folder}"), file=sys.stderr)
-                return ended.outcome.code or 1
+                return found, _stopped_at(step, ended.outcome.code or 1, folder)
             sharded = step.cfg.dist.strategy == "fsdp" and step.plan.world_size > 1
             found.append(Size.from_line(step.devices, step.cfg.data.batch_size, ended.value, sharded))
     shutil.rmtree(folder, ignore_errors=True)
-    return found
+    return found, 0
+
+
+def _stopped_at(step: Step, code: int, folder: Path) -> int:
+    """Say where the measure stopped: a failed size's files are kept for a look; a stop by Ctrl-C or SIGTERM leaves
+    nothing."""
+    if code in STOPPED:
+        shutil.rmtree(folder, ignore_errors=True)
+        print(f"ignite-mgpu scale: stopped at {step.devices}.", file=sys.stderr)
+    else:
+        print(said(f"ignite-mgpu scale: stopped at {step.devices}; its files are in {folder}"), file=sys.stderr)
+    return code
 
 
 def _report(found: list[Size], plan: LaunchPlan, cfg: Config, batch: str, iterations: int, as_json: bool) -> str:

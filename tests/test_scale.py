@@ -5,6 +5,10 @@ size named with its files kept, and the requests refused before anything starts.
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,10 +73,50 @@ def test_a_size_that_fails_stops_the_measure_and_keeps_its_files(tmp_path):
     args = ["scale", *SMALL, "data.image_size=32", "model.name=faultmod:make", "--nproc", "2", "--iters", "4"]
     out = run_cli(args, tmp_path, 180, env)
     assert out.returncode == 1, out.stderr[-3000:]
-    assert "RuntimeError: boom" in out.stderr and out.stdout == ""
+    assert "RuntimeError: boom" in out.stderr
+    # The size measured before it is printed, the failed one is not.
+    rows = [line.split()[0] for line in out.stdout.splitlines()[1:] if line[:9].strip().isdigit()]
+    assert rows == ["1"], out.stdout
     kept = [p for p in tmp_path.iterdir() if p.name.startswith("ignite-mgpu-scale-")]
     assert len(kept) == 1 and f"ignite-mgpu scale: stopped at 2; its files are in {kept[0]}" in out.stderr
     assert (kept[0] / "size-1" / "metrics.jsonl").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_the_measure_with_130_printing_the_sizes_measured_and_leaving_nothing(tmp_path):
+    # Rank 1 of the 2-process size waits in forward for an hour; Ctrl-C reaches the whole process group, as a
+    # terminal sends it.
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests' / 'faults'}",
+        "FAULT": "sleep:1:3",
+        "TMPDIR": str(tmp_path),
+    }
+    args = ["scale", *SMALL, "data.image_size=32", "model.name=faultmod:make", "--nproc", "2", "--iters", "4"]
+    args.append("dist.stop_grace=3")  # the sleeping rank cannot stop itself: killed 3 s after the stop, not 60
+    job = subprocess.Popen(
+        [sys.executable, "-m", "ignite_mgpu", *args],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    said = []
+    for line in job.stderr:
+        said.append(line)
+        if "ignite-mgpu scale: 2 processes" in line:
+            break
+    time.sleep(4)  # into rank 1's long forward
+    os.killpg(job.pid, signal.SIGINT)
+    out, err = job.communicate(timeout=90)
+    assert job.returncode == 130, "".join(said) + err
+    assert "ignite-mgpu scale: stopped at 2." in err and "Traceback" not in err
+    rows = [line.split()[0] for line in out.splitlines()[1:] if line[:9].strip().isdigit()]
+    assert rows == ["1"], out
+    assert [p for p in tmp_path.iterdir() if p.name.startswith("ignite-mgpu-scale-")] == []
 
 
 @pytest.mark.parametrize(
